@@ -1,0 +1,120 @@
+# cython: language_level=3, embedsignature=True, boundscheck=False, wraparound=False
+"""kvengine._native: the compiled core (one Core object per engine).
+
+A thin, synchronous wrapper: no asyncio here. The engine registers
+``Core.fileno()`` with ``loop.add_reader`` and calls ``Core.poll()`` when it
+becomes readable. Every method returns LLM status codes as ints; the Python
+layer turns them into exceptions (kvengine/status.py).
+
+GIL: released only around calls that may copy bytes (``submit``, which copies
+inline below the threshold), map memory (``map_fd``) or join threads (``close``).
+"""
+
+from libc.stdint cimport uint32_t, uint64_t, int32_t
+from libc.stdlib cimport malloc, free
+cimport kvc
+
+import warnings
+
+REGION_LOCAL = kvc.KV_REGION_LOCAL
+REGION_PROCESS = kvc.KV_REGION_PROCESS
+SEG_WORDS = kvc.KV_SEG_WORDS
+
+DEF POLL_BATCH = 512
+
+
+def map_fd(int fd, uint64_t length):
+    """mmap a shared, pre-faulted read-write view of ``fd``: returns ``(status, addr)``."""
+    cdef uint64_t addr = 0
+    cdef uint32_t st
+    with nogil:  # MAP_POPULATE faults every page: long for large maps
+        st = kvc.kv_map_fd(fd, length, &addr)
+    return st, addr
+
+
+cdef class Core:
+    """One native core: region table, mover threads, completion eventfd.
+
+    Invariants: ``close()`` is idempotent and joins every mover; after it, only
+    ``poll()`` and ``stats()`` are meaningful; ``__dealloc__`` of an unclosed
+    core closes it and warns (uvloop's ResourceWarning rule).
+    """
+    cdef kvc.kv_core *c
+    cdef bint closed
+    cdef kvc.kv_completion *buf
+
+    def __cinit__(self, int movers=2, uint64_t chunk_bytes=1 << 20):
+        cdef uint32_t st = kvc.kv_core_new(&self.c, movers, chunk_bytes)
+        if st != 0:
+            self.c = NULL
+            raise OSError(f"kv_core_new failed with status {st:#x}")
+        self.buf = <kvc.kv_completion *>malloc(POLL_BATCH * sizeof(kvc.kv_completion))
+        if self.buf == NULL:
+            kvc.kv_core_free(self.c)
+            self.c = NULL
+            raise MemoryError()
+
+    def __dealloc__(self):
+        if self.c != NULL:
+            if not self.closed:
+                warnings.warn("unclosed kvengine Core", ResourceWarning)
+            with nogil:
+                kvc.kv_core_free(self.c)
+            self.c = NULL
+        free(self.buf)
+
+    def fileno(self):
+        return kvc.kv_core_fileno(self.c)
+
+    def region_add(self, int kind, int32_t pid, uint64_t addr, uint64_t length, bint unmap=False):
+        """Register memory; returns ``(status, region_id)``."""
+        cdef uint32_t rid = 0
+        cdef uint32_t st = kvc.kv_region_add(self.c, kind, pid, addr, length, unmap, &rid)
+        return st, rid
+
+    def region_remove(self, uint32_t region_id):
+        return kvc.kv_region_remove(self.c, region_id)
+
+    def submit(self, uint64_t job_id, const uint64_t[::1] segs, uint64_t inline_max):
+        """Start a job. Returns ``(status, done_inline, nbytes)``."""
+        cdef size_t nsegs = segs.shape[0] // kvc.KV_SEG_WORDS
+        cdef int done = 0
+        cdef uint64_t nbytes = 0
+        cdef uint32_t st
+        if segs.shape[0] == 0 or segs.shape[0] % kvc.KV_SEG_WORDS:
+            return 0x5010B005, True, 0
+        with nogil:  # may copy up to inline_max bytes on this thread
+            st = kvc.kv_core_submit(self.c, job_id, &segs[0], nsegs, inline_max, &done, &nbytes)
+        return st, done != 0, nbytes
+
+    def abort(self, uint64_t job_id, uint32_t status):
+        """Fenced abort: the job's completion (with ``status``) follows once no byte can land."""
+        return kvc.kv_core_abort(self.c, job_id, status)
+
+    def poll(self):
+        """Reset the eventfd and return ready completions as ``[(job_id, status, nbytes), ...]``."""
+        cdef size_t n, i
+        out = []
+        while True:
+            n = kvc.kv_core_poll(self.c, self.buf, POLL_BATCH)
+            for i in range(n):
+                out.append((self.buf[i].job_id, self.buf[i].status, self.buf[i].nbytes))
+            if n < POLL_BATCH:
+                return out
+
+    def close(self):
+        """Abort every job (LLM_ENGINE_FINALIZED) and join the movers. Idempotent."""
+        if self.c != NULL and not self.closed:
+            self.closed = True
+            with nogil:  # joins threads that finish their current chunk
+                kvc.kv_core_close(self.c)
+
+    def stats(self):
+        cdef kvc.kv_stats s
+        kvc.kv_core_stats(self.c, &s)
+        return {
+            "jobs_submitted": s.jobs_submitted, "jobs_inline": s.jobs_inline,
+            "jobs_completed": s.jobs_completed, "jobs_aborted": s.jobs_aborted,
+            "jobs_live": s.jobs_live, "bytes_moved": s.bytes_moved,
+            "regions_live": s.regions_live, "wakeups": s.wakeups,
+        }

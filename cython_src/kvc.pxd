@@ -1,0 +1,39 @@
+# Extern declarations of csrc/kv_core.h, nothing else (uvloop includes/uv.pxd style).
+from libc.stdint cimport uint32_t, uint64_t, int32_t
+
+cdef extern from "kv_core.h" nogil:
+    int KV_REGION_LOCAL
+    int KV_REGION_PROCESS
+    int KV_SEG_WORDS
+
+    ctypedef struct kv_core:
+        pass
+
+    ctypedef struct kv_completion:
+        uint64_t job_id
+        uint64_t nbytes
+        uint32_t status
+
+    ctypedef struct kv_stats:
+        uint64_t jobs_submitted
+        uint64_t jobs_inline
+        uint64_t jobs_completed
+        uint64_t jobs_aborted
+        uint64_t jobs_live
+        uint64_t bytes_moved
+        uint64_t regions_live
+        uint64_t wakeups
+
+    uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
+    int kv_core_fileno(const kv_core *core)
+    size_t kv_core_poll(kv_core *core, kv_completion *out, size_t max)
+    void kv_core_close(kv_core *core)
+    void kv_core_free(kv_core *core)
+    void kv_core_stats(kv_core *core, kv_stats *out)
+    uint32_t kv_region_add(kv_core *core, int kind, int32_t pid, uint64_t addr, uint64_t len,
+                           int unmap_on_release, uint32_t *region_id)
+    uint32_t kv_region_remove(kv_core *core, uint32_t region_id)
+    uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr)
+    uint32_t kv_core_submit(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
+                            uint64_t inline_max, int *done, uint64_t *nbytes)
+    uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status)

@@ -1,0 +1,180 @@
+"""Status codes and the exception for each: defined once, here.
+
+Values are LLM-DataDist's own (``ge::Status``, family base ``0x5010B000``), so
+numbers logged by kvengine read the same as numbers logged by LLM-DataDist.
+``LLM_CANCELLED`` is kvengine's one addition (a fenced cancellation has no
+LLM-DataDist code); it sits above the LLM-DataDist range.
+
+The C core mirrors the codes it produces in ``cython_src/csrc/kv_status.h``;
+``tests/test_status.py`` checks that header against this table.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "LLMStatusCode",
+    "LLMError",
+    "error_for",
+    "raise_for",
+    "STATUS_TABLE",
+    "LINK_USABLE_AFTER",
+]
+
+# One row per code: (Python name, value, exception class name, extra base, meaning).
+# The exception classes and the enum are both built from this table.
+STATUS_TABLE: tuple[tuple[str, int, str, type | None, str], ...] = (
+    ("LLM_SUCCESS", 0x0, "", None, "success"),
+    ("LLM_FAILED", 0xFFFFFFFF, "LLMFailedError", None, "generic failure"),
+    ("LLM_WAIT_PROCESS_TIMEOUT", 0x5010B001, "LLMWaitProcessTimeoutError", TimeoutError,
+     "processing timed out"),
+    ("LLM_KV_CACHE_NOT_EXIST", 0x5010B002, "LLMKvCacheNotExistError", None,
+     "cache id unknown locally or on the peer, or already unregistered"),
+    ("LLM_REPEAT_REQUEST", 0x5010B003, "LLMRepeatRequestError", None, "duplicate request"),
+    ("LLM_REQUEST_ALREADY_COMPLETED", 0x5010B004, "LLMRequestAlreadyCompletedError", None,
+     "request already completed"),
+    ("LLM_PARAM_INVALID", 0x5010B005, "LLMParamInvalidError", ValueError, "invalid argument"),
+    ("LLM_ENGINE_FINALIZED", 0x5010B006, "LLMEngineFinalizedError", None,
+     "the engine is closed"),
+    ("LLM_NOT_YET_LINK", 0x5010B007, "LLMNotYetLinkError", None,
+     "no link to that cluster"),
+    ("LLM_ALREADY_LINK", 0x5010B008, "LLMAlreadyLinkError", None,
+     "a link to that cluster already exists"),
+    ("LLM_LINK_FAILED", 0x5010B009, "LLMLinkFailedError", ConnectionError,
+     "link setup failed or the link was lost"),
+    ("LLM_UNLINK_FAILED", 0x5010B00A, "LLMUnlinkFailedError", None, "unlink failed"),
+    ("LLM_NOTIFY_PROMPT_UNLINK_FAILED", 0x5010B00B, "LLMNotifyPromptUnlinkFailedError", None,
+     "the peer could not be told about the unlink"),
+    ("LLM_CLUSTER_NUM_EXCEED_LIMIT", 0x5010B00C, "LLMClusterNumExceedLimitError", None,
+     "too many clusters in one call"),
+    ("LLM_PROCESSING_LINK", 0x5010B00D, "LLMProcessingLinkError", None,
+     "another link or unlink of that cluster is in progress"),
+    ("LLM_DEVICE_OUT_OF_MEMORY", 0x5010B00E, "LLMDeviceOutOfMemoryError", MemoryError,
+     "device out of memory"),
+    ("LLM_PREFIX_ALREADY_EXIST", 0x5010B00F, "LLMPrefixAlreadyExistError", None,
+     "prefix already exists"),
+    ("LLM_PREFIX_NOT_EXIST", 0x5010B010, "LLMPrefixNotExistError", None, "prefix does not exist"),
+    ("LLM_SEQ_LENOVERLIMIT", 0x5010B011, "LLMSeqLenOverLimitError", None,
+     "sequence length over limit"),
+    ("LLM_NO_FREE_BLOCK", 0x5010B012, "LLMNoFreeBlockError", None, "no free block"),
+    ("LLM_BLOCKS_OUT_OF_MEMORY", 0x5010B013, "LLMBlocksOutOfMemoryError", MemoryError,
+     "blocks out of memory"),
+    ("LLM_CACHE_INCOMPATIBLE", 0x5010B014, "LLMCacheIncompatibleError", None,
+     "cache incompatible"),
+    ("LLM_CACHE_KEY_ALREADY_EXIST", 0x5010B015, "LLMCacheKeyAlreadyExistError", None,
+     "cache key already exists"),
+    ("LLM_COPY_CACHE_FAILED", 0x5010B016, "LLMCopyCacheFailedError", None, "copy cache failed"),
+    ("LLM_CACHE_ID_ALREADY_EXIST", 0x5010B017, "LLMCacheIdAlreadyExistError", None,
+     "cache id already exists"),
+    ("LLM_EXIST_LINK", 0x5010B018, "LLMExistLinkError", None, "links still exist"),
+    ("LLM_FEATURE_NOT_ENABLED", 0x5010B019, "LLMFeatureNotEnabledError", None,
+     "feature not enabled"),
+    ("LLM_TIMEOUT", 0x5010B01A, "LLMTimeoutError", TimeoutError, "deadline passed"),
+    ("LLM_LINK_BUSY", 0x5010B01B, "LLMLinkBusyError", None, "link busy"),
+    ("LLM_OUT_OF_MEMORY", 0x5010B01C, "LLMOutOfMemoryError", MemoryError, "out of memory"),
+    ("LLM_DEVICE_MEM_ERROR", 507053, "LLMDeviceMemError", None, "device memory error"),
+    ("LLM_SUSPECT_REMOTE_ERROR", 507057, "LLMSuspectRemoteError", None, "suspect remote error"),
+    ("LLM_UNKNOWN_ERROR", -1, "LLMUnknownError", None, "unknown error"),
+    # kvengine extension: a transfer cancelled by its caller, after the fence.
+    ("LLM_CANCELLED", 0x5010B101, "LLMCancelledError", None, "cancelled by the caller"),
+)
+
+# C++ spellings that differ from the Python ones (enum aliases).
+_CPP_ALIASES = {
+    "LLM_WAIT_PROC_TIMEOUT": "LLM_WAIT_PROCESS_TIMEOUT",
+    "LLM_SEQ_LEN_OVER_LIMIT": "LLM_SEQ_LENOVERLIMIT",
+}
+
+LLMStatusCode = enum.IntEnum(
+    "LLMStatusCode",
+    [(name, value) for name, value, *_ in STATUS_TABLE]
+    + [(alias, dict((n, v) for n, v, *_ in STATUS_TABLE)[target])
+       for alias, target in _CPP_ALIASES.items()],
+    module=__name__,
+)
+LLMStatusCode.__doc__ = "LLM-DataDist status codes (``ge::Status`` values)."
+
+# Statuses after which the link is still usable (kvengine's rule; LLM-DataDist
+# tells users to relink after a timeout, kvengine's fenced abort avoids that).
+LINK_USABLE_AFTER = frozenset({
+    LLMStatusCode.LLM_SUCCESS,
+    LLMStatusCode.LLM_PARAM_INVALID,
+    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+    LLMStatusCode.LLM_TIMEOUT,
+    LLMStatusCode.LLM_CANCELLED,
+})
+
+
+class LLMError(Exception):
+    """A kvengine call failed with an LLM-DataDist status.
+
+    ``status`` (also ``status_code``, LLM-DataDist's spelling) is the
+    :class:`LLMStatusCode`; ``str(exc)`` names the code and the reason.
+    """
+
+    status: LLMStatusCode = LLMStatusCode.LLM_FAILED
+
+    def __init__(self, message: str = "", status: int | None = None) -> None:
+        if status is not None:
+            self.status = _to_status(status)
+        self.message = message or _MEANING[self.status]
+        super().__init__(f"{self.status.name}: {self.message}")
+
+    @property
+    def status_code(self) -> LLMStatusCode:
+        return self.status
+
+    def __reduce__(self):
+        return (error_for, (self.status, self.message))
+
+
+_MEANING: dict[LLMStatusCode, str] = {}
+_CLASS_BY_STATUS: dict[LLMStatusCode, type[LLMError]] = {}
+
+
+def _build_classes() -> None:
+    seen_names: set[str] = set()
+    for name, value, cls_name, extra_base, meaning in STATUS_TABLE:
+        status = LLMStatusCode(value)
+        _MEANING[status] = meaning
+        if not cls_name:
+            continue
+        if cls_name in seen_names:  # pragma: no cover - guarded by tests
+            raise RuntimeError(f"duplicate exception class {cls_name}")
+        seen_names.add(cls_name)
+        bases = (LLMError, extra_base) if extra_base else (LLMError,)
+        cls = type(cls_name, bases, {
+            "status": status,
+            "__doc__": f"{name} ({value:#x}): {meaning}.",
+            "__module__": __name__,
+        })
+        _CLASS_BY_STATUS[status] = cls
+        globals()[cls_name] = cls
+        __all__.append(cls_name)
+
+
+_build_classes()
+
+
+def _to_status(code: int) -> LLMStatusCode:
+    try:
+        return LLMStatusCode(code)
+    except ValueError:
+        # LLM-DataDist's Python layer maps any unknown native code to LLM_FAILED.
+        return LLMStatusCode.LLM_FAILED
+
+
+def error_for(status: int, message: str = "") -> LLMError:
+    """The exception instance for a non-success ``status``."""
+    st = _to_status(status)
+    if st == LLMStatusCode.LLM_SUCCESS:
+        raise ValueError("LLM_SUCCESS is not an error")
+    return _CLASS_BY_STATUS[st](message)
+
+
+def raise_for(status: int, message: str = "") -> LLMStatusCode:
+    """Return ``LLM_SUCCESS`` or raise the exception for ``status``."""
+    if status == 0:
+        return LLMStatusCode.LLM_SUCCESS
+    raise error_for(status, message)

@@ -1,0 +1,310 @@
+"""Plain data types of the public API (pure Python, no native code).
+
+Names and fields follow LLM-DataDist V2 (``CacheDesc``, ``CacheIndex``,
+``BlocksCacheKey``, ``KvCacheExtParam``, ``ClusterInfo``); see
+docs/api.md for the rules each field obeys.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .status import LLMStatusCode, error_for
+
+__all__ = [
+    "Role", "Placement", "DataType", "CacheDesc", "Cache", "CacheIndex",
+    "BlocksCacheKey", "KvCacheExtParam", "ClusterInfo", "EngineOptions",
+    "LayerRange",
+]
+
+_U32 = 2**32 - 1
+_U64 = 2**64 - 1
+_I64 = 2**63 - 1
+MAX_SHAPE_RANK = 31
+
+
+def param_invalid(message: str):
+    return error_for(LLMStatusCode.LLM_PARAM_INVALID, message)
+
+
+class Role(enum.IntEnum):
+    """A label only (as in LLM-DataDist V2): either side of a link may push or pull."""
+    PROMPT = 1
+    DECODER = 2
+    MIX = 3
+
+
+class Placement(enum.IntEnum):
+    HOST = 0
+    DEVICE = 1
+
+
+class DataType(enum.IntEnum):
+    """LLM-DataDist (GE) data type ids."""
+    DT_FLOAT = 0
+    DT_FLOAT16 = 1
+    DT_INT8 = 2
+    DT_INT32 = 3
+    DT_UINT8 = 4
+    DT_INT16 = 6
+    DT_UINT16 = 7
+    DT_UINT32 = 8
+    DT_INT64 = 9
+    DT_UINT64 = 10
+    DT_DOUBLE = 11
+    DT_BOOL = 12
+    DT_BF16 = 27
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The numpy dtype of tensor views (``uint16`` for bf16 unless ml_dtypes is installed)."""
+        return _numpy_dtype(self)
+
+    @property
+    def itemsize(self) -> int:
+        return 2 if self is DataType.DT_BF16 else _NP_BY_DT[self].itemsize
+
+    @classmethod
+    def from_any(cls, dtype: Any) -> "DataType":
+        """Accept a DataType, its int id, its name, or a numpy dtype (or its name)."""
+        if isinstance(dtype, DataType):
+            return dtype
+        if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
+            try:
+                return cls(int(dtype))
+            except ValueError:
+                raise param_invalid(f"unknown data type id {dtype}") from None
+        if isinstance(dtype, str) and dtype.upper() in cls.__members__:
+            return cls[dtype.upper()]
+        if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+            return cls.DT_BF16
+        if dtype is None:  # np.dtype(None) would silently mean float64
+            raise param_invalid("dtype must be given, got None")
+        try:
+            npd = np.dtype(dtype)
+        except (TypeError, ValueError):
+            raise param_invalid(f"unsupported dtype {dtype!r}") from None
+        if npd.name == "bfloat16":
+            return cls.DT_BF16
+        for dt, candidate in _NP_BY_DT.items():
+            if candidate == npd:
+                return dt
+        raise param_invalid(f"unsupported dtype {dtype!r}")
+
+
+_NP_BY_DT = {
+    DataType.DT_FLOAT: np.dtype(np.float32),
+    DataType.DT_FLOAT16: np.dtype(np.float16),
+    DataType.DT_INT8: np.dtype(np.int8),
+    DataType.DT_INT32: np.dtype(np.int32),
+    DataType.DT_UINT8: np.dtype(np.uint8),
+    DataType.DT_INT16: np.dtype(np.int16),
+    DataType.DT_UINT16: np.dtype(np.uint16),
+    DataType.DT_UINT32: np.dtype(np.uint32),
+    DataType.DT_INT64: np.dtype(np.int64),
+    DataType.DT_UINT64: np.dtype(np.uint64),
+    DataType.DT_DOUBLE: np.dtype(np.float64),
+    DataType.DT_BOOL: np.dtype(np.bool_),
+}
+
+
+def _numpy_dtype(dt: DataType) -> np.dtype:
+    if dt is DataType.DT_BF16:
+        try:
+            import ml_dtypes  # optional
+            return np.dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            return np.dtype(np.uint16)
+    return _NP_BY_DT[dt]
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise param_invalid(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise param_invalid(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class CacheDesc:
+    """``num_tensors`` tensors, each of ``shape`` and ``dtype``; dim 0 is the batch or block count."""
+    num_tensors: int
+    shape: tuple[int, ...]
+    dtype: DataType = DataType.DT_FLOAT16
+    placement: Placement = Placement.HOST
+
+    def __post_init__(self) -> None:
+        _check_int("CacheDesc.num_tensors", self.num_tensors, 1, _U32)
+        shape = self.shape
+        if isinstance(shape, (int, np.integer)):
+            shape = (shape,)
+        try:
+            shape = tuple(shape)
+        except TypeError:
+            raise param_invalid("CacheDesc.shape must be a sequence of ints") from None
+        if not 1 <= len(shape) <= MAX_SHAPE_RANK:
+            raise param_invalid(f"CacheDesc.shape must have 1..{MAX_SHAPE_RANK} dims, got {len(shape)}")
+        shape = tuple(_check_int("CacheDesc.shape[%d]" % i, d, 1, _I64) for i, d in enumerate(shape))
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", DataType.from_any(self.dtype))
+        try:
+            object.__setattr__(self, "placement", Placement(self.placement))
+        except ValueError:
+            raise param_invalid(f"unknown placement {self.placement!r}") from None
+        object.__setattr__(self, "num_tensors", int(self.num_tensors))
+
+    @property
+    def batch_size(self) -> int:
+        """Dim 0: the number of batch rows (or of blocks)."""
+        return self.shape[0]
+
+    @property
+    def size(self) -> int:
+        """Bytes of one tensor."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one batch row (or one block) of one tensor."""
+        return self.size // self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole cache."""
+        return self.size * self.num_tensors
+
+    def to_wire(self) -> dict:
+        return {"n": self.num_tensors, "shape": list(self.shape), "dtype": int(self.dtype),
+                "placement": int(self.placement)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "CacheDesc":
+        return cls(d["n"], tuple(d["shape"]), DataType(d["dtype"]), Placement(d["placement"]))
+
+
+class Cache:
+    """A registered (or engine-allocated) cache. Not built by users.
+
+    ``cache_id`` is the id peers use in :class:`CacheIndex` / :class:`BlocksCacheKey`;
+    ``tensors`` are numpy views of the memory; ``tensor_addrs`` their addresses.
+    """
+
+    __slots__ = ("cache_id", "desc", "tensors", "tensor_addrs", "_regions", "_keep",
+                 "_shared", "_valid", "__weakref__")
+
+    def __init__(self, cache_id: int, desc: CacheDesc, tensors: list, tensor_addrs: list[int],
+                 regions: list[tuple[int, int]], keep: Any, shared: Any = None) -> None:
+        self.cache_id = cache_id
+        self.desc = desc
+        self.tensors = tensors
+        self.tensor_addrs = tensor_addrs
+        self._regions = regions      # per tensor: (native region id, byte offset in region)
+        self._keep = keep            # owner of the memory (kept alive while in flight)
+        self._shared = shared        # memfd (fd, nbytes) when the cache is shareable
+        self._valid = True
+
+    @property
+    def cache_desc(self) -> CacheDesc:  # LLM-DataDist's spelling
+        return self.desc
+
+    def __repr__(self) -> str:
+        return f"Cache(cache_id={self.cache_id}, desc={self.desc})"
+
+
+LayerRange = "tuple[int, int] | range | None"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheIndex:
+    """Names a remote cache row: the peer's cluster id, its cache id, a batch row."""
+    cluster_id: int
+    cache_id: int
+    batch_index: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksCacheKey:
+    """Names a remote block cache: the peer's cluster id and its cache id."""
+    cluster_id: int
+    cache_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheExtParam:
+    """Layer ranges: an inclusive ``(first, last)`` tuple (``(-1, -1)`` = all layers) or a
+    half-open ``range`` with step 1. A layer is ``tensor_num_per_layer`` consecutive tensors."""
+    src_layer_range: Any = (-1, -1)
+    dst_layer_range: Any = (-1, -1)
+    tensor_num_per_layer: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    """A peer to link: its cluster id and its control address ``"host:port"``."""
+    remote_cluster_id: int
+    address: str = ""
+
+
+def _env_secret() -> bytes | None:
+    v = os.environ.get("KVENGINE_SECRET")
+    return v.encode() if v else None
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    """Engine settings. Times are in seconds.
+
+    sync_kv_timeout: default deadline of a transfer (LLM-DataDist's 1000 ms).
+    link_timeout: default deadline of link/unlink calls.
+    secret: shared secret for authenticated links (default: ``$KVENGINE_SECRET``).
+    transport: ``"auto"`` (local in one process, shm on one host), ``"local"`` or ``"shm"``.
+    movers: native copy threads.
+    inline_threshold: transfers of at most this many bytes are copied on the calling
+      thread (a cross-core thread wake-up costs more than the copy).
+    chunk_bytes: the unit a mover copies before it checks for an abort (fence granularity).
+    """
+    sync_kv_timeout: float = 1.0
+    link_timeout: float = 3.0
+    secret: bytes | None = field(default_factory=_env_secret)
+    transport: str = "auto"
+    movers: int = 2
+    inline_threshold: int = 256 * 1024
+    chunk_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("sync_kv_timeout", "link_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise param_invalid(f"EngineOptions.{name} must be a positive number of seconds")
+        if self.transport not in ("auto", "local", "shm"):
+            raise param_invalid(
+                f"EngineOptions.transport must be 'auto', 'local' or 'shm', got {self.transport!r}")
+        _check_int("EngineOptions.movers", self.movers, 1, 64)
+        _check_int("EngineOptions.inline_threshold", self.inline_threshold, 0, 1 << 30)
+        _check_int("EngineOptions.chunk_bytes", self.chunk_bytes, 4096, 1 << 30)
+        if self.secret is not None and not isinstance(self.secret, (bytes, bytearray)):
+            raise param_invalid("EngineOptions.secret must be bytes")
+
+
+def as_int_list(name: str, seq: Sequence[int]) -> list[int]:
+    """Validate a list of non-negative ints (block ids)."""
+    if isinstance(seq, np.ndarray):
+        if seq.ndim != 1 or seq.dtype.kind not in "iu":
+            raise param_invalid(f"{name} must be a 1-D integer array")
+        return seq.tolist()
+    try:
+        out = list(seq)
+    except TypeError:
+        raise param_invalid(f"{name} must be a sequence of ints") from None
+    for v in out:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise param_invalid(f"{name} must contain only ints, got {v!r}")
+    return [int(v) for v in out]
