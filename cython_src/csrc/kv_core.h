@@ -74,13 +74,19 @@ uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr);
  * If the job moves at most `inline_max` bytes it is copied now, on this
  * thread: *done is set to 1, the status is returned and no completion is
  * posted. Otherwise *done is 0, KV_LLM_SUCCESS is returned and a completion
- * follows. A validation failure returns its status and starts nothing. */
+ * follows. A validation failure returns its status and starts nothing.
+ * A job's source and destination bytes should not overlap (same memory, within
+ * one segment or across segments): movers copy chunk by chunk, concurrently, so
+ * overlapping bytes come out unspecified (not checked; an inline job happens to
+ * get memmove semantics per segment). */
 uint32_t kv_core_submit(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                         uint64_t inline_max, int *done, uint64_t *nbytes);
 
 /* Abort a queued or running job: its completion carries `status` (unless it
  * already failed) and is posted once no mover writes for it any more.
- * Returns KV_LLM_SUCCESS, or KV_LLM_PARAM_INVALID if the job is not live. */
+ * Returns KV_LLM_SUCCESS, or KV_LLM_PARAM_INVALID if the job is not live.
+ * An abort that lands while the last chunks are being copied still succeeds:
+ * the completion then carries `status` with nbytes up to the full size. */
 uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status);
 
 #endif

@@ -1,0 +1,48 @@
+#!/bin/sh
+# Build and run the native core's C test (tests/native/test_kv_core.c) by hand,
+# the way tests/test_native_c.py does.
+#
+# Usage:
+#   tests/native/run_asan.sh                  # ASan + UBSan build, all tests
+#   tests/native/run_asan.sh abort close      # only the named tests
+#   tests/native/run_asan.sh --plain [tests]  # no sanitizers, -O2
+#   tests/native/run_asan.sh --tsan [tests]   # ThreadSanitizer (diagnostic only: the
+#                                             #  "concurrent" test's overlapping
+#                                             #  destination writes are reported by design)
+#
+# Environment: CC (default cc), OUT (binary path, default a temp dir).
+# Test names: new_params regions submit_validation inline mover process_self
+#   process_child abort remove_in_use close poll_small_max concurrent
+# Exit status is the test program's: 0 and "N passed, 0 failed" on success.
+set -eu
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+csrc="$root/cython_src/csrc"
+cc=${CC:-cc}
+
+mode=asan
+case "${1:-}" in
+--plain) mode=plain; shift ;;
+--tsan) mode=tsan; shift ;;
+esac
+
+case $mode in
+asan) flags="-g -O1 -fsanitize=address,undefined -fno-omit-frame-pointer" ;;
+tsan) flags="-g -O1 -fsanitize=thread" ;;
+plain) flags="-O2" ;;
+esac
+
+if [ -z "${OUT:-}" ]; then
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    OUT="$tmp/test_kv_core"
+fi
+
+# shellcheck disable=SC2086  # $flags is a word list
+"$cc" -std=c99 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread $flags \
+    -I"$csrc" "$here/test_kv_core.c" "$csrc/kv_core.c" -o "$OUT"
+
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
+"$OUT" "$@"

@@ -1,0 +1,1342 @@
+/* Standalone test of the kvengine native core (cython_src/csrc/kv_core.c).
+ *
+ * No Python, no framework: CHECK prints file:line and exits 1 on the first
+ * failure; a clean run ends with "N passed, 0 failed". Built and run by
+ * tests/test_native_c.py (ASan+UBSan, and plain -O2) and by
+ * tests/native/run_asan.sh.
+ *
+ * Every wait is bounded (poll(2) with a timeout, plus a SIGALRM watchdog), so
+ * a core bug fails the run instead of hanging it.
+ */
+#include "kv_core.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------ harness */
+
+#define KiB ((uint64_t)1024)
+#define MiB (1024 * KiB)
+#define WATCHDOG_SECONDS 90
+#define WAIT_MS 10000 /* the most any single wait for completions may take */
+
+static unsigned long g_checks;
+static const char *g_test = "?";
+
+static void die(void) {
+    fflush(stdout);
+    fflush(stderr);
+    _exit(1);
+}
+
+#define CHECK(cond)                                                                          \
+    do {                                                                                     \
+        __sync_fetch_and_add(&g_checks, 1); /* CHECK runs on several threads */            \
+        if (!(cond)) {                                                                       \
+            fprintf(stderr, "%s:%d: [%s] CHECK failed: %s\n", __FILE__, __LINE__, g_test,    \
+                    #cond);                                                                  \
+            die();                                                                           \
+        }                                                                                    \
+    } while (0)
+
+#define CHECK_EQ(a, b)                                                                       \
+    do {                                                                                     \
+        uint64_t a_ = (uint64_t)(a), b_ = (uint64_t)(b);                                     \
+        __sync_fetch_and_add(&g_checks, 1);                                                  \
+        if (a_ != b_) {                                                                      \
+            fprintf(stderr,                                                                  \
+                    "%s:%d: [%s] CHECK failed: %s == %s (0x%" PRIx64 " != 0x%" PRIx64 ")\n", \
+                    __FILE__, __LINE__, g_test, #a, #b, a_, b_);                             \
+            die();                                                                           \
+        }                                                                                    \
+    } while (0)
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+static void sleep_us(long us) {
+    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+static uint8_t *xmap(uint64_t n) {
+    void *p = mmap(NULL, (size_t)n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(p != MAP_FAILED);
+    return p;
+}
+
+static void xunmap(void *p, uint64_t n) { CHECK(munmap(p, (size_t)n) == 0); }
+
+static uint64_t A(const void *p) { return (uint64_t)(uintptr_t)p; }
+
+/* Deterministic, seed-dependent bytes (no two seeds alike). */
+static void fill(uint8_t *p, uint64_t n, uint64_t seed) {
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
+    uint64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        memcpy(p + i, &x, 8);
+    }
+    for (; i < n; i++)
+        p[i] = (uint8_t)(seed + i);
+}
+
+/* 1 if all n bytes at p equal v. */
+static int all_eq(const uint8_t *p, uint64_t n, uint8_t v) {
+    static uint8_t ref[64 * 1024];
+    memset(ref, v, sizeof ref);
+    while (n) {
+        size_t k = n < sizeof ref ? (size_t)n : sizeof ref;
+        if (memcmp(p, ref, k) != 0)
+            return 0;
+        p += k;
+        n -= k;
+    }
+    return 1;
+}
+
+static void seg(uint64_t *w, uint32_t sr, uint64_t so, uint32_t dr, uint64_t dof, uint64_t n) {
+    w[0] = sr;
+    w[1] = so;
+    w[2] = dr;
+    w[3] = dof;
+    w[4] = n;
+}
+
+static kv_core *mk(int movers, uint64_t chunk) {
+    kv_core *c = NULL;
+    CHECK_EQ(kv_core_new(&c, movers, chunk), KV_LLM_SUCCESS);
+    CHECK(c != NULL);
+    return c;
+}
+
+static uint32_t add_region(kv_core *c, int kind, int32_t pid, const void *p, uint64_t n,
+                           int unmap) {
+    uint32_t id = 0;
+    CHECK_EQ(kv_region_add(c, kind, pid, A(p), n, unmap, &id), KV_LLM_SUCCESS);
+    CHECK(id != 0);
+    return id;
+}
+
+static uint32_t add_local(kv_core *c, const void *p, uint64_t n) {
+    return add_region(c, KV_REGION_LOCAL, 0, p, n, 0);
+}
+
+static uint32_t add_proc(kv_core *c, pid_t pid, const void *p, uint64_t n) {
+    return add_region(c, KV_REGION_PROCESS, (int32_t)pid, p, n, 0);
+}
+
+/* Submit a job that must go to the movers. */
+static void submit_async(kv_core *c, uint64_t id, const uint64_t *segs, size_t nsegs) {
+    int done = -1;
+    uint64_t nb = 99;
+    CHECK_EQ(kv_core_submit(c, id, segs, nsegs, 0, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(done, 0);
+    CHECK_EQ(nb, 0);
+}
+
+static int readable_now(kv_core *c) {
+    struct pollfd p = {kv_core_fileno(c), POLLIN, 0};
+    int r;
+    do
+        r = poll(&p, 1, 0);
+    while (r < 0 && errno == EINTR);
+    CHECK(r >= 0);
+    return r > 0 && (p.revents & POLLIN);
+}
+
+/* Wait (poll(2) on the eventfd) and drain until `want` completions arrived or
+ * timeout_ms passed. Returns how many arrived. */
+static size_t drain(kv_core *c, kv_completion *out, size_t want, int timeout_ms) {
+    size_t got = 0;
+    double end = now_ms() + timeout_ms;
+    while (got < want) {
+        double left = end - now_ms();
+        if (left <= 0)
+            break;
+        struct pollfd p = {kv_core_fileno(c), POLLIN, 0};
+        int r = poll(&p, 1, (int)left + 1);
+        if (r < 0 && errno == EINTR)
+            continue;
+        CHECK(r >= 0);
+        if (r == 0)
+            continue;
+        CHECK(p.revents & POLLIN);
+        got += kv_core_poll(c, out + got, want - got);
+    }
+    return got;
+}
+
+/* Exactly one completion, for `id`. */
+static kv_completion wait_one(kv_core *c, uint64_t id) {
+    kv_completion cp;
+    memset(&cp, 0, sizeof cp);
+    CHECK_EQ(drain(c, &cp, 1, WAIT_MS), 1);
+    CHECK_EQ(cp.job_id, id);
+    return cp;
+}
+
+/* No further completion turns up (give stragglers a moment). */
+static void check_no_more(kv_core *c) {
+    kv_completion cp;
+    sleep_us(5000);
+    CHECK_EQ(kv_core_poll(c, &cp, 1), 0);
+}
+
+static kv_stats stats(kv_core *c) {
+    kv_stats s;
+    memset(&s, 0xEE, sizeof s);
+    kv_core_stats(c, &s);
+    return s;
+}
+
+/* Counters that must hold whenever nothing is in flight. */
+static void check_quiet_stats(kv_core *c) {
+    kv_stats s = stats(c);
+    CHECK_EQ(s.jobs_live, 0);
+    CHECK_EQ(s.jobs_completed, s.jobs_submitted);
+    CHECK(s.jobs_aborted <= s.jobs_submitted);
+}
+
+static int count_tasks(void) {
+    DIR *d = opendir("/proc/self/task");
+    CHECK(d != NULL);
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (e->d_name[0] != '.')
+            n++;
+    closedir(d);
+    return n;
+}
+
+/* A joined thread can linger in /proc/self/task for a moment after join. */
+static int wait_tasks(int want) {
+    double end = now_ms() + 2000;
+    int n;
+    while ((n = count_tasks()) != want && now_ms() < end)
+        sleep_us(1000);
+    return n;
+}
+
+static int is_mapped(uint64_t addr) {
+    unsigned char v;
+    long pg = sysconf(_SC_PAGESIZE);
+    if (mincore((void *)(uintptr_t)addr, (size_t)pg, &v) == 0)
+        return 1;
+    CHECK_EQ(errno, ENOMEM); /* ENOMEM: the page is not mapped */
+    return 0;
+}
+
+/* ------------------------------------------------------------- tests */
+
+static void test_new_params(void) {
+    int base = count_tasks();
+    static const struct {
+        int movers;
+        uint64_t chunk;
+    } bad[] = {{0, 65536}, {-1, 65536}, {65, 65536}, {1000, 65536}, {1, 0}, {1, 4095}, {0, 0}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kv_core *c = NULL;
+        CHECK_EQ(kv_core_new(&c, bad[i].movers, bad[i].chunk), KV_LLM_PARAM_INVALID);
+        CHECK(c == NULL);
+    }
+    CHECK_EQ(count_tasks(), base);
+
+    kv_core *c = mk(1, 4096);
+    int fd = kv_core_fileno(c);
+    CHECK(fd >= 0);
+    CHECK(fcntl(fd, F_GETFL) & O_NONBLOCK);
+    CHECK(fcntl(fd, F_GETFD) & FD_CLOEXEC);
+    CHECK(!readable_now(c));
+    CHECK_EQ(wait_tasks(base + 1), base + 1);
+    kv_stats s = stats(c);
+    CHECK_EQ(s.jobs_submitted, 0);
+    CHECK_EQ(s.jobs_inline, 0);
+    CHECK_EQ(s.jobs_completed, 0);
+    CHECK_EQ(s.jobs_aborted, 0);
+    CHECK_EQ(s.jobs_live, 0);
+    CHECK_EQ(s.bytes_moved, 0);
+    CHECK_EQ(s.regions_live, 0);
+    CHECK_EQ(s.wakeups, 0);
+    kv_core_close(c);
+    kv_core_close(c); /* idempotent */
+    CHECK_EQ(wait_tasks(base), base);
+    kv_core_free(c);
+
+    c = mk(64, 1 << 20); /* the maximum */
+    CHECK_EQ(wait_tasks(base + 64), base + 64);
+    kv_core_free(c); /* free without close closes */
+    CHECK_EQ(wait_tasks(base), base);
+    kv_core_free(NULL);
+}
+
+static void test_regions(void) {
+    kv_core *c = mk(1, 65536);
+    static uint8_t buf[8192];
+    uint64_t a = A(buf);
+    uint32_t id = 12345;
+    /* bad arguments; *region_id untouched */
+    CHECK_EQ(kv_region_add(c, KV_REGION_LOCAL, 0, 0, 10, 0, &id), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_region_add(c, KV_REGION_LOCAL, 0, a, 0, 0, &id), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_region_add(c, KV_REGION_LOCAL, 0, UINT64_MAX - 9, 10, 0, &id),
+             KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_region_add(c, KV_REGION_LOCAL, 0, UINT64_MAX, 1, 0, &id), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_region_add(c, KV_REGION_LOCAL, 0, 1, UINT64_MAX, 0, &id), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_region_add(c, 2, 0, a, 10, 0, &id), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_region_add(c, -1, 0, a, 10, 0, &id), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_region_add(c, KV_REGION_PROCESS, 0, a, 10, 0, &id), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_region_add(c, KV_REGION_PROCESS, -5, a, 10, 0, &id), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_region_add(c, KV_REGION_PROCESS, (int32_t)getpid(), a, 10, 1, &id),
+             KV_LLM_PARAM_INVALID);
+    CHECK_EQ(id, 12345);
+    CHECK_EQ(stats(c).regions_live, 0);
+
+    /* 300 regions: the table grows several times; ids start at 1, strictly increase */
+    enum { NR = 300 };
+    uint32_t ids[NR];
+    for (int i = 0; i < NR; i++) {
+        ids[i] = add_local(c, buf + i, sizeof buf - (size_t)i);
+        CHECK(ids[i] >= 1);
+        if (i)
+            CHECK(ids[i] > ids[i - 1]);
+    }
+    CHECK_EQ(stats(c).regions_live, NR);
+    for (int i = 0; i < NR; i += 2)
+        CHECK_EQ(kv_region_remove(c, ids[i]), KV_LLM_SUCCESS);
+    for (int i = 0; i < NR; i += 2) /* remove twice */
+        CHECK_EQ(kv_region_remove(c, ids[i]), KV_LLM_KV_CACHE_NOT_EXIST);
+    CHECK_EQ(stats(c).regions_live, NR / 2);
+    CHECK_EQ(kv_region_remove(c, 0), KV_LLM_KV_CACHE_NOT_EXIST);
+    CHECK_EQ(kv_region_remove(c, ids[NR - 1] + 1), KV_LLM_KV_CACHE_NOT_EXIST);
+    CHECK_EQ(kv_region_remove(c, UINT32_MAX), KV_LLM_KV_CACHE_NOT_EXIST);
+    /* ids are never reused */
+    uint32_t fresh = add_local(c, buf, sizeof buf);
+    CHECK(fresh > ids[NR - 1]);
+    uint32_t pr = add_proc(c, getpid(), buf, sizeof buf);
+    CHECK(pr > fresh);
+    CHECK_EQ(kv_region_remove(c, pr), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_remove(c, pr), KV_LLM_KV_CACHE_NOT_EXIST);
+    /* a removed id stays unusable */
+    uint64_t w[KV_SEG_WORDS];
+    int done;
+    uint64_t nb;
+    seg(w, ids[0], 0, fresh, 0, 16);
+    CHECK_EQ(kv_core_submit(c, 1, w, 1, UINT64_MAX, &done, &nb), KV_LLM_KV_CACHE_NOT_EXIST);
+    CHECK_EQ(stats(c).regions_live, NR / 2 + 1);
+    kv_core_free(c); /* frees the live regions (LSan checks) */
+}
+
+static void test_submit_validation(void) {
+    kv_core *c = mk(2, 65536);
+    const uint64_t n = 65536;
+    uint8_t *src = xmap(n), *dst = xmap(n), *src_ref = xmap(n);
+    fill(src, n, 1);
+    memcpy(src_ref, src, (size_t)n);
+    memset(dst, 0x5A, (size_t)n);
+    uint32_t rs = add_local(c, src, n), rd = add_local(c, dst, n);
+    uint32_t rgone = add_local(c, src, n);
+    CHECK_EQ(kv_region_remove(c, rgone), KV_LLM_SUCCESS);
+    uint32_t rp1 = add_proc(c, getpid(), src, n), rp2 = add_proc(c, getpid(), dst, n);
+    /* a huge fake region (never touched: only used by jobs that must be rejected) */
+    uint32_t rbig = add_region(c, KV_REGION_LOCAL, 0, (const void *)(uintptr_t)4096,
+                               UINT64_MAX - 4096, 0);
+    const uint64_t H = 1ull << 63;
+    const uint64_t M = UINT64_MAX;
+
+    static struct {
+        uint64_t w[2][KV_SEG_WORDS];
+        size_t nsegs;
+        uint32_t want;
+    } cases[32];
+    size_t nc = 0;
+#define CASE1(a, b, c_, d, e, st)                                                            \
+    do {                                                                                     \
+        seg(cases[nc].w[0], 0, 0, 0, 0, 0);                                                  \
+        cases[nc].w[0][0] = (a);                                                             \
+        cases[nc].w[0][1] = (b);                                                             \
+        cases[nc].w[0][2] = (c_);                                                            \
+        cases[nc].w[0][3] = (d);                                                             \
+        cases[nc].w[0][4] = (e);                                                             \
+        cases[nc].nsegs = 1;                                                                 \
+        cases[nc].want = (st);                                                               \
+        nc++;                                                                                \
+    } while (0)
+#define CASE2(first, a, b, c_, d, e, st)                                                     \
+    do {                                                                                     \
+        CASE1(a, b, c_, d, e, st);                                                           \
+        memcpy(cases[nc - 1].w[1], cases[nc - 1].w[0], sizeof cases[0].w[0]);                \
+        memcpy(cases[nc - 1].w[0], (first), sizeof cases[0].w[0]);                          \
+        cases[nc - 1].nsegs = 2;                                                             \
+    } while (0)
+    uint64_t valid[KV_SEG_WORDS], valid_proc[KV_SEG_WORDS], big[KV_SEG_WORDS];
+    seg(valid, rs, 0, rd, 0, 4096);
+    seg(valid_proc, rs, 0, rp2, 4096, 4096);
+    seg(big, rbig, 0, rbig, 0, H);
+
+    CASE1(999, 0, rd, 0, 16, KV_LLM_KV_CACHE_NOT_EXIST);
+    CASE1(rs, 0, 999, 0, 16, KV_LLM_KV_CACHE_NOT_EXIST);
+    CASE1(0, 0, rd, 0, 16, KV_LLM_KV_CACHE_NOT_EXIST);
+    CASE1(rs, 0, 0, 0, 16, KV_LLM_KV_CACHE_NOT_EXIST);
+    CASE1((1ull << 32) | rs, 0, rd, 0, 16, KV_LLM_KV_CACHE_NOT_EXIST); /* no truncation */
+    CASE1(rs, 0, (1ull << 32) | rd, 0, 16, KV_LLM_KV_CACHE_NOT_EXIST);
+    CASE1(rgone, 0, rd, 0, 16, KV_LLM_KV_CACHE_NOT_EXIST);
+    CASE1(rs, 0, rgone, 0, 16, KV_LLM_KV_CACHE_NOT_EXIST);
+    CASE1(rs, n, rd, 0, 1, KV_LLM_PARAM_INVALID);
+    CASE1(rs, n - 8, rd, 0, 9, KV_LLM_PARAM_INVALID);
+    CASE1(rs, 0, rd, n - 8, 9, KV_LLM_PARAM_INVALID);
+    CASE1(rs, 0, rd, n, 1, KV_LLM_PARAM_INVALID);
+    CASE1(rs, 0, rd, 0, n + 1, KV_LLM_PARAM_INVALID);
+    CASE1(rs, M - 1, rd, 0, 2, KV_LLM_PARAM_INVALID);
+    CASE1(rs, M - 1, rd, 0, 4, KV_LLM_PARAM_INVALID);
+    CASE1(rs, 0, rd, M - 1, 2, KV_LLM_PARAM_INVALID);
+    CASE1(rs, 0, rd, M, 1, KV_LLM_PARAM_INVALID);
+    CASE1(rs, 8, rd, 0, M, KV_LLM_PARAM_INVALID);
+    CASE1(rs, 0, rd, 8, M - 7, KV_LLM_PARAM_INVALID);
+    CASE1(rs, 0, rd, 0, 0, KV_LLM_PARAM_INVALID); /* len 0 */
+    CASE1(rp1, 0, rp2, 0, 16, KV_LLM_PARAM_INVALID); /* two PROCESS regions */
+    /* a valid first segment must not be copied when a later one is rejected */
+    CASE2(valid, rs, 0, rd, 0, n + 1, KV_LLM_PARAM_INVALID);
+    CASE2(valid, rs, 0, 999, 0, 16, KV_LLM_KV_CACHE_NOT_EXIST);
+    CASE2(valid, rs, 0, rd, 0, 0, KV_LLM_PARAM_INVALID);
+    CASE2(valid_proc, rs, M - 1, rd, 0, 2, KV_LLM_PARAM_INVALID);
+    CASE2(valid_proc, rp1, 0, rp2, 0, 16, KV_LLM_PARAM_INVALID);
+    CASE2(valid, rs, 0, rgone, 0, 16, KV_LLM_KV_CACHE_NOT_EXIST);
+    /* total bytes overflow uint64: 2^63 + 2^63 */
+    CASE2(big, rbig, 0, rbig, 0, H, KV_LLM_PARAM_INVALID);
+#undef CASE1
+#undef CASE2
+    CHECK(nc <= sizeof cases / sizeof cases[0]);
+
+    const uint64_t inline_max[] = {0, 1 << 20, UINT64_MAX};
+    for (size_t k = 0; k < 3; k++) {
+        for (size_t i = 0; i < nc; i++) {
+            int done = -1;
+            uint64_t nb = 99;
+            uint32_t st = kv_core_submit(c, 100 + i, &cases[i].w[0][0], cases[i].nsegs,
+                                         inline_max[k], &done, &nb);
+            if (st != cases[i].want)
+                fprintf(stderr, "case %zu inline_max %" PRIu64 "\n", i, inline_max[k]);
+            CHECK_EQ(st, cases[i].want);
+            CHECK_EQ(done, 0);
+            CHECK_EQ(nb, 0);
+            CHECK(all_eq(dst, n, 0x5A)); /* nothing written */
+            CHECK(memcmp(src, src_ref, (size_t)n) == 0);
+        }
+        /* nsegs 0, and an nsegs whose allocation size would overflow */
+        int done = -1;
+        uint64_t nb = 99;
+        CHECK_EQ(kv_core_submit(c, 7, valid, 0, inline_max[k], &done, &nb),
+                 KV_LLM_PARAM_INVALID);
+        CHECK_EQ(done, 0);
+        CHECK_EQ(kv_core_submit(c, 7, valid, SIZE_MAX / 8, inline_max[k], &done, &nb),
+                 KV_LLM_PARAM_INVALID);
+        CHECK_EQ(kv_core_submit(c, 7, valid, SIZE_MAX, inline_max[k], &done, &nb),
+                 KV_LLM_PARAM_INVALID);
+    }
+    check_no_more(c);
+    CHECK(!readable_now(c));
+    kv_stats s = stats(c);
+    CHECK_EQ(s.jobs_submitted, 0);
+    CHECK_EQ(s.jobs_inline, 0);
+    CHECK_EQ(s.jobs_live, 0);
+    CHECK_EQ(s.jobs_completed, 0);
+    CHECK_EQ(s.bytes_moved, 0);
+    /* rejected jobs hold no region reference: removal releases at once */
+    CHECK_EQ(s.regions_live, 5);
+    CHECK_EQ(kv_region_remove(c, rs), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_remove(c, rd), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_remove(c, rp1), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_remove(c, rp2), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_remove(c, rbig), KV_LLM_SUCCESS);
+    CHECK_EQ(stats(c).regions_live, 0);
+    kv_core_free(c);
+    xunmap(src, n);
+    xunmap(dst, n);
+    xunmap(src_ref, n);
+}
+
+static void test_inline(void) {
+    kv_core *c = mk(1, 65536);
+    const uint64_t n = 65536;
+    uint8_t *src = xmap(n), *dst = xmap(n), *ref = xmap(n);
+    fill(src, n, 2);
+    uint32_t rs = add_local(c, src, n), rd = add_local(c, dst, n);
+    uint64_t w[3 * KV_SEG_WORDS];
+    seg(w, rs, 100, rd, 5000, 4000);
+    seg(w + 5, rs, 30000, rd, 0, 4096);
+    seg(w + 10, rs, 0, rd, 20000, 4192);
+    memcpy(ref + 5000, src + 100, 4000);
+    memcpy(ref + 0, src + 30000, 4096);
+    memcpy(ref + 20000, src + 0, 4192);
+    int done = -1;
+    uint64_t nb = 0;
+    /* total == inline_max: inline */
+    CHECK_EQ(kv_core_submit(c, 1, w, 3, 12288, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(done, 1);
+    CHECK_EQ(nb, 12288);
+    CHECK(memcmp(dst, ref, (size_t)n) == 0);
+    CHECK(!readable_now(c)); /* no completion posted */
+    check_no_more(c);
+    kv_stats s = stats(c);
+    CHECK_EQ(s.jobs_inline, 1);
+    CHECK_EQ(s.jobs_submitted, 0);
+    CHECK_EQ(s.jobs_completed, 0);
+    CHECK_EQ(s.jobs_live, 0);
+    CHECK_EQ(s.bytes_moved, 12288);
+    /* inline ids are not tracked: the same id again is fine */
+    CHECK_EQ(kv_core_submit(c, 1, w, 3, 12288, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(done, 1);
+
+    /* overlapping source and destination in one region: the inline path copies a
+     * segment with memmove (kv_core.h leaves overlap unspecified for mover jobs) */
+    uint32_t rsame = add_local(c, dst, n);
+    fill(dst, n, 3);
+    memcpy(ref, dst, (size_t)n);
+    memmove(ref + 100, ref, 10000);
+    memmove(ref + 30000, ref + 30100, 10000);
+    seg(w, rsame, 0, rsame, 100, 10000);
+    seg(w + 5, rsame, 30100, rsame, 30000, 10000);
+    CHECK_EQ(kv_core_submit(c, 2, w, 2, UINT64_MAX, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(done, 1);
+    CHECK_EQ(nb, 20000);
+    CHECK(memcmp(dst, ref, (size_t)n) == 0);
+
+    /* total == inline_max + 1: goes to the movers */
+    memset(dst, 0, (size_t)n);
+    seg(w, rs, 0, rd, 0, 12289);
+    CHECK_EQ(kv_core_submit(c, 3, w, 1, 12288, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(done, 0);
+    kv_completion cp = wait_one(c, 3);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, 12289);
+    CHECK(memcmp(dst, src, 12289) == 0);
+    CHECK(all_eq(dst + 12289, n - 12289, 0));
+
+    /* an inline copy that fails part-way: the status, done=1, bytes of the good segments */
+    long pg = sysconf(_SC_PAGESIZE);
+    void *noacc = mmap(NULL, (size_t)pg, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(noacc != MAP_FAILED);
+    uint32_t rbad = add_proc(c, getpid(), noacc, (uint64_t)pg);
+    seg(w, rs, 0, rd, 0, 4096);
+    seg(w + 5, rs, 0, rbad, 0, 64);
+    CHECK_EQ(kv_core_submit(c, 4, w, 2, UINT64_MAX, &done, &nb), KV_LLM_FAILED);
+    CHECK_EQ(done, 1);
+    CHECK_EQ(nb, 4096);
+    CHECK(!readable_now(c));
+    check_no_more(c);
+    check_quiet_stats(c);
+    s = stats(c);
+    CHECK_EQ(s.jobs_inline, 4);
+    CHECK_EQ(s.jobs_submitted, 1);
+    CHECK_EQ(s.regions_live, 4);
+    kv_core_free(c);
+    CHECK(munmap(noacc, (size_t)pg) == 0);
+    xunmap(src, n);
+    xunmap(dst, n);
+    xunmap(ref, n);
+}
+
+static void test_mover(void) {
+    kv_core *c = mk(2, 64 * KiB);
+    const uint64_t N = 8 * MiB;
+    uint8_t *src = xmap(N), *dst = xmap(N), *dst2 = xmap(N), *ref = xmap(N);
+    fill(src, N, 4);
+    uint32_t rs = add_local(c, src, N), rd = add_local(c, dst, N), rd2 = add_local(c, dst2, N);
+    /* dst pieces [B[k], B[k+1]) come from src [N - B[k+1], N - B[k]); job 1 takes the
+     * even pieces, job 2 the odd ones: both multi-segment, ~4 MiB = 64+ chunks */
+    static const uint64_t B[] = {0,         1 * MiB + 17, 3 * MiB + 4099, 3 * MiB + 70000,
+                                 5 * MiB,   6 * MiB + 1,  7 * MiB + 3,    8 * MiB};
+    enum { NP = sizeof B / sizeof B[0] - 1 };
+    uint64_t w1[NP * KV_SEG_WORDS], w2[NP * KV_SEG_WORDS];
+    size_t n1 = 0, n2 = 0;
+    uint64_t t1 = 0, t2 = 0;
+    for (int k = 0; k < NP; k++) {
+        uint64_t len = B[k + 1] - B[k];
+        memcpy(ref + B[k], src + (N - B[k + 1]), (size_t)len);
+        if (k % 2 == 0) {
+            seg(w1 + KV_SEG_WORDS * n1++, rs, N - B[k + 1], rd, B[k], len);
+            t1 += len;
+        } else {
+            seg(w2 + KV_SEG_WORDS * n2++, rs, N - B[k + 1], rd, B[k], len);
+            t2 += len;
+        }
+    }
+    uint64_t w3[KV_SEG_WORDS];
+    seg(w3, rs, 0, rd2, 0, N);
+    submit_async(c, 11, w1, n1);
+    submit_async(c, 12, w2, n2);
+    submit_async(c, 13, w3, 1);
+    kv_completion out[4];
+    CHECK_EQ(drain(c, out, 3, WAIT_MS), 3);
+    int seen[3] = {0, 0, 0};
+    for (int i = 0; i < 3; i++) {
+        CHECK(out[i].job_id >= 11 && out[i].job_id <= 13);
+        CHECK_EQ(seen[out[i].job_id - 11]++, 0);
+        CHECK_EQ(out[i].status, KV_LLM_SUCCESS);
+        uint64_t want = out[i].job_id == 11 ? t1 : out[i].job_id == 12 ? t2 : N;
+        CHECK_EQ(out[i].nbytes, want);
+    }
+    CHECK(memcmp(dst, ref, (size_t)N) == 0);
+    CHECK(memcmp(dst2, src, (size_t)N) == 0);
+    check_no_more(c);
+
+    /* chunk boundaries: exactly one chunk, one chunk + 1 byte, one byte short */
+    static const uint64_t lens[] = {64 * KiB, 64 * KiB + 1, 64 * KiB - 1, 3 * 64 * KiB};
+    for (size_t i = 0; i < 4; i++) {
+        memset(dst, 0, (size_t)(N));
+        seg(w3, rs, 1, rd, 3, lens[i]);
+        submit_async(c, 20 + i, w3, 1);
+        kv_completion cp = wait_one(c, 20 + i);
+        CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+        CHECK_EQ(cp.nbytes, lens[i]);
+        CHECK(all_eq(dst, 3, 0));
+        CHECK(memcmp(dst + 3, src + 1, (size_t)lens[i]) == 0);
+        CHECK(all_eq(dst + 3 + lens[i], N - 3 - lens[i], 0));
+    }
+    check_quiet_stats(c);
+    kv_stats s = stats(c);
+    CHECK_EQ(s.jobs_submitted, 7);
+    CHECK_EQ(s.jobs_completed, 7);
+    CHECK_EQ(s.jobs_inline, 0);
+    CHECK_EQ(s.jobs_aborted, 0);
+    CHECK_EQ(s.bytes_moved, 2 * N + lens[0] + lens[1] + lens[2] + lens[3]);
+    CHECK(s.wakeups >= 5 && s.wakeups <= 7);
+    CHECK_EQ(s.regions_live, 3);
+    kv_core_free(c);
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(dst2, N);
+    xunmap(ref, N);
+}
+
+/* Fail with a clear message if this environment forbids process_vm_readv on
+ * `pid` (seccomp, Yama ptrace_scope, missing CAP_SYS_PTRACE), rather than
+ * with a puzzling job status later. */
+static void probe_process_vm(pid_t pid, const void *remote) {
+    char b[8];
+    struct iovec l = {b, sizeof b}, r = {(void *)(uintptr_t)remote, sizeof b};
+    if (process_vm_readv(pid, &l, 1, &r, 1, 0) != (ssize_t)sizeof b) {
+        fprintf(stderr,
+                "[%s] process_vm_readv(pid %d) failed: %s. The KV_REGION_PROCESS path needs "
+                "it (seccomp profile, Yama ptrace_scope or CAP_SYS_PTRACE may forbid it).\n",
+                g_test, (int)pid, strerror(errno));
+        die();
+    }
+}
+
+static void test_process_self(void) {
+    kv_core *c = mk(2, 64 * KiB);
+    const uint64_t N = 2 * MiB;
+    uint8_t *src = xmap(N), *dst = xmap(N), *dst2 = xmap(N);
+    fill(src, N, 5);
+    pid_t me = getpid();
+    probe_process_vm(me, src);
+    uint32_t rls = add_local(c, src, N), rpd = add_proc(c, me, dst, N);
+    uint32_t rps = add_proc(c, me, src, N), rld = add_local(c, dst2, N);
+    uint64_t w[2 * KV_SEG_WORDS];
+    /* process_vm_writev, mover path, two swapped halves */
+    seg(w, rls, 0, rpd, N / 2, N / 2);
+    seg(w + 5, rls, N / 2, rpd, 0, N / 2);
+    submit_async(c, 1, w, 2);
+    kv_completion cp = wait_one(c, 1);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, N);
+    CHECK(memcmp(dst + N / 2, src, (size_t)(N / 2)) == 0);
+    CHECK(memcmp(dst, src + N / 2, (size_t)(N / 2)) == 0);
+    /* process_vm_readv, mover path */
+    seg(w, rps, 0, rld, 0, N);
+    submit_async(c, 2, w, 1);
+    cp = wait_one(c, 2);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, N);
+    CHECK(memcmp(dst2, src, (size_t)N) == 0);
+    /* both directions inline */
+    int done = -1;
+    uint64_t nb = 0;
+    memset(dst, 0, (size_t)N);
+    memset(dst2, 0, (size_t)N);
+    seg(w, rls, 7, rpd, 9, 8192);
+    seg(w + 5, rps, 11, rld, 13, 8192);
+    CHECK_EQ(kv_core_submit(c, 3, w, 2, 16384, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(done, 1);
+    CHECK_EQ(nb, 16384);
+    CHECK(memcmp(dst + 9, src + 7, 8192) == 0);
+    CHECK(memcmp(dst2 + 13, src + 11, 8192) == 0);
+    CHECK(all_eq(dst, 9, 0) && all_eq(dst + 9 + 8192, N - 9 - 8192, 0));
+
+    /* an inaccessible address behind a PROCESS region: EFAULT -> KV_LLM_FAILED, no crash */
+    void *noacc = mmap(NULL, (size_t)MiB, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(noacc != MAP_FAILED);
+    uint32_t rbad = add_proc(c, me, noacc, MiB);
+    seg(w, rls, 0, rbad, 0, MiB);
+    submit_async(c, 4, w, 1);
+    cp = wait_one(c, 4);
+    CHECK_EQ(cp.status, KV_LLM_FAILED);
+    CHECK_EQ(cp.nbytes, 0);
+    memset(dst2, 0x33, (size_t)MiB);
+    seg(w, rbad, 0, rld, 0, MiB);
+    submit_async(c, 5, w, 1);
+    cp = wait_one(c, 5);
+    CHECK_EQ(cp.status, KV_LLM_FAILED);
+    CHECK_EQ(cp.nbytes, 0);
+    CHECK(all_eq(dst2, MiB, 0x33));
+    check_no_more(c);
+    check_quiet_stats(c);
+    kv_core_free(c);
+    CHECK(munmap(noacc, (size_t)MiB) == 0);
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(dst2, N);
+}
+
+static void test_process_child(void) {
+    const uint64_t N = 4 * MiB, P = 64 * KiB;
+    uint8_t *shared = mmap(NULL, (size_t)N, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                           -1, 0);
+    CHECK(shared != MAP_FAILED);
+    uint8_t *priv = xmap(P);
+    fill(priv, P, 9); /* the child keeps this content */
+    pid_t parent = getpid();
+    fflush(stdout);
+    fflush(stderr);
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent)
+            _exit(0);
+        alarm(WATCHDOG_SECONDS);
+        for (;;)
+            pause();
+    }
+    fill(priv, P, 10); /* our copy diverges (copy-on-write) */
+    probe_process_vm(child, priv);
+
+    kv_core *c = mk(2, 64 * KiB);
+    uint8_t *src = xmap(N), *dst = xmap(N);
+    fill(src, N, 7);
+    uint32_t rls = add_local(c, src, N), rld = add_local(c, dst, N);
+    uint32_t rcs = add_proc(c, child, shared, N), rcp = add_proc(c, child, priv, P);
+    uint64_t w[KV_SEG_WORDS];
+    /* write into the child; the shared mapping shows it */
+    seg(w, rls, 0, rcs, 0, N);
+    submit_async(c, 1, w, 1);
+    kv_completion cp = wait_one(c, 1);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, N);
+    CHECK(memcmp(shared, src, (size_t)N) == 0);
+    /* read from the child */
+    fill(shared, N, 8);
+    seg(w, rcs, 0, rld, 0, N);
+    submit_async(c, 2, w, 1);
+    cp = wait_one(c, 2);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK(memcmp(dst, shared, (size_t)N) == 0);
+    /* really the child's memory: its private copy still holds seed 9 */
+    seg(w, rcp, 0, rld, 0, P);
+    submit_async(c, 3, w, 1);
+    cp = wait_one(c, 3);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    fill(src, P, 9);
+    CHECK(memcmp(dst, src, (size_t)P) == 0);
+
+    /* the child dies: a job to it fails with KV_LLM_LINK_FAILED (ESRCH), no crash */
+    int wst = 0;
+    CHECK(kill(child, SIGKILL) == 0);
+    CHECK_EQ(waitpid(child, &wst, 0), child);
+    CHECK(WIFSIGNALED(wst) && WTERMSIG(wst) == SIGKILL);
+    fill(src, N, 7);
+    memset(shared, 0, (size_t)N);
+    seg(w, rls, 0, rcs, 0, N);
+    submit_async(c, 4, w, 1);
+    cp = wait_one(c, 4);
+    CHECK_EQ(cp.status, KV_LLM_LINK_FAILED);
+    CHECK_EQ(cp.nbytes, 0);
+    CHECK(all_eq(shared, N, 0));
+    memset(dst, 0x44, (size_t)N);
+    seg(w, rcs, 0, rld, 0, N);
+    submit_async(c, 5, w, 1);
+    cp = wait_one(c, 5);
+    CHECK_EQ(cp.status, KV_LLM_LINK_FAILED);
+    CHECK(all_eq(dst, N, 0x44));
+    int done = -1;
+    uint64_t nb = 99;
+    seg(w, rls, 0, rcs, 0, 4096);
+    CHECK_EQ(kv_core_submit(c, 6, w, 1, UINT64_MAX, &done, &nb), KV_LLM_LINK_FAILED);
+    CHECK_EQ(done, 1);
+    CHECK_EQ(nb, 0);
+    check_no_more(c);
+    check_quiet_stats(c);
+    kv_core_free(c);
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(priv, P);
+    CHECK(munmap(shared, (size_t)N) == 0);
+}
+
+static void test_abort(void) {
+    const uint64_t BIG = 256 * MiB, CH = 64 * KiB, Q = 8 * MiB;
+    kv_core *c = mk(2, CH);
+    uint8_t *src = xmap(BIG), *dst = xmap(BIG), *dst2 = xmap(Q);
+    memset(src, 0xAB, (size_t)BIG);
+    uint32_t rs = add_local(c, src, BIG), rd = add_local(c, dst, BIG), rd2 = add_local(c, dst2, Q);
+    uint64_t w[KV_SEG_WORDS], wq[KV_SEG_WORDS];
+    seg(w, rs, 0, rd, 0, BIG);
+    seg(wq, rs, 0, rd2, 0, Q);
+    uint64_t aborts = 0;
+
+    /* abort right after submit, and after a short head start */
+    static const long delays_us[] = {0, 0, 300, 3000};
+    static const uint32_t abort_st[] = {KV_LLM_CANCELLED, KV_LLM_TIMEOUT, KV_LLM_CANCELLED,
+                                        KV_LLM_CANCELLED};
+    for (size_t k = 0; k < 4; k++) {
+        uint64_t id = 1000 + k;
+        submit_async(c, id, w, 1);
+        if (delays_us[k])
+            sleep_us(delays_us[k]);
+        CHECK_EQ(kv_core_abort(c, id, abort_st[k]), KV_LLM_SUCCESS);
+        aborts++;
+        CHECK_EQ(kv_core_abort(c, id, KV_LLM_CANCELLED), KV_LLM_PARAM_INVALID); /* twice */
+        kv_completion cp = wait_one(c, id);
+        CHECK_EQ(cp.status, abort_st[k]);
+        CHECK(cp.nbytes < BIG);
+        CHECK_EQ(cp.nbytes % CH, 0);
+        /* every claimed chunk finished before the completion: exactly a prefix */
+        CHECK(all_eq(dst, cp.nbytes, 0xAB));
+        CHECK(all_eq(dst + cp.nbytes, BIG - cp.nbytes, 0));
+        /* the fence: nothing writes after the completion */
+        sleep_us(30000);
+        CHECK(all_eq(dst, cp.nbytes, 0xAB));
+        CHECK(all_eq(dst + cp.nbytes, BIG - cp.nbytes, 0));
+        check_no_more(c); /* posted exactly once */
+        CHECK_EQ(kv_core_abort(c, id, KV_LLM_CANCELLED), KV_LLM_PARAM_INVALID); /* finished */
+        memset(dst, 0, (size_t)cp.nbytes);
+    }
+
+    /* bad aborts */
+    CHECK_EQ(kv_core_abort(c, 99999, KV_LLM_CANCELLED), KV_LLM_PARAM_INVALID);
+    submit_async(c, 2000, wq, 1);
+    CHECK_EQ(kv_core_abort(c, 2000, KV_LLM_SUCCESS), KV_LLM_PARAM_INVALID);
+    kv_completion cp = wait_one(c, 2000); /* unaffected */
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, Q);
+    CHECK(all_eq(dst2, Q, 0xAB));
+    CHECK_EQ(kv_core_abort(c, 2000, KV_LLM_CANCELLED), KV_LLM_PARAM_INVALID); /* finished */
+    memset(dst2, 0, (size_t)Q);
+
+    /* a queued job (behind a 256 MiB one): duplicate id rejected, then aborted */
+    submit_async(c, 3000, w, 1);
+    submit_async(c, 3001, wq, 1);
+    int done = -1;
+    uint64_t nb = 99;
+    CHECK_EQ(kv_core_submit(c, 3001, wq, 1, 0, &done, &nb), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(done, 0);
+    CHECK_EQ(kv_core_submit(c, 3001, wq, 1, UINT64_MAX, &done, &nb), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(done, 0);
+    CHECK_EQ(kv_core_submit(c, 3000, wq, 1, UINT64_MAX, &done, &nb), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_core_abort(c, 3001, KV_LLM_CANCELLED), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_core_abort(c, 3000, KV_LLM_CANCELLED), KV_LLM_SUCCESS);
+    aborts += 2;
+    kv_completion out[2];
+    CHECK_EQ(drain(c, out, 2, WAIT_MS), 2);
+    CHECK(out[0].job_id != out[1].job_id);
+    for (int i = 0; i < 2; i++) {
+        CHECK(out[i].job_id == 3000 || out[i].job_id == 3001);
+        CHECK_EQ(out[i].status, KV_LLM_CANCELLED);
+        if (out[i].job_id == 3001)
+            CHECK_EQ(out[i].nbytes, 0); /* never started */
+        else
+            memset(dst, 0, (size_t)out[i].nbytes);
+    }
+    sleep_us(10000);
+    CHECK(all_eq(dst2, Q, 0));
+    CHECK(all_eq(dst, BIG, 0));
+    check_no_more(c);
+    /* a finished job's id can be used again */
+    submit_async(c, 3001, wq, 1);
+    cp = wait_one(c, 3001);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK(all_eq(dst2, Q, 0xAB));
+
+    check_quiet_stats(c);
+    kv_stats s = stats(c);
+    CHECK_EQ(s.jobs_aborted, aborts);
+    CHECK_EQ(s.jobs_submitted, 4 + 1 + 2 + 1);
+    CHECK_EQ(s.regions_live, 3);
+    kv_core_free(c);
+    xunmap(src, BIG);
+    xunmap(dst, BIG);
+    xunmap(dst2, Q);
+}
+
+static void test_remove_in_use(void) {
+    kv_core *c = mk(1, 64 * KiB);
+    const uint64_t N = 32 * MiB;
+    uint8_t *src = xmap(N), *dst = xmap(N), *tmp = xmap(N);
+    fill(src, N, 11);
+    uint32_t rs = add_local(c, src, N), rd = add_local(c, dst, N);
+    uint64_t w[KV_SEG_WORDS];
+    int done;
+    uint64_t nb;
+
+    /* plain regions removed while the job runs */
+    seg(w, rs, 0, rd, 0, N);
+    submit_async(c, 1, w, 1);
+    CHECK_EQ(kv_region_remove(c, rs), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_remove(c, rd), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_remove(c, rs), KV_LLM_KV_CACHE_NOT_EXIST);
+    CHECK_EQ(kv_core_submit(c, 2, w, 1, UINT64_MAX, &done, &nb), KV_LLM_KV_CACHE_NOT_EXIST);
+    kv_stats s = stats(c); /* one consistent snapshot */
+    CHECK_EQ(s.regions_live, s.jobs_live ? 2 : 0);
+    kv_completion cp = wait_one(c, 1);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, N);
+    CHECK(memcmp(dst, src, (size_t)N) == 0);
+    CHECK_EQ(stats(c).regions_live, 0);
+
+    /* kv_map_fd argument checks */
+    uint64_t maddr = 0;
+    CHECK_EQ(kv_map_fd(-1, 4096, &maddr), KV_LLM_PARAM_INVALID);
+    int fd = memfd_create("kv_core_test_src", MFD_CLOEXEC);
+    CHECK(fd >= 0);
+    CHECK_EQ(kv_map_fd(fd, 0, &maddr), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(maddr, 0);
+
+    /* a memfd mapping as the source, unmap_on_release, removed while in use */
+    CHECK(ftruncate(fd, (off_t)N) == 0);
+    CHECK_EQ(kv_map_fd(fd, N, &maddr), KV_LLM_SUCCESS);
+    CHECK(maddr != 0 && is_mapped(maddr));
+    fill((uint8_t *)(uintptr_t)maddr, N, 12);
+    uint32_t rm = add_region(c, KV_REGION_LOCAL, 0, (void *)(uintptr_t)maddr, N, 1);
+    rd = add_local(c, dst, N);
+    memset(dst, 0, (size_t)N);
+    seg(w, rm, 0, rd, 0, N);
+    submit_async(c, 3, w, 1);
+    CHECK_EQ(kv_region_remove(c, rm), KV_LLM_SUCCESS);
+    int mapped = is_mapped(maddr);
+    s = stats(c);
+    if (s.jobs_live) /* still running after the check: it must have been mapped */
+        CHECK(mapped);
+    cp = wait_one(c, 3);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, N);
+    CHECK(!is_mapped(maddr)); /* unmapped once the job let go */
+    CHECK(!is_mapped(maddr + N - 4096));
+    fill(tmp, N, 12);
+    CHECK(memcmp(dst, tmp, (size_t)N) == 0);
+    CHECK_EQ(kv_region_remove(c, rd), KV_LLM_SUCCESS);
+
+    /* a memfd mapping as the destination: the bytes land in the file */
+    int fd2 = memfd_create("kv_core_test_dst", MFD_CLOEXEC);
+    CHECK(fd2 >= 0);
+    CHECK(ftruncate(fd2, (off_t)N) == 0);
+    uint64_t maddr2 = 0;
+    CHECK_EQ(kv_map_fd(fd2, N, &maddr2), KV_LLM_SUCCESS);
+    rs = add_local(c, src, N);
+    uint32_t rm2 = add_region(c, KV_REGION_LOCAL, 0, (void *)(uintptr_t)maddr2, N, 1);
+    seg(w, rs, 0, rm2, 0, N);
+    submit_async(c, 4, w, 1);
+    CHECK_EQ(kv_region_remove(c, rm2), KV_LLM_SUCCESS);
+    cp = wait_one(c, 4);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK(!is_mapped(maddr2));
+    CHECK_EQ(pread(fd2, tmp, (size_t)N, 0), (ssize_t)N);
+    CHECK(memcmp(tmp, src, (size_t)N) == 0);
+
+    /* idle unmap region: removal unmaps at once */
+    uint64_t maddr3 = 0;
+    CHECK_EQ(kv_map_fd(fd2, MiB, &maddr3), KV_LLM_SUCCESS);
+    uint32_t rm3 = add_region(c, KV_REGION_LOCAL, 0, (void *)(uintptr_t)maddr3, MiB, 1);
+    CHECK(is_mapped(maddr3));
+    CHECK_EQ(kv_region_remove(c, rm3), KV_LLM_SUCCESS);
+    CHECK(!is_mapped(maddr3));
+    /* never removed: kv_core_free unmaps it */
+    CHECK_EQ(kv_map_fd(fd2, MiB, &maddr3), KV_LLM_SUCCESS);
+    add_region(c, KV_REGION_LOCAL, 0, (void *)(uintptr_t)maddr3, MiB, 1);
+    check_no_more(c);
+    check_quiet_stats(c);
+    CHECK_EQ(stats(c).regions_live, 2);
+    kv_core_free(c);
+    CHECK(!is_mapped(maddr3));
+    close(fd);
+    close(fd2);
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(tmp, N);
+}
+
+static void test_close(void) {
+    int base = count_tasks();
+    enum { NJ = 400 };
+    const uint64_t J = MiB, D = 64 * MiB;
+    kv_core *c = mk(2, 64 * KiB);
+    CHECK_EQ(wait_tasks(base + 2), base + 2);
+    uint8_t *src = xmap(J), *dst = xmap(D), *snap = xmap(D);
+    fill(src, J, 13);
+    uint32_t rs = add_local(c, src, J), rd = add_local(c, dst, D);
+    uint64_t w[KV_SEG_WORDS];
+    for (int i = 0; i < NJ; i++) {
+        seg(w, rs, 0, rd, (uint64_t)(i % 64) * MiB, J);
+        submit_async(c, (uint64_t)i + 1, w, 1);
+    }
+    kv_core_close(c);
+    CHECK_EQ(wait_tasks(base), base); /* movers joined */
+    memcpy(snap, dst, (size_t)D);
+    /* every job has its completion already, exactly one each */
+    CHECK(readable_now(c));
+    static kv_completion out[NJ + 8];
+    static unsigned char seen[NJ + 1];
+    memset(seen, 0, sizeof seen);
+    size_t got = kv_core_poll(c, out, NJ + 8);
+    CHECK_EQ(got, NJ);
+    CHECK(!readable_now(c));
+    uint64_t nfin = 0, nok = 0;
+    for (size_t i = 0; i < got; i++) {
+        CHECK(out[i].job_id >= 1 && out[i].job_id <= NJ);
+        CHECK_EQ(seen[out[i].job_id]++, 0);
+        if (out[i].status == KV_LLM_SUCCESS) {
+            nok++;
+            CHECK_EQ(out[i].nbytes, J);
+        } else {
+            CHECK_EQ(out[i].status, KV_LLM_ENGINE_FINALIZED);
+            CHECK(out[i].nbytes < J);
+            nfin++;
+        }
+    }
+    CHECK(nfin > 0);
+    /* a finished job's slice is whole (every writer of a slice writes the same bytes) */
+    for (size_t i = 0; i < got; i++)
+        if (out[i].status == KV_LLM_SUCCESS)
+            CHECK(memcmp(dst + ((out[i].job_id - 1) % 64) * MiB, src, (size_t)J) == 0);
+    kv_stats s = stats(c);
+    CHECK_EQ(s.jobs_submitted, NJ);
+    CHECK_EQ(s.jobs_completed, NJ);
+    CHECK_EQ(s.jobs_live, 0);
+    CHECK_EQ(s.jobs_aborted, nfin);
+
+    /* closed: nothing new is accepted, nothing moves */
+    int done = -1;
+    uint64_t nb = 99;
+    seg(w, rs, 0, rd, 0, 4096);
+    CHECK_EQ(kv_core_submit(c, 9999, w, 1, 0, &done, &nb), KV_LLM_ENGINE_FINALIZED);
+    CHECK_EQ(done, 0);
+    CHECK_EQ(kv_core_submit(c, 9999, w, 1, UINT64_MAX, &done, &nb), KV_LLM_ENGINE_FINALIZED);
+    CHECK_EQ(done, 0);
+    uint32_t id = 0;
+    CHECK_EQ(kv_region_add(c, KV_REGION_LOCAL, 0, A(src), J, 0, &id), KV_LLM_ENGINE_FINALIZED);
+    CHECK_EQ(kv_core_abort(c, 1, KV_LLM_CANCELLED), KV_LLM_PARAM_INVALID);
+    kv_core_close(c);
+    sleep_us(20000);
+    CHECK(memcmp(snap, dst, (size_t)D) == 0);
+    CHECK_EQ(kv_core_poll(c, out, NJ), 0);
+    kv_core_free(c);
+
+    /* free with queued jobs and unpolled completions (LSan: nothing leaks) */
+    c = mk(2, 64 * KiB);
+    rs = add_local(c, src, J);
+    rd = add_local(c, dst, D);
+    for (int i = 0; i < 50; i++) {
+        seg(w, rs, 0, rd, (uint64_t)(i % 64) * MiB, J);
+        submit_async(c, (uint64_t)i + 1, w, 1);
+    }
+    kv_core_free(c);
+    CHECK_EQ(wait_tasks(base), base);
+    xunmap(src, J);
+    xunmap(dst, D);
+    xunmap(snap, D);
+}
+
+static void test_poll_small_max(void) {
+    kv_core *c = mk(1, 64 * KiB);
+    const uint64_t J = 128 * KiB;
+    uint8_t *src = xmap(J), *dst = xmap(J);
+    fill(src, J, 14);
+    uint32_t rs = add_local(c, src, J), rd = add_local(c, dst, J);
+    uint64_t w[KV_SEG_WORDS];
+    seg(w, rs, 0, rd, 0, J);
+    for (uint64_t i = 1; i <= 10; i++)
+        submit_async(c, i, w, 1);
+    double end = now_ms() + WAIT_MS;
+    while (stats(c).jobs_completed < 10 && now_ms() < end)
+        sleep_us(1000);
+    CHECK_EQ(stats(c).jobs_completed, 10);
+    CHECK(readable_now(c));
+    kv_completion out[10];
+    CHECK_EQ(kv_core_poll(c, out, 0), 0);
+    CHECK(readable_now(c)); /* max 0 keeps it readable */
+    size_t got = 0;
+    for (int round = 0; round < 3; round++) {
+        CHECK_EQ(kv_core_poll(c, out + got, 3), 3);
+        got += 3;
+        CHECK(readable_now(c)); /* more left: still readable */
+    }
+    CHECK_EQ(kv_core_poll(c, out + got, 3), 1);
+    got += 1;
+    CHECK(!readable_now(c)); /* drained: reset */
+    for (size_t i = 0; i < got; i++) { /* one mover, FIFO queue: completion order */
+        CHECK_EQ(out[i].job_id, i + 1);
+        CHECK_EQ(out[i].status, KV_LLM_SUCCESS);
+        CHECK_EQ(out[i].nbytes, J);
+    }
+    CHECK_EQ(kv_core_poll(c, out, 10), 0);
+    CHECK(memcmp(dst, src, (size_t)J) == 0);
+    check_quiet_stats(c);
+    kv_core_free(c);
+    xunmap(src, J);
+    xunmap(dst, J);
+}
+
+/* ---- concurrent submitters */
+
+enum { NT = 4, PER = 1000 };
+#define CONC_SRC (1 * MiB)
+#define CONC_INLINE (16 * KiB)
+
+typedef struct {
+    kv_core *c;
+    int t;
+    uint32_t rs, rd;
+    uint64_t async_jobs, inline_jobs, aborts_ok, inline_bytes;
+} conc_arg;
+
+static pthread_mutex_t g_conc_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_conc_done;
+static uint64_t g_conc_expected;
+
+static uint64_t mix(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+static uint64_t conc_len(int t, uint64_t i) {
+    return 1 + mix((uint64_t)t * 1000003u + i) % (192 * KiB);
+}
+
+static uint64_t conc_off(int t, uint64_t i, uint64_t len) {
+    return mix((uint64_t)t * 7919u + i * 31u + 5u) % (CONC_SRC - len + 1);
+}
+
+static void *conc_main(void *p) {
+    conc_arg *a = p;
+    static uint8_t churn_buf[4096];
+    for (uint64_t i = 0; i < PER; i++) {
+        uint64_t len = conc_len(a->t, i), off = conc_off(a->t, i, len);
+        uint64_t w[KV_SEG_WORDS];
+        seg(w, a->rs, off, a->rd, off, len);
+        uint64_t id = ((uint64_t)(a->t + 1) << 32) | i;
+        int done = -1;
+        uint64_t nb = 0;
+        CHECK_EQ(kv_core_submit(a->c, id, w, 1, CONC_INLINE, &done, &nb), KV_LLM_SUCCESS);
+        if (done) {
+            CHECK(len <= CONC_INLINE);
+            CHECK_EQ(nb, len);
+            a->inline_jobs++;
+            a->inline_bytes += nb;
+        } else {
+            CHECK(len > CONC_INLINE);
+            a->async_jobs++;
+            pthread_mutex_lock(&g_conc_mu);
+            g_conc_expected++;
+            pthread_mutex_unlock(&g_conc_mu);
+            if (i % 7 == 0) {
+                uint32_t st = kv_core_abort(a->c, id, KV_LLM_CANCELLED);
+                CHECK(st == KV_LLM_SUCCESS || st == KV_LLM_PARAM_INVALID);
+                a->aborts_ok += st == KV_LLM_SUCCESS;
+            }
+        }
+        if (i % 50 == 0) { /* region churn: the table grows while others submit */
+            uint32_t rid = 0;
+            CHECK_EQ(kv_region_add(a->c, KV_REGION_LOCAL, 0, A(churn_buf), sizeof churn_buf, 0,
+                                   &rid),
+                     KV_LLM_SUCCESS);
+            CHECK_EQ(kv_region_remove(a->c, rid), KV_LLM_SUCCESS);
+        }
+    }
+    pthread_mutex_lock(&g_conc_mu);
+    g_conc_done++;
+    pthread_mutex_unlock(&g_conc_mu);
+    return NULL;
+}
+
+static void test_concurrent(void) {
+    kv_core *c = mk(3, 64 * KiB);
+    uint8_t *src = xmap(CONC_SRC);
+    fill(src, CONC_SRC, 15);
+    uint8_t *dst[NT];
+    conc_arg args[NT];
+    pthread_t th[NT];
+    uint32_t rs = add_local(c, src, CONC_SRC);
+    g_conc_done = 0;
+    g_conc_expected = 0;
+    for (int t = 0; t < NT; t++) {
+        dst[t] = xmap(CONC_SRC);
+        memset(&args[t], 0, sizeof args[t]);
+        args[t].c = c;
+        args[t].t = t;
+        args[t].rs = rs;
+        args[t].rd = add_local(c, dst[t], CONC_SRC);
+    }
+    for (int t = 0; t < NT; t++)
+        CHECK(pthread_create(&th[t], NULL, conc_main, &args[t]) == 0);
+
+    static unsigned char seen[NT][PER];
+    memset(seen, 0, sizeof seen);
+    static kv_completion out[256];
+    uint64_t received = 0, cancelled = 0;
+    double end = now_ms() + 20000;
+    for (;;) {
+        pthread_mutex_lock(&g_conc_mu);
+        int fin = g_conc_done == NT && received == g_conc_expected;
+        pthread_mutex_unlock(&g_conc_mu);
+        if (fin)
+            break;
+        CHECK(now_ms() < end);
+        struct pollfd pfd = {kv_core_fileno(c), POLLIN, 0};
+        int r = poll(&pfd, 1, 50);
+        CHECK(r >= 0 || errno == EINTR);
+        if (r <= 0)
+            continue;
+        size_t n = kv_core_poll(c, out, 256);
+        for (size_t k = 0; k < n; k++) {
+            uint64_t id = out[k].job_id;
+            uint64_t t = (id >> 32) - 1, i = id & 0xFFFFFFFFu;
+            CHECK(t < NT && i < PER);
+            CHECK_EQ(seen[t][i]++, 0);
+            uint64_t len = conc_len((int)t, i);
+            CHECK(len > CONC_INLINE);
+            if (out[k].status == KV_LLM_SUCCESS) {
+                CHECK_EQ(out[k].nbytes, len);
+            } else {
+                CHECK_EQ(out[k].status, KV_LLM_CANCELLED);
+                CHECK_EQ(i % 7, 0);
+                /* an abort that lands while the last chunk is in flight is still
+                 * accepted: the status says cancelled, every byte may be there */
+                CHECK(out[k].nbytes <= len);
+                cancelled++;
+            }
+            received++;
+        }
+    }
+    uint64_t async_jobs = 0, inline_jobs = 0, aborts_ok = 0, inline_bytes = 0;
+    for (int t = 0; t < NT; t++) {
+        CHECK(pthread_join(th[t], NULL) == 0);
+        async_jobs += args[t].async_jobs;
+        inline_jobs += args[t].inline_jobs;
+        aborts_ok += args[t].aborts_ok;
+        inline_bytes += args[t].inline_bytes;
+    }
+    CHECK_EQ(async_jobs + inline_jobs, NT * PER);
+    CHECK_EQ(received, async_jobs);
+    CHECK(inline_jobs > 0 && async_jobs > 0);
+    CHECK_EQ(cancelled, aborts_ok); /* an accepted abort always shows in the completion */
+    for (int t = 0; t < NT; t++)
+        for (uint64_t i = 0; i < PER; i++)
+            CHECK_EQ(seen[t][i], conc_len(t, i) > CONC_INLINE ? 1 : 0);
+    check_no_more(c);
+    check_quiet_stats(c);
+    kv_stats s = stats(c);
+    CHECK_EQ(s.jobs_submitted, async_jobs);
+    CHECK_EQ(s.jobs_inline, inline_jobs);
+    CHECK_EQ(s.jobs_completed, async_jobs);
+    CHECK_EQ(s.jobs_aborted, aborts_ok);
+    CHECK_EQ(s.regions_live, 1 + NT);
+    CHECK(s.bytes_moved >= inline_bytes);
+    /* every destination byte is either untouched or the source byte */
+    for (int t = 0; t < NT; t++) {
+        for (uint64_t k = 0; k < CONC_SRC; k++)
+            if (dst[t][k] != src[k])
+                CHECK_EQ(dst[t][k], 0);
+        xunmap(dst[t], CONC_SRC);
+    }
+    kv_core_free(c);
+    xunmap(src, CONC_SRC);
+}
+
+/* ---------------------------------------------------------------- main */
+
+typedef struct {
+    const char *name;
+    void (*fn)(void);
+} test_case;
+
+static void *noop_thread(void *arg) { return arg; }
+
+int main(int argc, char **argv) {
+    static const test_case tests[] = {
+        {"new_params", test_new_params},
+        {"regions", test_regions},
+        {"submit_validation", test_submit_validation},
+        {"inline", test_inline},
+        {"mover", test_mover},
+        {"process_self", test_process_self},
+        {"process_child", test_process_child},
+        {"abort", test_abort},
+        {"remove_in_use", test_remove_in_use},
+        {"close", test_close},
+        {"poll_small_max", test_poll_small_max},
+        {"concurrent", test_concurrent},
+    };
+    const size_t nt = sizeof tests / sizeof tests[0];
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    alarm(WATCHDOG_SECONDS); /* default action: terminate, so a hang fails */
+    /* Some runtimes (e.g. TSan) start a helper thread with the first
+     * pthread_create; start it now so the thread counts below are stable. */
+    pthread_t warm;
+    CHECK(pthread_create(&warm, NULL, noop_thread, NULL) == 0);
+    CHECK(pthread_join(warm, NULL) == 0);
+    for (int k = 1; k < argc; k++) {
+        size_t i = 0;
+        while (i < nt && strcmp(argv[k], tests[i].name) != 0)
+            i++;
+        if (i == nt) {
+            fprintf(stderr, "unknown test %s; tests:", argv[k]);
+            for (i = 0; i < nt; i++)
+                fprintf(stderr, " %s", tests[i].name);
+            fprintf(stderr, "\n");
+            return 2;
+        }
+    }
+    int passed = 0;
+    double t0 = now_ms();
+    for (size_t i = 0; i < nt; i++) {
+        int selected = argc < 2;
+        for (int k = 1; k < argc; k++)
+            selected |= strcmp(argv[k], tests[i].name) == 0;
+        if (!selected)
+            continue;
+        g_test = tests[i].name;
+        double t = now_ms();
+        tests[i].fn();
+        printf("ok %-18s %7.1f ms\n", tests[i].name, now_ms() - t);
+        passed++;
+    }
+    printf("%d passed, 0 failed (%lu checks, %.1f ms)\n", passed, g_checks, now_ms() - t0);
+    return 0;
+}

@@ -1,0 +1,78 @@
+"""Builds and runs tests/native/test_kv_core.c, the standalone C test of the
+native core (cython_src/csrc/kv_core.c), no Python involved in what it tests:
+
+* under AddressSanitizer + UndefinedBehaviorSanitizer (leak checking on), and
+* without sanitizers at -O2, several runs (optimisation-dependent races).
+
+A missing C compiler is a failure, not a skip: these tests are the only
+memory-safety check of the core. tests/native/run_asan.sh does the same by hand.
+"""
+
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "cython_src" / "csrc"
+TEST_C = ROOT / "tests" / "native" / "test_kv_core.c"
+
+COMMON = ["-std=c99", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror", "-pthread"]
+SANITIZE = ["-g", "-O1", "-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+OPTIMISE = ["-O2"]
+SAN_ENV = {
+    "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1",
+    "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+}
+BUILD_TIMEOUT = 180
+RUN_TIMEOUT = 120  # the program has its own 90 s watchdog; a normal run takes ~1-2 s
+
+
+def _tail(text, n=60):
+    return "\n".join(text.splitlines()[-n:])
+
+
+def _compiler():
+    """`cc`, or $CC (which may carry a launcher, e.g. "ccache gcc")."""
+    cc = shlex.split(os.environ.get("CC") or "cc")
+    if not cc or shutil.which(cc[0]) is None:
+        pytest.fail(f"C compiler {' '.join(cc)!r} not found on PATH: the native core's "
+                    "sanitizer tests cannot run. Install a C toolchain "
+                    "(e.g. apt-get install gcc) or set CC.", pytrace=False)
+    return cc
+
+
+def _build(tmp_path, name, flags):
+    exe = tmp_path / name
+    cmd = [*_compiler(), *COMMON, *flags, f"-I{CSRC}", str(TEST_C), str(CSRC / "kv_core.c"),
+           "-o", str(exe)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+    assert r.returncode == 0, f"build failed: {' '.join(cmd)}\n{_tail(r.stderr)}"
+    return exe
+
+
+def _run(exe, extra_env=None):
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)  # the ASan runtime must come first
+    env.update(extra_env or {})
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=RUN_TIMEOUT,
+                       env=env, cwd=ROOT)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"{exe.name} exited with {r.returncode}:\n{_tail(out)}"
+    assert "0 failed" in r.stdout, f"no summary line from {exe.name}:\n{_tail(out)}"
+    return r.stdout
+
+
+def test_kv_core_asan_ubsan(tmp_path):
+    exe = _build(tmp_path, "test_kv_core_asan", SANITIZE)
+    out = _run(exe, SAN_ENV)
+    assert " passed, 0 failed" in out
+
+
+def test_kv_core_optimised(tmp_path):
+    exe = _build(tmp_path, "test_kv_core_o2", OPTIMISE)
+    for _ in range(3):  # cheap (~1 s each); races show up more often over several runs
+        _run(exe)
