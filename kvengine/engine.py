@@ -933,12 +933,12 @@ class KvEngine:
 
     def _segments(self, key: tuple | None, make, src_regions, dst_regions) -> array.array:
         if key is not None:
-            try:
+            if not _plain_key(key):   # only exact ints hit the memo: True == 1, 0.0 == 0
+                key = None
+            else:
                 segs = self._plans.get(key)
-            except TypeError:  # unhashable ext param (lists): plan without the cache
-                key, segs = None, None
-            if segs is not None:
-                return segs
+                if segs is not None:
+                    return segs
         mapped = [(src_regions[s][0], src_regions[s][1] + so, dst_regions[d][0], dst_regions[d][1] + do, n)
                   for s, so, d, do, n in make()]
         segs = array.array("Q", [w for seg in plan.coalesce(mapped) for w in seg])
@@ -1097,6 +1097,21 @@ class KvEngine:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "started" if self._started else "new"
         return f"<KvEngine cluster={self.cluster_id} role={self.role.name} address={self.address} {state}>"
+
+
+def _plain_range(r: Any) -> bool:
+    return type(r) is range or (type(r) is tuple and len(r) == 2 and type(r[0]) is int and type(r[1]) is int)
+
+
+def _plain_key(key: tuple) -> bool:
+    """True if every part of a plan memo key has an exact type (so equal means identical)."""
+    *head, ext = key
+    if not all(type(v) is int or type(v) is str for v in head):
+        return False
+    if ext is None:
+        return True
+    return (type(ext) is KvCacheExtParam and type(ext.tensor_num_per_layer) is int
+            and _plain_range(ext.src_layer_range) and _plain_range(ext.dst_layer_range))
 
 
 async def _const(value):

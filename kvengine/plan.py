@@ -17,7 +17,10 @@ Rules (LLM-DataDist V2, docs/api.md):
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Sequence
+
+import numpy as np
 
 from .types import CacheDesc, KvCacheExtParam, as_int_list, param_invalid
 
@@ -29,11 +32,19 @@ _MAX_TNPL = 255  # LLM-DataDist's tensor_num_per_layer is a uint8
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) or type(v).__name__.startswith(("int", "uint"))
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _check_op(op: str) -> None:
+    if op not in ("push", "pull"):
+        raise ValueError(f"op must be 'push' or 'pull', got {op!r}")
 
 
 def layer_tensors(desc: CacheDesc, layer_range: Any, tnpl: int, what: str) -> range:
     """Tensor indices covered by ``layer_range`` in a cache of ``desc``."""
+    if not _is_int(tnpl) or not 1 <= tnpl <= desc.num_tensors or desc.num_tensors % tnpl:
+        raise param_invalid(
+            f"tensor_num_per_layer {tnpl!r} must divide num_tensors {desc.num_tensors}")
     num_layers = desc.num_tensors // tnpl
     if layer_range is None:
         return range(0, num_layers * tnpl)
@@ -100,6 +111,7 @@ def _check_index(name: str, value: Any, bound: int) -> int:
 def plan_cache(src: CacheDesc, dst: CacheDesc, src_batch: int, dst_batch: int, size: int,
                ext: KvCacheExtParam | None, *, op: str) -> list[Segment]:
     """Segments of a push (``op="push"``) or pull of one batch row of each tensor."""
+    _check_op(op)
     sb = _check_index("source batch_index", src_batch, src.shape[0])
     db = _check_index("destination batch_index", dst_batch, dst.shape[0])
     pairs = _tensor_pairs(src, dst, ext)
@@ -144,6 +156,7 @@ def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tup
 def plan_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Sequence[int], dst_blocks: Sequence[int],
                 ext: KvCacheExtParam | None, *, op: str) -> list[Segment]:
     """Segments of a push or pull of block lists: ``src_blocks[i]`` -> ``dst_blocks[i]``."""
+    _check_op(op)
     sbl = as_int_list("src_blocks", src_blocks)
     dbl = as_int_list("dst_blocks", dst_blocks)
     if not sbl or not dbl:

@@ -27,6 +27,7 @@ _U32 = 2**32 - 1
 _U64 = 2**64 - 1
 _I64 = 2**63 - 1
 MAX_SHAPE_RANK = 31
+_MAX_CACHE_BYTES = 1 << 48   # keeps every byte offset far inside the native uint64 words
 
 
 def param_invalid(message: str):
@@ -160,6 +161,8 @@ class CacheDesc:
         except ValueError:
             raise param_invalid(f"unknown placement {self.placement!r}") from None
         object.__setattr__(self, "num_tensors", int(self.num_tensors))
+        if self.nbytes > _MAX_CACHE_BYTES:
+            raise param_invalid(f"cache of {self.nbytes} bytes exceeds the {_MAX_CACHE_BYTES}-byte limit")
 
     @property
     def batch_size(self) -> int:
@@ -282,7 +285,7 @@ class EngineOptions:
     def __post_init__(self) -> None:
         for name in ("sync_kv_timeout", "link_timeout"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise param_invalid(f"EngineOptions.{name} must be a positive number of seconds")
         if self.transport not in ("auto", "local", "shm"):
             raise param_invalid(
