@@ -75,9 +75,13 @@ class Transfer:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._link is not None:
-            self._link.inflight.discard(self)
+        link = self._link
+        if link is not None:
+            link.inflight.discard(self)
             self._link = None
+            if st == S.LLM_LINK_FAILED and link.up:
+                # the peer is gone (e.g. CMA found no such process): the whole link is
+                self._engine._link_down(link, S.LLM_LINK_FAILED)
         for r in self._refs:
             r._inflight -= 1
             if r._inflight == 0 and r._idle is not None:

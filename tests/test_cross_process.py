@@ -166,12 +166,12 @@ async def test_timeout_fenced_across_processes(prefill, decode, kind):
 
 @pytest.mark.parametrize("kind", ["alloc", "register"])
 async def test_peer_killed_mid_transfer_then_new_peer(prefill, decode, kind):
-    big = kv.CacheDesc(4, (8, 16 << 20), np.uint8)          # 512 MiB
-    dst = (await decode.call(kind, n=4, shape=[8, 16 << 20], dtype="uint8"))["cache_id"]
+    big = kv.CacheDesc(4, (1, 32 << 20), np.uint8)          # 128 MiB per push
+    dst = (await decode.call(kind, n=4, shape=[1, 32 << 20], dtype="uint8"))["cache_id"]
     await linked(prefill, decode)
     src = local_cache(prefill, big, seed=29)
-    transfers = [prefill.submit_push_kv_cache(src, kv.CacheIndex(2, dst, r), src_batch_index=r, timeout=30)
-                 for r in range(8)]
+    # ~40 x 10 ms of queued work: the engine sees the peer's death long before it is done
+    transfers = [prefill.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=30) for _ in range(40)]
     decode.kill()
     statuses = await asyncio.wait_for(asyncio.gather(*transfers), 30)   # no hang
     assert set(statuses) <= {S.LLM_SUCCESS, S.LLM_LINK_FAILED}
