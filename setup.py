@@ -20,7 +20,7 @@ if os.environ.get("KVENGINE_SANITIZE"):
 
 ext = Extension(
     "kvengine._native",
-    sources=["cython_src/_native.pyx", "cython_src/csrc/kv_core.c"],
+    sources=["cython_src/_native.pyx", "cython_src/csrc/kv_core.c", "cython_src/csrc/kv_tcp.c"],
     include_dirs=["cython_src", "cython_src/csrc"],
     extra_compile_args=cflags,
     extra_link_args=ldflags,

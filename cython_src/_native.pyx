@@ -10,7 +10,7 @@ GIL: released only around calls that may copy bytes (``submit``, which copies
 inline below the threshold), map memory (``map_fd``) or join threads (``close``).
 """
 
-from libc.stdint cimport uint32_t, uint64_t, int32_t
+from libc.stdint cimport uint16_t, uint32_t, uint64_t, int32_t
 from libc.stdlib cimport malloc, free
 cimport kvc
 
@@ -18,7 +18,19 @@ import warnings
 
 REGION_LOCAL = kvc.KV_REGION_LOCAL
 REGION_PROCESS = kvc.KV_REGION_PROCESS
+REGION_TCP = kvc.KV_REGION_TCP
 SEG_WORDS = kvc.KV_SEG_WORDS
+F_UNMAP = kvc.KV_REGION_F_UNMAP
+F_EXPORT = kvc.KV_REGION_F_EXPORT
+F_NOTIFY = kvc.KV_REGION_F_NOTIFY
+EVENT = kvc.KV_EVENT
+EVENT_LINK_READY = kvc.KV_EVENT_LINK_READY
+EVENT_LINK_DOWN = kvc.KV_EVENT_LINK_DOWN
+EVENT_REGION_FREED = kvc.KV_EVENT_REGION_FREED
+EVENT_ID_MASK = kvc.KV_EVENT_ID_MASK
+EVENT_KIND_MASK = kvc.KV_EVENT_KIND_MASK
+MAX_STREAMS = kvc.KV_MAX_STREAMS
+TOKEN_BYTES = kvc.KV_TOKEN_BYTES
 
 DEF POLL_BATCH = 512
 
@@ -66,10 +78,10 @@ cdef class Core:
     def fileno(self):
         return kvc.kv_core_fileno(self.c)
 
-    def region_add(self, int kind, int32_t pid, uint64_t addr, uint64_t length, bint unmap=False):
-        """Register memory; returns ``(status, region_id)``."""
+    def region_add(self, int kind, int32_t pid, uint64_t addr, uint64_t length, unsigned flags=0):
+        """Register memory (flags: F_UNMAP, F_EXPORT, F_NOTIFY); returns ``(status, region_id)``."""
         cdef uint32_t rid = 0
-        cdef uint32_t st = kvc.kv_region_add(self.c, kind, pid, addr, length, unmap, &rid)
+        cdef uint32_t st = kvc.kv_region_add(self.c, kind, pid, addr, length, flags, &rid)
         return st, rid
 
     def region_remove(self, uint32_t region_id):
@@ -109,6 +121,25 @@ cdef class Core:
             with nogil:  # joins threads that finish their current chunk
                 kvc.kv_core_close(self.c)
 
+    def tcp_listen(self, str ip, uint16_t port):
+        """Listen for data connections; returns ``(status, bound_port)``."""
+        cdef uint16_t bound = 0
+        cdef bytes b = ip.encode()
+        cdef uint32_t st = kvc.kv_tcp_listen(self.c, b, port, &bound)
+        return st, bound
+
+    def tcp_link_add(self, uint32_t link_id, bytes token, int nstreams):
+        if len(token) != kvc.KV_TOKEN_BYTES:
+            return 0x5010B005
+        return kvc.kv_tcp_link_add(self.c, link_id, <const unsigned char *>token, nstreams)
+
+    def tcp_conn_add(self, int fd, uint32_t link_id):
+        """Hand a connected socket to the core (it owns ``fd`` from now on, also on failure)."""
+        return kvc.kv_tcp_conn_add(self.c, fd, link_id)
+
+    def tcp_link_close(self, uint32_t link_id, uint32_t status):
+        return kvc.kv_tcp_link_close(self.c, link_id, status)
+
     def stats(self):
         cdef kvc.kv_stats s
         kvc.kv_core_stats(self.c, &s)
@@ -117,4 +148,7 @@ cdef class Core:
             "jobs_completed": s.jobs_completed, "jobs_aborted": s.jobs_aborted,
             "jobs_live": s.jobs_live, "bytes_moved": s.bytes_moved,
             "regions_live": s.regions_live, "wakeups": s.wakeups,
+            "tcp_conns": s.tcp_conns, "tcp_bytes_sent": s.tcp_bytes_sent,
+            "tcp_bytes_received": s.tcp_bytes_received, "tcp_bad_frames": s.tcp_bad_frames,
+            "tcp_refused": s.tcp_refused, "tcp_links_failed": s.tcp_links_failed,
         }

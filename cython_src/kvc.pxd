@@ -1,10 +1,22 @@
 # Extern declarations of csrc/kv_core.h, nothing else (uvloop includes/uv.pxd style).
-from libc.stdint cimport uint32_t, uint64_t, int32_t
+from libc.stdint cimport uint16_t, uint32_t, uint64_t, int32_t
 
 cdef extern from "kv_core.h" nogil:
     int KV_REGION_LOCAL
     int KV_REGION_PROCESS
+    int KV_REGION_TCP
     int KV_SEG_WORDS
+    unsigned KV_REGION_F_UNMAP
+    unsigned KV_REGION_F_EXPORT
+    unsigned KV_REGION_F_NOTIFY
+    unsigned long long KV_EVENT
+    unsigned long long KV_EVENT_LINK_READY
+    unsigned long long KV_EVENT_LINK_DOWN
+    unsigned long long KV_EVENT_REGION_FREED
+    unsigned long long KV_EVENT_ID_MASK
+    unsigned long long KV_EVENT_KIND_MASK
+    int KV_MAX_STREAMS
+    int KV_TOKEN_BYTES
 
     ctypedef struct kv_core:
         pass
@@ -23,6 +35,12 @@ cdef extern from "kv_core.h" nogil:
         uint64_t bytes_moved
         uint64_t regions_live
         uint64_t wakeups
+        uint64_t tcp_conns
+        uint64_t tcp_bytes_sent
+        uint64_t tcp_bytes_received
+        uint64_t tcp_bad_frames
+        uint64_t tcp_refused
+        uint64_t tcp_links_failed
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)
@@ -31,9 +49,13 @@ cdef extern from "kv_core.h" nogil:
     void kv_core_free(kv_core *core)
     void kv_core_stats(kv_core *core, kv_stats *out)
     uint32_t kv_region_add(kv_core *core, int kind, int32_t pid, uint64_t addr, uint64_t len,
-                           int unmap_on_release, uint32_t *region_id)
+                           unsigned flags, uint32_t *region_id)
     uint32_t kv_region_remove(kv_core *core, uint32_t region_id)
     uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr)
     uint32_t kv_core_submit(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                             uint64_t inline_max, int *done, uint64_t *nbytes)
     uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status)
+    uint32_t kv_tcp_listen(kv_core *core, const char *ip, uint16_t port, uint16_t *bound_port)
+    uint32_t kv_tcp_link_add(kv_core *core, uint32_t link_id, const unsigned char *token, int nstreams)
+    uint32_t kv_tcp_conn_add(kv_core *core, int fd, uint32_t link_id)
+    uint32_t kv_tcp_link_close(kv_core *core, uint32_t link_id, uint32_t status)

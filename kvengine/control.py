@@ -105,23 +105,32 @@ def check_proof(secret: bytes | None, got: Any, label: str, *nonces: str) -> boo
 # ---------------------------------------------------------------------- channels
 
 class StreamChannel:
-    """Length-prefixed JSON frames over an asyncio stream (the TCP hello phase)."""
+    """Length-prefixed JSON frames over an asyncio stream: the hello phase, and the
+    whole control channel of a TCP-transport link."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
 
-    async def send(self, msg: dict) -> None:
+    async def send(self, msg: dict, fds: list[int] | tuple[int, ...] = ()) -> None:
+        if fds:
+            raise ProtocolError("file descriptors cannot cross a TCP control connection")
         data = encode(msg)
-        self.writer.write(_LEN.pack(len(data)) + data)
-        await self.writer.drain()
+        if len(data) > MAX_FRAME:
+            raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_FRAME}")
+        try:
+            self.writer.write(_LEN.pack(len(data)) + data)
+            await self.writer.drain()
+        except (RuntimeError, OSError) as e:   # closed transport, reset
+            raise ConnectionError(f"control channel: {e}") from None
 
-    async def recv(self) -> dict | None:
+    async def recv(self) -> tuple[dict, list[int]] | None:
+        """Next ``(msg, [])``; ``None`` at EOF. Raises ProtocolError on garbage."""
         try:
             head = await self.reader.readexactly(4)
             (n,) = _LEN.unpack(head)
             if n > MAX_FRAME:
                 raise ProtocolError(f"control frame of {n} bytes exceeds {MAX_FRAME}")
-            return decode(await self.reader.readexactly(n))
+            return decode(await self.reader.readexactly(n)), []
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
 

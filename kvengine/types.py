@@ -268,11 +268,16 @@ class EngineOptions:
     sync_kv_timeout: default deadline of a transfer (LLM-DataDist's 1000 ms).
     link_timeout: default deadline of link/unlink calls.
     secret: shared secret for authenticated links (default: ``$KVENGINE_SECRET``).
-    transport: ``"auto"`` (local in one process, shm on one host), ``"local"`` or ``"shm"``.
+    transport: ``"auto"`` (local in one process, shm on one host, tcp across hosts),
+      ``"local"``, ``"shm"`` or ``"tcp"`` (forced; both ends must agree or say auto).
     movers: native copy threads.
     inline_threshold: transfers of at most this many bytes are copied on the calling
       thread (a cross-core thread wake-up costs more than the copy).
-    chunk_bytes: the unit a mover copies before it checks for an abort (fence granularity).
+    chunk_bytes: the unit a mover copies before it checks for an abort (fence granularity),
+      and the payload of one TCP data frame.
+    tcp_streams: TCP data connections per link (large transfers are striped over them).
+    heartbeat_interval / heartbeat_timeout: a peer silent for heartbeat_timeout is lost
+      (``LLM_LINK_FAILED``); pings go out every heartbeat_interval.
     """
     sync_kv_timeout: float = 1.0
     link_timeout: float = 3.0
@@ -281,15 +286,21 @@ class EngineOptions:
     movers: int = 2
     inline_threshold: int = 256 * 1024
     chunk_bytes: int = 1 << 20
+    tcp_streams: int = 4
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("sync_kv_timeout", "link_timeout"):
+        for name in ("sync_kv_timeout", "link_timeout", "heartbeat_interval", "heartbeat_timeout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise param_invalid(f"EngineOptions.{name} must be a positive number of seconds")
-        if self.transport not in ("auto", "local", "shm"):
+        if self.transport not in ("auto", "local", "shm", "tcp"):
             raise param_invalid(
-                f"EngineOptions.transport must be 'auto', 'local' or 'shm', got {self.transport!r}")
+                f"EngineOptions.transport must be 'auto', 'local', 'shm' or 'tcp', got {self.transport!r}")
+        _check_int("EngineOptions.tcp_streams", self.tcp_streams, 1, 16)
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise param_invalid("EngineOptions.heartbeat_timeout must exceed heartbeat_interval")
         _check_int("EngineOptions.movers", self.movers, 1, 64)
         _check_int("EngineOptions.inline_threshold", self.inline_threshold, 0, 1 << 30)
         _check_int("EngineOptions.chunk_bytes", self.chunk_bytes, 4096, 1 << 30)

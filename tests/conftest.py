@@ -24,7 +24,7 @@ async def loop_errors():
     assert not errors, f"loop exception handler called: {errors}"
 
 
-@pytest.fixture(params=["local", "shm"])
+@pytest.fixture(params=["local", "shm", "tcp"])
 def transport(request):
     return request.param
 

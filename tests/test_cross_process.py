@@ -16,9 +16,15 @@ from kvengine._peer import PeerProcess, fill_pattern, row_digests
 SECRET = b"cross-process-secret"
 
 
+@pytest.fixture(params=["shm", "tcp"])
+def xtransport(request):
+    return request.param
+
+
 @pytest.fixture
-async def prefill():
-    e = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", kv.EngineOptions(secret=SECRET)).start()
+async def prefill(xtransport):
+    e = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0",
+                          kv.EngineOptions(secret=SECRET, transport=xtransport)).start()
     try:
         yield e
     finally:
@@ -27,8 +33,8 @@ async def prefill():
 
 
 @pytest.fixture
-async def decode():
-    peer = await PeerProcess.start(cluster_id=2, secret=SECRET)
+async def decode(xtransport):
+    peer = await PeerProcess.start(cluster_id=2, secret=SECRET, transport=xtransport)
     try:
         yield peer
     finally:
@@ -38,6 +44,7 @@ async def decode():
 async def linked(prefill, peer):
     st, per = await prefill.link_clusters([kv.ClusterInfo(2, peer.address)])
     assert st == S.LLM_SUCCESS, per
+    assert prefill.stats()["links"][2]["transport"] == prefill.options.transport
 
 
 def local_cache(engine, desc, seed):
@@ -181,7 +188,7 @@ async def test_peer_killed_mid_transfer_then_new_peer(prefill, decode, kind):
     with pytest.raises(kv.LLMNotYetLinkError):
         await prefill.push_kv_cache(src, kv.CacheIndex(2, dst, 0))
     # a new decode process with the same cluster id links and works
-    fresh = await PeerProcess.start(cluster_id=2, secret=SECRET)
+    fresh = await PeerProcess.start(cluster_id=2, secret=SECRET, transport=prefill.options.transport)
     try:
         small = kv.CacheDesc(1, (2, 4096), np.uint8)
         new_dst = (await fresh.call(kind, n=1, shape=[2, 4096], dtype="uint8"))["cache_id"]

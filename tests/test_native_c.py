@@ -47,7 +47,7 @@ def _compiler():
 
 def _build(tmp_path, name, flags):
     exe = tmp_path / name
-    cmd = [*_compiler(), *COMMON, *flags, f"-I{CSRC}", str(TEST_C), str(CSRC / "kv_core.c"),
+    cmd = [*_compiler(), *COMMON, *flags, f"-I{CSRC}", str(TEST_C), str(CSRC / "kv_core.c"), str(CSRC / "kv_tcp.c"),
            "-o", str(exe)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
     assert r.returncode == 0, f"build failed: {' '.join(cmd)}\n{_tail(r.stderr)}"

@@ -363,15 +363,17 @@ def test_engine_options_valid(kwargs):
         assert getattr(o, k) == v
 
 
-@pytest.mark.parametrize("field", ["sync_kv_timeout", "link_timeout"])
-@pytest.mark.parametrize("bad", [0, 0.0, -1, -0.5, float("nan"), "1", None, True, b"1"], ids=repr)
+@pytest.mark.parametrize("field", ["sync_kv_timeout", "link_timeout", "heartbeat_interval", "heartbeat_timeout"])
+@pytest.mark.parametrize("bad", [0, 0.0, -1, -0.5, float("nan"), float("inf"), "1", None, True, b"1"], ids=repr)
 def test_engine_options_timeouts_invalid(field, bad):
     with pytest.raises(ParamInvalid, match=field):
         EngineOptions(**{field: bad})
 
 
 @pytest.mark.parametrize("field,bad", [
-    ("transport", "tcp"), ("transport", None), ("transport", "AUTO"),
+    ("transport", None), ("transport", "AUTO"), ("transport", "rdma"),
+    ("tcp_streams", 0), ("tcp_streams", 17), ("heartbeat_interval", 0), ("heartbeat_timeout", -1),
+    ("heartbeat_timeout", 0.1),   # not above heartbeat_interval
     ("movers", 0), ("movers", 65), ("movers", 1.5), ("movers", True), ("movers", "2"),
     ("inline_threshold", -1), ("inline_threshold", (1 << 30) + 1), ("inline_threshold", 1.0),
     ("chunk_bytes", 4095), ("chunk_bytes", (1 << 30) + 1), ("chunk_bytes", 0), ("chunk_bytes", None),

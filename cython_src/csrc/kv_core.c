@@ -4,7 +4,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
-#include "kv_core.h"
+#include "kv_internal.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -16,107 +16,80 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define KV_MAX_MOVERS 64
-#define KV_HASH_BUCKETS 4096u
-
-typedef struct {
-    uint64_t addr;
-    uint64_t len;
-    int32_t pid;
-    int kind;
-    int unmap;
-    int removed;
-    uint64_t refs; /* jobs using it */
-} kv_region;
-
-typedef struct {
-    uint64_t src, dst, len; /* resolved addresses */
-    int32_t pid;            /* peer pid when one side is KV_REGION_PROCESS */
-    int8_t src_kind, dst_kind;
-} kv_rseg;
-
-typedef struct kv_job {
-    uint64_t id;
-    kv_rseg *segs;
-    size_t nsegs;
-    uint32_t *regions; /* region refs held: 2 per segment */
-    size_t cur_seg;    /* claim cursor */
-    uint64_t cur_off;
-    uint64_t done_bytes;
-    int active;        /* movers copying a chunk of this job */
-    int claimed_all;   /* no more chunks to hand out (done, failed or aborted) */
-    int queued;
-    uint32_t status;   /* first failure, or the abort status */
-    struct kv_job *qnext, *qprev; /* mover queue */
-    struct kv_job *hnext;         /* id hash chain */
-    struct kv_job *dnext;         /* completion list, once finished */
-} kv_job;
-
-struct kv_core {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    pthread_t threads[KV_MAX_MOVERS];
-    int nthreads;
-    int stopping;
-    int closed;
-    int efd;
-    uint64_t chunk;
-
-    kv_region **regions; /* index = id; NULL once released */
-    size_t nregions;     /* next id */
-    size_t region_cap;
-
-    kv_job *qhead, *qtail;
-    kv_job *hash[KV_HASH_BUCKETS];
-
-    kv_job *done_head, *done_tail; /* finished jobs not yet polled */
-
-    kv_stats st;
-};
-
 /* ------------------------------------------------------------------ regions */
 
-static kv_region *region_get(kv_core *c, uint32_t id) {
+kv_region *kv__region_get(kv_core *c, uint32_t id) {
     if (id == 0 || id >= c->nregions)
         return NULL;
     return c->regions[id];
 }
 
-static void region_release(kv_core *c, uint32_t id) {
+static int region_release(kv_core *c, uint32_t id) {
     kv_region *r = c->regions[id];
-    if (r->unmap)
+    int sig = 0;
+    if (r->flags & KV_REGION_F_UNMAP)
         munmap((void *)(uintptr_t)r->addr, (size_t)r->len); /* nothing to do on failure */
+    if (r->notify) {
+        sig = kv__post_event(c, r->notify);
+        r->notify = NULL;
+    }
     free(r);
     c->regions[id] = NULL;
     c->st.regions_live--;
+    return sig;
 }
 
-static void region_unref(kv_core *c, uint32_t id) {
+void kv__region_ref(kv_core *c, uint32_t id) { c->regions[id]->refs++; }
+
+static int region_unref_sig(kv_core *c, uint32_t id) {
     kv_region *r = c->regions[id];
     if (--r->refs == 0 && r->removed)
-        region_release(c, id);
+        return region_release(c, id);
+    return 0;
+}
+
+/* An unref that releases a notifying region signals the loop itself: callers
+ * hold the lock, so the eventfd write happens here (a write under the lock is
+ * harmless, just not free). */
+void kv__region_unref(kv_core *c, uint32_t id) {
+    if (region_unref_sig(c, id))
+        kv__signal_loop(c);
 }
 
 uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_t len,
-                       int unmap_on_release, uint32_t *region_id) {
-    if (addr == 0 || len == 0 || addr + len < addr)
+                       unsigned flags, uint32_t *region_id) {
+    if (len == 0 || addr + len < addr || (flags & ~7u))
         return KV_LLM_PARAM_INVALID;
-    if (kind != KV_REGION_LOCAL && kind != KV_REGION_PROCESS)
+    if (kind == KV_REGION_LOCAL) {
+        if (addr == 0)
+            return KV_LLM_PARAM_INVALID;
+    } else if (kind == KV_REGION_PROCESS) {
+        if (addr == 0 || pid <= 0 || (flags & (KV_REGION_F_UNMAP | KV_REGION_F_EXPORT)))
+            return KV_LLM_PARAM_INVALID;
+    } else if (kind == KV_REGION_TCP) {
+        if (pid <= 0 || addr == 0 || addr > UINT32_MAX || (flags & (KV_REGION_F_UNMAP | KV_REGION_F_EXPORT)))
+            return KV_LLM_PARAM_INVALID;
+    } else {
         return KV_LLM_PARAM_INVALID;
-    if (kind == KV_REGION_PROCESS && (pid <= 0 || unmap_on_release))
-        return KV_LLM_PARAM_INVALID;
+    }
     kv_region *r = calloc(1, sizeof *r);
-    if (!r)
+    kv_job *ev = (flags & KV_REGION_F_NOTIFY) ? calloc(1, sizeof *ev) : NULL;
+    if (!r || ((flags & KV_REGION_F_NOTIFY) && !ev)) {
+        free(r);
+        free(ev);
         return KV_LLM_OUT_OF_MEMORY;
+    }
     r->addr = addr;
     r->len = len;
     r->pid = pid;
     r->kind = kind;
-    r->unmap = unmap_on_release;
+    r->flags = flags;
+    r->notify = ev;
     pthread_mutex_lock(&c->mu);
     if (c->closed) {
         pthread_mutex_unlock(&c->mu);
         free(r);
+        free(ev);
         return KV_LLM_ENGINE_FINALIZED;
     }
     if (c->nregions >= c->region_cap) {
@@ -125,6 +98,7 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
         if (!n) {
             pthread_mutex_unlock(&c->mu);
             free(r);
+            free(ev);
             return KV_LLM_OUT_OF_MEMORY;
         }
         c->regions = n;
@@ -133,9 +107,14 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
     if (c->nregions > UINT32_MAX - 1) {
         pthread_mutex_unlock(&c->mu);
         free(r);
+        free(ev);
         return KV_LLM_OUT_OF_MEMORY;
     }
     *region_id = (uint32_t)c->nregions;
+    if (ev) {
+        ev->id = KV_EVENT_REGION_FREED | *region_id;
+        ev->event = 1;
+    }
     c->regions[c->nregions++] = r;
     c->st.regions_live++;
     pthread_mutex_unlock(&c->mu);
@@ -144,15 +123,16 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
 
 uint32_t kv_region_remove(kv_core *c, uint32_t id) {
     pthread_mutex_lock(&c->mu);
-    kv_region *r = region_get(c, id);
+    kv_region *r = kv__region_get(c, id);
     if (!r || r->removed) {
         pthread_mutex_unlock(&c->mu);
         return KV_LLM_KV_CACHE_NOT_EXIST;
     }
     r->removed = 1;
-    if (r->refs == 0)
-        region_release(c, id);
+    int sig = r->refs == 0 ? region_release(c, id) : 0;
     pthread_mutex_unlock(&c->mu);
+    if (sig)
+        kv__signal_loop(c);
     return KV_LLM_SUCCESS;
 }
 
@@ -216,11 +196,19 @@ static uint32_t copy_chunk(const kv_rseg *s, uint64_t off, uint64_t n) {
 
 /* ------------------------------------------------------------------- jobs */
 
+static unsigned bucket(uint64_t id);
+
+void kv__job_hash(kv_core *c, kv_job *j) {
+    unsigned b = bucket(j->id);
+    j->hnext = c->hash[b];
+    c->hash[b] = j;
+}
+
 static unsigned bucket(uint64_t id) {
     return (unsigned)((id * 0x9E3779B97F4A7C15ull) >> 52) & (KV_HASH_BUCKETS - 1);
 }
 
-static kv_job *job_find(kv_core *c, uint64_t id) {
+kv_job *kv__job_find(kv_core *c, uint64_t id) {
     for (kv_job *j = c->hash[bucket(id)]; j; j = j->hnext)
         if (j->id == id)
             return j;
@@ -249,16 +237,18 @@ static void queue_remove(kv_core *c, kv_job *j) {
     j->queued = 0;
 }
 
-static void job_release_refs(kv_core *c, kv_job *j, size_t nrefs) {
+static int job_release_refs(kv_core *c, kv_job *j, size_t nrefs) {
+    int sig = 0;
     for (size_t i = 0; i < nrefs; i++)
-        region_unref(c, j->regions[i]);
+        sig |= region_unref_sig(c, j->regions[i]);
     free(j->regions);
     free(j->segs);
     j->regions = NULL;
     j->segs = NULL;
+    return sig;
 }
 
-static void signal_loop(kv_core *c) {
+void kv__signal_loop(kv_core *c) {
     uint64_t one = 1;
     ssize_t r;
     do
@@ -267,16 +257,9 @@ static void signal_loop(kv_core *c) {
     /* EAGAIN means the counter is saturated: the loop is already woken. */
 }
 
-/* If nothing more will be copied for `j`, drop its region refs and append it
- * to the completion list (no allocation: a completion cannot be lost).
- * Caller holds the lock. Returns 1 if the eventfd must be signalled. */
-static int job_maybe_finish(kv_core *c, kv_job *j) {
-    if (!j->claimed_all || j->active)
-        return 0;
-    job_unhash(c, j);
-    job_release_refs(c, j, j->nsegs * 2);
-    c->st.jobs_live--;
-    c->st.jobs_completed++;
+/* Append a finished job or an event to the completion list (no allocation: a
+ * completion cannot be lost). Returns 1 if the eventfd must be signalled. */
+int kv__post_event(kv_core *c, kv_job *j) {
     j->dnext = NULL;
     int was_empty = c->done_head == NULL;
     if (c->done_tail)
@@ -287,6 +270,24 @@ static int job_maybe_finish(kv_core *c, kv_job *j) {
     if (was_empty)
         c->st.wakeups++; /* the reader drains everything on one wake-up */
     return was_empty;
+}
+
+int kv__job_complete(kv_core *c, kv_job *j, uint32_t status) {
+    if (j->status == KV_LLM_SUCCESS)
+        j->status = status;
+    job_unhash(c, j);
+    int sig = job_release_refs(c, j, j->nsegs * 2);
+    c->st.jobs_live--;
+    c->st.jobs_completed++;
+    return kv__post_event(c, j) | sig;
+}
+
+/* If nothing more will be copied for `j`, complete it.
+ * Caller holds the lock. Returns 1 if the eventfd must be signalled. */
+static int job_maybe_finish(kv_core *c, kv_job *j) {
+    if (!j->claimed_all || j->active)
+        return 0;
+    return kv__job_complete(c, j, KV_LLM_SUCCESS);
 }
 
 static void *mover_main(void *arg) {
@@ -330,7 +331,7 @@ static void *mover_main(void *arg) {
         }
         if (job_maybe_finish(c, j)) {
             pthread_mutex_unlock(&c->mu);
-            signal_loop(c);
+            kv__signal_loop(c);
             pthread_mutex_lock(&c->mu);
         }
     }
@@ -341,10 +342,11 @@ static void *mover_main(void *arg) {
 /* Resolve and bounds-check `segs` into `out`, taking region refs into `refs`.
  * Caller holds the lock. On failure no ref is held. */
 static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_rseg *out,
-                        uint32_t *refs, uint64_t *total) {
+                        uint32_t *refs, uint64_t *total, int32_t *tcp_link) {
     uint64_t sum = 0;
     size_t i;
     uint32_t st = KV_LLM_SUCCESS;
+    int tcp = -1; /* -1 undecided, 0 local/process job, 1 TCP job */
     for (i = 0; i < nsegs; i++) {
         const uint64_t *w = segs + i * KV_SEG_WORDS;
         uint64_t len = w[4];
@@ -352,8 +354,8 @@ static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_rseg 
             st = KV_LLM_KV_CACHE_NOT_EXIST;
             break;
         }
-        kv_region *sr = region_get(c, (uint32_t)w[0]);
-        kv_region *dr = region_get(c, (uint32_t)w[2]);
+        kv_region *sr = kv__region_get(c, (uint32_t)w[0]);
+        kv_region *dr = kv__region_get(c, (uint32_t)w[2]);
         if (!sr || !dr || sr->removed || dr->removed) {
             st = KV_LLM_KV_CACHE_NOT_EXIST;
             break;
@@ -364,16 +366,26 @@ static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_rseg 
             st = KV_LLM_PARAM_INVALID;
             break;
         }
-        if (sr->kind == KV_REGION_PROCESS && dr->kind == KV_REGION_PROCESS) {
-            st = KV_LLM_PARAM_INVALID; /* one side must be this process */
+        if (sr->kind != KV_REGION_LOCAL && dr->kind != KV_REGION_LOCAL) {
+            st = KV_LLM_PARAM_INVALID; /* one side must be this process's memory */
             break;
         }
-        out[i].src = sr->addr + w[1];
-        out[i].dst = dr->addr + w[3];
+        int seg_tcp = sr->kind == KV_REGION_TCP || dr->kind == KV_REGION_TCP;
+        int32_t link = sr->kind == KV_REGION_TCP ? sr->pid : dr->pid;
+        if ((tcp >= 0 && tcp != seg_tcp) || (seg_tcp && i > 0 && link != *tcp_link)) {
+            st = KV_LLM_PARAM_INVALID; /* one job, one way: all segments local or all on one link */
+            break;
+        }
+        tcp = seg_tcp;
+        if (seg_tcp)
+            *tcp_link = link;
+        out[i].src = sr->kind == KV_REGION_TCP ? w[1] : sr->addr + w[1];
+        out[i].dst = dr->kind == KV_REGION_TCP ? w[3] : dr->addr + w[3];
         out[i].len = len;
         out[i].src_kind = (int8_t)sr->kind;
         out[i].dst_kind = (int8_t)dr->kind;
-        out[i].pid = sr->kind == KV_REGION_PROCESS ? sr->pid : dr->pid;
+        out[i].pid = sr->kind != KV_REGION_LOCAL ? sr->pid : dr->pid;
+        out[i].rrid = (uint32_t)(sr->kind == KV_REGION_TCP ? sr->addr : dr->addr);
         sr->refs++;
         dr->refs++;
         refs[2 * i] = (uint32_t)w[0];
@@ -382,7 +394,7 @@ static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_rseg 
     }
     if (st != KV_LLM_SUCCESS) {
         for (size_t k = 0; k < 2 * i; k++)
-            region_unref(c, refs[k]);
+            kv__region_unref(c, refs[k]);
         return st;
     }
     *total = sum;
@@ -405,12 +417,13 @@ uint32_t kv_core_submit(kv_core *c, uint64_t job_id, const uint64_t *segs, size_
         return KV_LLM_OUT_OF_MEMORY;
     }
     uint64_t total = 0;
+    int32_t link = 0;
     pthread_mutex_lock(&c->mu);
     uint32_t st = c->closed ? KV_LLM_ENGINE_FINALIZED : KV_LLM_SUCCESS;
-    if (st == KV_LLM_SUCCESS && job_find(c, job_id))
-        st = KV_LLM_PARAM_INVALID; /* job ids are unique among live jobs */
+    if (st == KV_LLM_SUCCESS && (kv__job_find(c, job_id) || (job_id & KV_EVENT)))
+        st = KV_LLM_PARAM_INVALID; /* job ids are unique among live jobs, below 2**63 */
     if (st == KV_LLM_SUCCESS)
-        st = resolve(c, segs, nsegs, rs, refs, &total);
+        st = resolve(c, segs, nsegs, rs, refs, &total, &link);
     if (st != KV_LLM_SUCCESS) {
         pthread_mutex_unlock(&c->mu);
         free(j);
@@ -422,6 +435,23 @@ uint32_t kv_core_submit(kv_core *c, uint64_t job_id, const uint64_t *segs, size_
     j->segs = rs;
     j->nsegs = nsegs;
     j->regions = refs;
+    j->total = total;
+    if (rs[0].src_kind == KV_REGION_TCP || rs[0].dst_kind == KV_REGION_TCP) {
+        j->tcp = 1;
+        j->is_pull = rs[0].src_kind == KV_REGION_TCP;
+        j->link_id = (uint32_t)link;
+        st = kv__tcp_submit(c, j); /* hashes and queues it, or fails */
+        if (st != KV_LLM_SUCCESS) {
+            job_release_refs(c, j, 2 * nsegs);
+            pthread_mutex_unlock(&c->mu);
+            free(j);
+            return st;
+        }
+        c->st.jobs_submitted++;
+        c->st.jobs_live++;
+        pthread_mutex_unlock(&c->mu);
+        return KV_LLM_SUCCESS;
+    }
     if (total <= inline_max) {
         c->st.jobs_inline++;
         pthread_mutex_unlock(&c->mu);
@@ -458,6 +488,14 @@ uint32_t kv_core_submit(kv_core *c, uint64_t job_id, const uint64_t *segs, size_
 static int abort_locked(kv_core *c, kv_job *j, uint32_t status) {
     if (j->status == KV_LLM_SUCCESS)
         j->status = status;
+    if (j->tcp) { /* the I/O thread fences it: ABORT, then ABORT_ACK from the peer */
+        if (!j->abort_req) {
+            j->abort_req = 1;
+            c->st.jobs_aborted++;
+            kv__tcp_abort(c, j);
+        }
+        return 0;
+    }
     j->claimed_all = 1;
     queue_remove(c, j);
     c->st.jobs_aborted++;
@@ -468,15 +506,15 @@ uint32_t kv_core_abort(kv_core *c, uint64_t job_id, uint32_t status) {
     if (status == KV_LLM_SUCCESS)
         return KV_LLM_PARAM_INVALID;
     pthread_mutex_lock(&c->mu);
-    kv_job *j = job_find(c, job_id);
-    if (!j || (j->claimed_all && j->status != KV_LLM_SUCCESS)) {
+    kv_job *j = kv__job_find(c, job_id);
+    if (!j || (j->claimed_all && j->status != KV_LLM_SUCCESS) || j->abort_req) {
         pthread_mutex_unlock(&c->mu);
         return KV_LLM_PARAM_INVALID;
     }
     int sig = abort_locked(c, j, status);
     pthread_mutex_unlock(&c->mu);
     if (sig)
-        signal_loop(c);
+        kv__signal_loop(c);
     return KV_LLM_SUCCESS;
 }
 
@@ -540,7 +578,7 @@ size_t kv_core_poll(kv_core *c, kv_completion *out, size_t max) {
     int more = c->done_head != NULL;
     pthread_mutex_unlock(&c->mu);
     if (more)
-        signal_loop(c); /* the caller's buffer was too small: stay readable */
+        kv__signal_loop(c); /* the caller's buffer was too small: stay readable */
     return n;
 }
 
@@ -551,6 +589,9 @@ void kv_core_close(kv_core *c) {
         return;
     }
     c->closed = 1;
+    pthread_mutex_unlock(&c->mu);
+    kv__tcp_close(c); /* stops the I/O thread; TCP jobs complete ENGINE_FINALIZED */
+    pthread_mutex_lock(&c->mu);
     for (unsigned b = 0; b < KV_HASH_BUCKETS; b++) {
         kv_job *j = c->hash[b];
         while (j) {
@@ -566,19 +607,21 @@ void kv_core_close(kv_core *c) {
     for (int i = 0; i < c->nthreads; i++)
         pthread_join(c->threads[i], NULL);
     /* A mover that was copying finished its chunk and posted before exiting. */
-    signal_loop(c);
+    kv__signal_loop(c);
 }
 
 void kv_core_free(kv_core *c) {
     if (!c)
         return;
     kv_core_close(c);
+    kv__tcp_free(c);
     for (size_t id = 1; id < c->nregions; id++) {
         kv_region *r = c->regions[id];
         if (!r)
             continue;
-        if (r->unmap)
+        if (r->flags & KV_REGION_F_UNMAP)
             munmap((void *)(uintptr_t)r->addr, (size_t)r->len);
+        free(r->notify);
         free(r);
     }
     free(c->regions);

@@ -26,6 +26,23 @@
 
 #define KV_REGION_LOCAL   0 /* memory mapped in this process */
 #define KV_REGION_PROCESS 1 /* memory of another process, reached with process_vm_{read,write}v */
+#define KV_REGION_TCP     2 /* a peer's region over a TCP link: pid = link id, addr = the peer's region id */
+
+/* kv_region_add flags */
+#define KV_REGION_F_UNMAP  1u /* munmap on release (a mapping the core owns) */
+#define KV_REGION_F_EXPORT 2u /* TCP peers may name it in frames (this engine's caches only) */
+#define KV_REGION_F_NOTIFY 4u /* post KV_EVENT_REGION_FREED when released */
+
+/* Completions whose job_id has bit 63 set are events: kind in bits 56..62, id below. */
+#define KV_EVENT              (1ull << 63)
+#define KV_EVENT_LINK_READY   (KV_EVENT | (1ull << 56)) /* every stream of a link is up */
+#define KV_EVENT_LINK_DOWN    (KV_EVENT | (2ull << 56)) /* a stream failed: the link is closed */
+#define KV_EVENT_REGION_FREED (KV_EVENT | (3ull << 56)) /* no job or frame uses it any more */
+#define KV_EVENT_ID_MASK      ((1ull << 56) - 1)
+#define KV_EVENT_KIND_MASK    (KV_EVENT | (0x7Full << 56))
+
+#define KV_MAX_STREAMS 16
+#define KV_TOKEN_BYTES 32
 
 #define KV_SEG_WORDS 5 /* a segment: src_region, src_offset, dst_region, dst_offset, nbytes */
 
@@ -46,6 +63,12 @@ typedef struct {
     uint64_t bytes_moved;
     uint64_t regions_live;
     uint64_t wakeups;         /* eventfd writes */
+    uint64_t tcp_conns;       /* data connections open */
+    uint64_t tcp_bytes_sent;  /* payload bytes */
+    uint64_t tcp_bytes_received;
+    uint64_t tcp_bad_frames;  /* connections dropped for a malformed or out-of-bounds frame */
+    uint64_t tcp_refused;     /* connections dropped before authentication (bad token, timeout, limit) */
+    uint64_t tcp_links_failed;
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a
@@ -61,10 +84,10 @@ void kv_core_close(kv_core *core);
 void kv_core_free(kv_core *core);
 void kv_core_stats(kv_core *core, kv_stats *out);
 
-/* Register [addr, addr+len). With unmap_on_release the core munmaps it when the
- * region is removed and no job uses it any more. Ids are never reused. */
+/* Register [addr, addr+len) (KV_REGION_TCP: the peer's region `addr` of `len`
+ * bytes on link `pid`). `flags`: KV_REGION_F_*. Ids are never reused. */
 uint32_t kv_region_add(kv_core *core, int kind, int32_t pid, uint64_t addr, uint64_t len,
-                       int unmap_on_release, uint32_t *region_id);
+                       unsigned flags, uint32_t *region_id);
 uint32_t kv_region_remove(kv_core *core, uint32_t region_id);
 
 /* mmap(MAP_SHARED|MAP_POPULATE) `len` bytes of `fd`, read-write. */
@@ -88,5 +111,20 @@ uint32_t kv_core_submit(kv_core *core, uint64_t job_id, const uint64_t *segs, si
  * An abort that lands while the last chunks are being copied still succeeds:
  * the completion then carries `status` with nbytes up to the full size. */
 uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status);
+
+/* ---- TCP data plane (kv_tcp.c). One epoll I/O thread per core, started by
+ * the first call below. Frames: docs/protocol.md. */
+
+/* Listen for data connections on ip:port (port 0 picks one). */
+uint32_t kv_tcp_listen(kv_core *core, const char *ip, uint16_t port, uint16_t *bound_port);
+/* Declare link `link_id`: data connections presenting `token` are bound to it,
+ * at most `nstreams` of them. */
+uint32_t kv_tcp_link_add(kv_core *core, uint32_t link_id, const uint8_t *token, int nstreams);
+/* Hand a connected TCP socket to the core as a stream of `link_id` (client
+ * side). The core owns `fd` from here on, also on failure. When every stream
+ * of the link is acknowledged, KV_EVENT_LINK_READY|link_id is posted. */
+uint32_t kv_tcp_conn_add(kv_core *core, int fd, uint32_t link_id);
+/* Close a link's streams; its jobs complete with `status`. */
+uint32_t kv_tcp_link_close(kv_core *core, uint32_t link_id, uint32_t status);
 
 #endif

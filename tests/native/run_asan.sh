@@ -41,7 +41,7 @@ fi
 
 # shellcheck disable=SC2086  # $flags is a word list
 "$cc" -std=c99 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread $flags \
-    -I"$csrc" "$here/test_kv_core.c" "$csrc/kv_core.c" -o "$OUT"
+    -I"$csrc" "$here/test_kv_core.c" "$csrc/kv_core.c" "$csrc/kv_tcp.c" -o "$OUT"
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}

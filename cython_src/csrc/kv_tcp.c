@@ -1,0 +1,1298 @@
+/* kvengine TCP data plane: one epoll I/O thread per core.
+ *
+ * The thread owns every data connection. Push: DATA frames carry payload
+ * straight from the registered source (sendmsg, no staging copy), striped over
+ * the link's streams; the receiver checks each header against its region
+ * table (exported region, offset and length in bounds, transfer consistent)
+ * and recv()s the payload straight into place, then ACKs the transfer once
+ * every byte landed. Pull: READ requests answered by RDATA frames. Abort is
+ * fenced: ABORT on every stream, completion only after every ABORT_ACK (push),
+ * or at once with a tombstone that discards late RDATA (pull). Frames and
+ * fields: docs/protocol.md. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "kv_internal.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the frame format is little-endian; add byte swaps for this target"
+#endif
+
+#define KV_MAGIC 0x3145564Bu /* "KVE1" */
+enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_RDATA, F_RERR, F_LAST = F_RERR };
+#define F_FLAG_PULL 1u
+
+#define KV_MAX_FRAME (64ull << 20)   /* payload bytes of one frame */
+#define KV_MAX_TOTAL (1ull << 48)    /* bytes of one transfer */
+#define KV_HELLO_NS 5000000000ull    /* an unauthenticated connection lives at most 5 s */
+#define KV_MAX_PENDING 256           /* unauthenticated connections at once */
+#define KV_MAX_CTRL 65536            /* queued control frames per connection */
+#define KV_MAX_SERVE 4096            /* queued READs per connection */
+#define KV_MAX_RX 65536              /* open incoming transfers per link */
+#define KV_RX_BUCKETS 256u
+#define KV_READ_WINDOW 4             /* chunks of READ outstanding per connection */
+#define KV_SCRATCH (1u << 20)
+#define KV_RECV_BUDGET (16u << 20)   /* bytes read from one connection per wake-up */
+
+typedef struct {
+    uint32_t magic;
+    uint16_t type;
+    uint16_t flags;
+    uint32_t status;
+    uint32_t region;  /* DATA/READ: region id on the frame's receiver; RDATA: segment index */
+    uint64_t xfer;    /* the initiator's job id */
+    uint64_t offset;  /* DATA/READ: offset in that region; RDATA: offset in the segment */
+    uint64_t length;  /* payload bytes (DATA/RDATA/HELLO), bytes asked (READ), bytes dropped (ABORT_ACK) */
+    uint64_t total;   /* bytes of the whole transfer */
+    uint32_t region2; /* READ: the requester's segment index, echoed in RDATA */
+    uint32_t pad;
+    uint64_t offset2; /* READ: offset in that segment, echoed in RDATA */
+} kv_frame;
+typedef char kv_frame_is_64_bytes[sizeof(kv_frame) == 64 ? 1 : -1];
+
+typedef struct kv_serve {
+    uint64_t xfer, src, len, total, dst_off;
+    uint32_t rid, dst_seg;
+    struct kv_serve *next;
+} kv_serve;
+
+typedef struct kv_rx {
+    uint64_t xfer, total, received;
+    int pull;        /* 1: tombstone of our aborted pull, 0: a push we receive */
+    int aborted;
+    int aborts_seen; /* push: ABORTs received */
+    int acks_left;   /* pull tombstone: ABORT_ACKs awaited */
+    struct kv_rx *next;
+} kv_rx;
+
+enum { C_HELLO_WAIT, C_HELLO_SENT, C_UP };
+enum { RX_HDR, RX_PAYLOAD };
+
+struct kv_link;
+
+typedef struct kv_conn {
+    int fd, state, out_armed, dead;
+    struct kv_link *link;
+    uint64_t born;
+    struct kv_conn *next;
+    /* send */
+    kv_frame *ctrl;
+    size_t ch, cn, ccap;
+    kv_frame cur;
+    size_t cur_hsent;
+    const uint8_t *cur_pay;
+    uint64_t cur_len, cur_psent;
+    int cur_on;
+    uint32_t cur_ref; /* region ref held while an RDATA payload is sent */
+    kv_serve *sq, *sq_tail;
+    size_t sn;
+    uint64_t reads_out;
+    /* receive */
+    kv_frame rh;
+    size_t rh_got;
+    int rx_state, ptype, pdiscard;
+    uint8_t *pdst;
+    uint64_t pleft, plen, pxfer;
+    uint32_t pref;
+    uint8_t tok[KV_TOKEN_BYTES];
+} kv_conn;
+
+typedef struct kv_link {
+    uint32_t id;
+    uint8_t token[KV_TOKEN_BYTES];
+    int nstreams, nup, dead;
+    kv_conn *conns[KV_MAX_STREAMS];
+    int nconns;
+    kv_job *sq_head, *sq_tail; /* jobs with chunks left to claim */
+    kv_rx *rx[KV_RX_BUCKETS];
+    size_t nrx;
+    kv_job *ev_ready, *ev_down;
+    struct kv_link *next;
+} kv_link;
+
+enum { CMD_LINK_ADD = 1, CMD_CONN_ADD, CMD_LINK_CLOSE, CMD_LISTEN };
+
+typedef struct kv_cmd {
+    int type, fd, nstreams;
+    uint32_t link_id, status;
+    uint8_t token[KV_TOKEN_BYTES];
+    kv_job *ev_ready, *ev_down;
+    struct kv_cmd *next;
+} kv_cmd;
+
+typedef struct kv_net {
+    kv_core *c;
+    pthread_t thread;
+    int ep, wake, lfd;
+    kv_link *links;
+    kv_conn *conns;
+    int npending;
+    uint8_t *scratch;
+    uint64_t sent, received, bad, refused, failed; /* flushed into c->st */
+    /* under c->mu */
+    kv_cmd *cmd_head, *cmd_tail;
+    kv_job *in_head, *in_tail;
+    kv_job *ab_head;
+    int stop;
+} kv_net;
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void wake(kv_net *n) {
+    uint64_t one = 1;
+    ssize_t r;
+    do
+        r = write(n->wake, &one, sizeof one);
+    while (r < 0 && errno == EINTR);
+}
+
+static void *io_main(void *arg);
+
+/* Start the I/O thread on first use. Caller holds c->mu. */
+static uint32_t net_get(kv_core *c, kv_net **out) {
+    if (c->closed)
+        return KV_LLM_ENGINE_FINALIZED;
+    if (c->net) {
+        *out = c->net;
+        return KV_LLM_SUCCESS;
+    }
+    kv_net *n = calloc(1, sizeof *n);
+    if (!n)
+        return KV_LLM_OUT_OF_MEMORY;
+    n->c = c;
+    n->lfd = -1;
+    n->scratch = malloc(KV_SCRATCH);
+    n->ep = epoll_create1(EPOLL_CLOEXEC);
+    n->wake = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    if (!n->scratch || n->ep < 0 || n->wake < 0 || epoll_ctl(n->ep, EPOLL_CTL_ADD, n->wake, &ev) < 0)
+        goto fail;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int rc = pthread_create(&n->thread, NULL, io_main, n);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0)
+        goto fail;
+    c->net = n;
+    *out = n;
+    return KV_LLM_SUCCESS;
+fail:
+    if (n->ep >= 0)
+        close(n->ep);
+    if (n->wake >= 0)
+        close(n->wake);
+    free(n->scratch);
+    free(n);
+    return KV_LLM_FAILED;
+}
+
+/* --------------------------------------------------------------- helpers */
+
+static kv_link *link_find(kv_net *n, uint32_t id) {
+    for (kv_link *l = n->links; l; l = l->next)
+        if (l->id == id)
+            return l;
+    return NULL;
+}
+
+static unsigned rx_bucket(uint64_t x) { return (unsigned)((x * 0x9E3779B97F4A7C15ull) >> 56) & (KV_RX_BUCKETS - 1); }
+
+static kv_rx *rx_find(kv_link *l, uint64_t xfer, int pull) {
+    for (kv_rx *r = l->rx[rx_bucket(xfer)]; r; r = r->next)
+        if (r->xfer == xfer && r->pull == pull)
+            return r;
+    return NULL;
+}
+
+static kv_rx *rx_new(kv_link *l, uint64_t xfer, int pull) {
+    if (l->nrx >= KV_MAX_RX)
+        return NULL;
+    kv_rx *r = calloc(1, sizeof *r);
+    if (!r)
+        return NULL;
+    r->xfer = xfer;
+    r->pull = pull;
+    unsigned b = rx_bucket(xfer);
+    r->next = l->rx[b];
+    l->rx[b] = r;
+    l->nrx++;
+    return r;
+}
+
+static void rx_del(kv_link *l, kv_rx *r) {
+    kv_rx **p = &l->rx[rx_bucket(r->xfer)];
+    while (*p != r)
+        p = &(*p)->next;
+    *p = r->next;
+    l->nrx--;
+    free(r);
+}
+
+static void sq_remove(kv_link *l, kv_job *j) {
+    if (!j->queued)
+        return;
+    if (j->qprev)
+        j->qprev->qnext = j->qnext;
+    else
+        l->sq_head = j->qnext;
+    if (j->qnext)
+        j->qnext->qprev = j->qprev;
+    else
+        l->sq_tail = j->qprev;
+    j->qnext = j->qprev = NULL;
+    j->queued = 0;
+}
+
+static void abort_unlist(kv_net *n, kv_job *j) {
+    if (!j->alisted)
+        return;
+    if (j->aprev)
+        j->aprev->anext = j->anext;
+    else
+        n->ab_head = j->anext;
+    if (j->anext)
+        j->anext->aprev = j->aprev;
+    j->anext = j->aprev = NULL;
+    j->alisted = 0;
+}
+
+/* Complete a TCP job. Caller holds c->mu; returns 1 if the loop must be signalled. */
+static int tcp_complete(kv_net *n, kv_link *l, kv_job *j, uint32_t status) {
+    if (l)
+        sq_remove(l, j);
+    abort_unlist(n, j);
+    return kv__job_complete(n->c, j, status);
+}
+
+static int ctrl_push(kv_conn *k, const kv_frame *f) {
+    if (k->cn == k->ccap) {
+        if (k->ccap >= KV_MAX_CTRL)
+            return -1;
+        size_t cap = k->ccap ? k->ccap * 2 : 16;
+        kv_frame *nf = malloc(cap * sizeof *nf);
+        if (!nf)
+            return -1;
+        for (size_t i = 0; i < k->cn; i++)
+            nf[i] = k->ctrl[(k->ch + i) % k->ccap];
+        free(k->ctrl);
+        k->ctrl = nf;
+        k->ch = 0;
+        k->ccap = cap;
+    }
+    k->ctrl[(k->ch + k->cn) % k->ccap] = *f;
+    k->cn++;
+    return 0;
+}
+
+static kv_frame frame(uint16_t type, uint16_t flags, uint64_t xfer) {
+    kv_frame f;
+    memset(&f, 0, sizeof f);
+    f.magic = KV_MAGIC;
+    f.type = type;
+    f.flags = flags;
+    f.xfer = xfer;
+    return f;
+}
+
+static void arm(kv_net *n, kv_conn *k, int out) {
+    if (k->dead || k->out_armed == out)
+        return;
+    struct epoll_event ev = {.events = EPOLLIN | (out ? EPOLLOUT : 0u), .data.ptr = k};
+    epoll_ctl(n->ep, EPOLL_CTL_MOD, k->fd, &ev);
+    k->out_armed = out;
+}
+
+/* Close a connection and drop every region ref it holds. Caller holds c->mu.
+ * The struct is freed at the end of the I/O iteration (it may be on the stack of a caller). */
+static void conn_kill(kv_net *n, kv_conn *k) {
+    if (k->dead)
+        return;
+    k->dead = 1;
+    epoll_ctl(n->ep, EPOLL_CTL_DEL, k->fd, NULL);
+    close(k->fd);
+    if (k->cur_ref)
+        kv__region_unref(n->c, k->cur_ref);
+    if (k->pref)
+        kv__region_unref(n->c, k->pref);
+    k->cur_ref = k->pref = 0;
+    while (k->sq) {
+        kv_serve *s = k->sq;
+        k->sq = s->next;
+        kv__region_unref(n->c, s->rid);
+        free(s);
+    }
+    if (k->state == C_HELLO_WAIT)
+        n->npending--;
+}
+
+/* Close every stream of a link and complete its jobs with `status`. Caller holds c->mu. */
+static int link_fail(kv_net *n, kv_link *l, uint32_t status, int post_down) {
+    int sig = 0;
+    if (!l->dead) {
+        l->dead = 1;
+        if (post_down)
+            n->failed++;
+    }
+    for (int i = 0; i < l->nconns; i++)
+        conn_kill(n, l->conns[i]);
+    kv_core *c = n->c;
+    for (unsigned b = 0; b < KV_HASH_BUCKETS; b++) {
+        kv_job *j = c->hash[b];
+        while (j) {
+            kv_job *next = j->hnext;
+            if (j->tcp && j->link_id == l->id && !j->inbox) /* inbox jobs: next round */
+                sig |= tcp_complete(n, l, j, status);
+            j = next;
+        }
+    }
+    for (unsigned b = 0; b < KV_RX_BUCKETS; b++)
+        while (l->rx[b])
+            rx_del(l, l->rx[b]);
+    if (post_down && l->ev_down) {
+        l->ev_down->status = status;
+        sig |= kv__post_event(c, l->ev_down);
+        l->ev_down = NULL;
+    }
+    return sig;
+}
+
+/* Drop a connection: before authentication it is just closed (counted as
+ * refused); after, its whole link fails. `bad`: a malformed frame. */
+static int fail_conn(kv_net *n, kv_conn *k, int bad) {
+    if (k->dead)
+        return 0;
+    if (!k->link) {
+        n->refused++;
+        conn_kill(n, k);
+        return 0;
+    }
+    if (bad)
+        n->bad++;
+    return link_fail(n, k->link, KV_LLM_LINK_FAILED, 1);
+}
+
+/* ------------------------------------------------------------------ sending */
+
+/* Pick the next frame for `k`. Caller holds c->mu. */
+static int next_frame(kv_net *n, kv_conn *k) {
+    if (k->cn) {
+        k->cur = k->ctrl[k->ch];
+        k->ch = (k->ch + 1) % k->ccap;
+        k->cn--;
+        k->cur_pay = k->cur.type == F_HELLO ? k->link->token : NULL;
+        k->cur_len = k->cur.type == F_HELLO ? KV_TOKEN_BYTES : 0;
+        goto start;
+    }
+    if (k->state != C_UP)
+        return 0;
+    if (k->sq) {
+        kv_serve *s = k->sq;
+        k->sq = s->next;
+        if (!k->sq)
+            k->sq_tail = NULL;
+        k->sn--;
+        k->cur = frame(F_RDATA, 0, s->xfer);
+        k->cur.region = s->dst_seg;
+        k->cur.offset = s->dst_off;
+        k->cur.length = s->len;
+        k->cur.total = s->total;
+        k->cur_pay = (const uint8_t *)(uintptr_t)s->src;
+        k->cur_len = s->len;
+        k->cur_ref = s->rid; /* the ref moves from the task to the frame */
+        free(s);
+        goto start;
+    }
+    kv_link *l = k->link;
+    uint64_t chunk = n->c->chunk;
+    for (kv_job *j = l->sq_head; j; j = j->qnext) {
+        if (j->is_pull && k->reads_out >= KV_READ_WINDOW * chunk)
+            continue;
+        const kv_rseg *s = &j->segs[j->cur_seg];
+        uint64_t off = j->cur_off, len = s->len - off;
+        if (len > chunk)
+            len = chunk;
+        size_t seg = j->cur_seg;
+        j->cur_off += len;
+        if (j->cur_off == s->len) {
+            j->cur_off = 0;
+            if (++j->cur_seg == j->nsegs) {
+                j->claimed_all = 1;
+                sq_remove(l, j);
+            }
+        }
+        j->frames++;
+        if (j->is_pull) {
+            k->cur = frame(F_READ, 0, j->id);
+            k->cur.region = s->rrid;
+            k->cur.offset = s->src + off;
+            k->cur.length = len;
+            k->cur.total = j->total;
+            k->cur.region2 = (uint32_t)seg;
+            k->cur.offset2 = off;
+            k->cur_pay = NULL;
+            k->cur_len = 0;
+            k->reads_out += len;
+        } else {
+            k->cur = frame(F_DATA, 0, j->id);
+            k->cur.region = s->rrid;
+            k->cur.offset = s->dst + off;
+            k->cur.length = len;
+            k->cur.total = j->total;
+            k->cur_pay = (const uint8_t *)(uintptr_t)(s->src + off);
+            k->cur_len = len;
+        }
+        goto start;
+    }
+    return 0;
+start:
+    k->cur_on = 1;
+    k->cur_hsent = 0;
+    k->cur_psent = 0;
+    return 1;
+}
+
+static int conn_send(kv_net *n, kv_conn *k) {
+    kv_core *c = n->c;
+    int sig = 0;
+    for (int budget = 0; budget < 256 && !k->dead; budget++) {
+        if (!k->cur_on) {
+            pthread_mutex_lock(&c->mu);
+            int got = next_frame(n, k);
+            pthread_mutex_unlock(&c->mu);
+            if (!got) {
+                arm(n, k, 0);
+                return sig;
+            }
+        }
+        struct iovec iov[2];
+        int cnt = 0;
+        if (k->cur_hsent < sizeof k->cur) {
+            iov[cnt].iov_base = (char *)&k->cur + k->cur_hsent;
+            iov[cnt++].iov_len = sizeof k->cur - k->cur_hsent;
+        }
+        if (k->cur_psent < k->cur_len) {
+            iov[cnt].iov_base = (void *)(uintptr_t)(k->cur_pay + k->cur_psent);
+            iov[cnt++].iov_len = (size_t)(k->cur_len - k->cur_psent);
+        }
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = iov;
+        m.msg_iovlen = (size_t)cnt;
+        ssize_t r = sendmsg(k->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                arm(n, k, 1);
+                return sig;
+            }
+            pthread_mutex_lock(&c->mu);
+            sig |= fail_conn(n, k, 0);
+            pthread_mutex_unlock(&c->mu);
+            return sig;
+        }
+        uint64_t got = (uint64_t)r;
+        uint64_t h = sizeof k->cur - k->cur_hsent;
+        if (got < h) {
+            k->cur_hsent += (size_t)got;
+            continue;
+        }
+        k->cur_hsent = sizeof k->cur;
+        got -= h;
+        k->cur_psent += got;
+        if (k->cur.type == F_DATA || k->cur.type == F_RDATA)
+            n->sent += got;
+        if (k->cur_psent == k->cur_len) {
+            k->cur_on = 0;
+            if (k->cur_ref) {
+                pthread_mutex_lock(&c->mu);
+                kv__region_unref(c, k->cur_ref);
+                pthread_mutex_unlock(&c->mu);
+                k->cur_ref = 0;
+            }
+        }
+    }
+    arm(n, k, 1); /* budget used up: come back when writable */
+    return sig;
+}
+
+/* ---------------------------------------------------------------- receiving */
+
+/* A region this engine exports, or NULL. Caller holds c->mu. */
+static kv_region *exported(kv_core *c, uint32_t id) {
+    kv_region *r = kv__region_get(c, id);
+    if (!r || r->removed || r->kind != KV_REGION_LOCAL || !(r->flags & KV_REGION_F_EXPORT))
+        return NULL;
+    return r;
+}
+
+static void discard_payloads(kv_link *l, kv_core *c, int ptype, uint64_t xfer) {
+    for (int i = 0; i < l->nconns; i++) {
+        kv_conn *k = l->conns[i];
+        if (!k->dead && k->rx_state == RX_PAYLOAD && k->ptype == ptype && k->pxfer == xfer && !k->pdiscard) {
+            k->pdiscard = 1;
+            if (k->pref) {
+                kv__region_unref(c, k->pref);
+                k->pref = 0;
+            }
+        }
+    }
+}
+
+/* The push job `j` was aborted: ABORT on every stream, or complete now if nothing
+ * of it went out. Pull: tombstone, ABORT on every stream, complete now. Caller holds c->mu. */
+static int handle_abort(kv_net *n, kv_job *j) {
+    abort_unlist(n, j);
+    if (j->abort_done)
+        return 0;
+    j->abort_done = 1;
+    j->claimed_all = 1;
+    kv_link *l = link_find(n, j->link_id);
+    if (!l || l->dead)
+        return tcp_complete(n, l, j, KV_LLM_LINK_FAILED);
+    sq_remove(l, j);
+    if (j->frames == 0)
+        return tcp_complete(n, l, j, j->status);
+    kv_frame f = frame(F_ABORT, j->is_pull ? F_FLAG_PULL : 0, j->id);
+    int up = 0;
+    for (int i = 0; i < l->nconns; i++) {
+        kv_conn *k = l->conns[i];
+        if (k->dead || k->state != C_UP)
+            continue;
+        if (ctrl_push(k, &f) < 0)
+            return link_fail(n, l, KV_LLM_LINK_FAILED, 1);
+        up++;
+    }
+    if (j->is_pull) {
+        discard_payloads(l, n->c, F_RDATA, j->id);
+        kv_rx *t = up ? rx_new(l, j->id, 1) : NULL;
+        if (up && !t)
+            return link_fail(n, l, KV_LLM_LINK_FAILED, 1);
+        if (t)
+            t->acks_left = up;
+        return tcp_complete(n, l, j, j->status);
+    }
+    j->acks_left = up;
+    if (up == 0)
+        return tcp_complete(n, l, j, j->status);
+    return 0;
+}
+
+/* Validate a received header and set up its payload. Returns 0 if the
+ * connection was dropped. Caller holds c->mu. */
+static int on_header(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->rh;
+    kv_core *c = n->c;
+    if (h->magic != KV_MAGIC || h->type < F_HELLO || h->type > F_LAST)
+        return *sig |= fail_conn(n, k, 1), 0;
+    if (k->state == C_HELLO_WAIT) {
+        if (h->type != F_HELLO || h->length != KV_TOKEN_BYTES)
+            return *sig |= fail_conn(n, k, 1), 0;
+        k->ptype = F_HELLO;
+        k->pdst = k->tok;
+        k->pleft = k->plen = KV_TOKEN_BYTES;
+        k->pdiscard = 0;
+        k->rx_state = RX_PAYLOAD;
+        return 1;
+    }
+    kv_link *l = k->link;
+    if (k->state == C_HELLO_SENT) {
+        if (h->type != F_HELLO_ACK)
+            return *sig |= fail_conn(n, k, 1), 0;
+        k->state = C_UP;
+        if (++l->nup == l->nstreams && l->ev_ready) {
+            *sig |= kv__post_event(c, l->ev_ready);
+            l->ev_ready = NULL;
+        }
+        return 1;
+    }
+    switch (h->type) {
+    case F_DATA: {
+        kv_region *r = exported(c, h->region);
+        if (h->length == 0 || h->length > KV_MAX_FRAME || h->total > KV_MAX_TOTAL || h->length > h->total ||
+            !r || h->offset > r->len || h->length > r->len - h->offset)
+            return *sig |= fail_conn(n, k, 1), 0;
+        kv_rx *x = rx_find(l, h->xfer, 0);
+        if (!x) {
+            if (!(x = rx_new(l, h->xfer, 0)))
+                return *sig |= fail_conn(n, k, 1), 0;
+            x->total = h->total;
+        }
+        if (!x->aborted && (x->total != h->total || h->length > x->total - x->received))
+            return *sig |= fail_conn(n, k, 1), 0;
+        k->pdiscard = x->aborted;
+        if (!x->aborted) {
+            kv__region_ref(c, h->region);
+            k->pref = h->region;
+            k->pdst = (uint8_t *)(uintptr_t)(r->addr + h->offset);
+        }
+        break;
+    }
+    case F_RDATA: {
+        if (h->length == 0 || h->length > KV_MAX_FRAME)
+            return *sig |= fail_conn(n, k, 1), 0;
+        kv_job *j = kv__job_find(c, h->xfer);
+        if (j && j->tcp && j->is_pull && j->link_id == l->id && !j->abort_done) {
+            if (h->region >= j->nsegs || h->offset > j->segs[h->region].len ||
+                h->length > j->segs[h->region].len - h->offset)
+                return *sig |= fail_conn(n, k, 1), 0;
+            k->pdst = (uint8_t *)(uintptr_t)(j->segs[h->region].dst + h->offset);
+            k->pdiscard = 0;
+        } else if (rx_find(l, h->xfer, 1)) {
+            k->pdiscard = 1;
+        } else {
+            return *sig |= fail_conn(n, k, 1), 0; /* an answer to nothing we asked */
+        }
+        break;
+    }
+    case F_ACK: {
+        kv_job *j = kv__job_find(c, h->xfer);
+        if (j && j->tcp && !j->is_pull && j->link_id == l->id && j->claimed_all) {
+            if (!h->status)
+                j->done_bytes = j->total; /* the receiver counted every byte in place */
+            *sig |= tcp_complete(n, l, j, h->status ? h->status : KV_LLM_SUCCESS);
+        }
+        return 1;
+    }
+    case F_ABORT: {
+        kv_frame ack = frame(F_ABORT_ACK, h->flags & F_FLAG_PULL, h->xfer);
+        if (h->flags & F_FLAG_PULL) { /* stop serving READs of that pull on this stream */
+            kv_serve **p = &k->sq;
+            k->sq_tail = NULL;
+            while (*p) {
+                kv_serve *s = *p;
+                if (s->xfer == h->xfer) {
+                    *p = s->next;
+                    ack.length += s->len;
+                    kv__region_unref(c, s->rid);
+                    free(s);
+                    k->sn--;
+                } else {
+                    k->sq_tail = s;
+                    p = &s->next;
+                }
+            }
+        } else {
+            kv_rx *x = rx_find(l, h->xfer, 0);
+            if (!x && !(x = rx_new(l, h->xfer, 0)))
+                return *sig |= fail_conn(n, k, 1), 0;
+            x->aborted = 1;
+            discard_payloads(l, c, F_DATA, h->xfer);
+            if (++x->aborts_seen >= l->nconns)
+                rx_del(l, x);
+        }
+        if (ctrl_push(k, &ack) < 0)
+            return *sig |= fail_conn(n, k, 1), 0;
+        return 1;
+    }
+    case F_ABORT_ACK: {
+        if (h->flags & F_FLAG_PULL) {
+            k->reads_out -= h->length < k->reads_out ? h->length : k->reads_out;
+            kv_rx *t = rx_find(l, h->xfer, 1);
+            if (t && --t->acks_left <= 0)
+                rx_del(l, t);
+        } else {
+            kv_job *j = kv__job_find(c, h->xfer);
+            if (j && j->tcp && !j->is_pull && j->link_id == l->id && j->abort_done && --j->acks_left <= 0)
+                *sig |= tcp_complete(n, l, j, j->status);
+        }
+        return 1;
+    }
+    case F_READ: {
+        if (h->length == 0 || h->length > KV_MAX_FRAME || k->sn >= KV_MAX_SERVE)
+            return *sig |= fail_conn(n, k, 1), 0;
+        kv_region *r = exported(c, h->region);
+        if (!r) { /* unregistered meanwhile: the requester gets a status, the link lives */
+            kv_frame e = frame(F_RERR, 0, h->xfer);
+            e.status = KV_LLM_KV_CACHE_NOT_EXIST;
+            e.length = h->length;
+            if (ctrl_push(k, &e) < 0)
+                return *sig |= fail_conn(n, k, 1), 0;
+            return 1;
+        }
+        if (h->offset > r->len || h->length > r->len - h->offset)
+            return *sig |= fail_conn(n, k, 1), 0;
+        kv_serve *s = calloc(1, sizeof *s);
+        if (!s)
+            return *sig |= fail_conn(n, k, 0), 0;
+        s->xfer = h->xfer;
+        s->src = r->addr + h->offset;
+        s->len = h->length;
+        s->total = h->total;
+        s->rid = h->region;
+        s->dst_seg = h->region2;
+        s->dst_off = h->offset2;
+        kv__region_ref(c, h->region);
+        if (k->sq_tail)
+            k->sq_tail->next = s;
+        else
+            k->sq = s;
+        k->sq_tail = s;
+        k->sn++;
+        return 1;
+    }
+    case F_RERR: {
+        k->reads_out -= h->length < k->reads_out ? h->length : k->reads_out;
+        kv_job *j = kv__job_find(c, h->xfer);
+        if (j && j->tcp && j->is_pull && j->link_id == l->id && !j->abort_done) {
+            if (j->status == KV_LLM_SUCCESS)
+                j->status = h->status ? h->status : KV_LLM_FAILED;
+            j->abort_req = 1;
+            *sig |= handle_abort(n, j);
+        }
+        return 1;
+    }
+    default:
+        return *sig |= fail_conn(n, k, 1), 0;
+    }
+    k->ptype = h->type;
+    k->pxfer = h->xfer;
+    k->pleft = k->plen = h->length;
+    k->rx_state = RX_PAYLOAD;
+    return 1;
+}
+
+static int tokens_equal(const uint8_t *a, const uint8_t *b) {
+    uint8_t d = 0;
+    for (int i = 0; i < KV_TOKEN_BYTES; i++)
+        d |= (uint8_t)(a[i] ^ b[i]);
+    return d == 0;
+}
+
+/* A frame's payload is in place. Caller holds c->mu. Returns 0 if the connection was dropped. */
+static int on_payload(kv_net *n, kv_conn *k, int *sig) {
+    kv_core *c = n->c;
+    k->rx_state = RX_HDR;
+    if (k->pref) {
+        kv__region_unref(c, k->pref);
+        k->pref = 0;
+    }
+    if (k->ptype == F_HELLO) {
+        kv_link *l = n->links;
+        while (l && (l->dead || !tokens_equal(l->token, k->tok) || l->nconns >= l->nstreams))
+            l = l->next;
+        if (!l)
+            return *sig |= fail_conn(n, k, 1), 0;
+        l->conns[l->nconns++] = k;
+        k->link = l;
+        k->state = C_UP;
+        n->npending--;
+        kv_frame ack = frame(F_HELLO_ACK, 0, 0);
+        ctrl_push(k, &ack);
+        return 1;
+    }
+    kv_link *l = k->link;
+    if (k->ptype == F_DATA) {
+        kv_rx *x = rx_find(l, k->pxfer, 0);
+        if (!k->pdiscard)
+            n->received += k->plen;
+        if (x && !x->aborted) {
+            x->received += k->plen;
+            if (x->received == x->total) {
+                kv_frame ack = frame(F_ACK, 0, k->pxfer);
+                rx_del(l, x);
+                if (ctrl_push(k, &ack) < 0)
+                    return *sig |= fail_conn(n, k, 1), 0;
+            }
+        }
+        return 1;
+    }
+    if (k->ptype == F_RDATA) {
+        k->reads_out -= k->plen < k->reads_out ? k->plen : k->reads_out;
+        if (k->pdiscard)
+            return 1;
+        n->received += k->plen;
+        kv_job *j = kv__job_find(c, k->pxfer);
+        if (j && !j->abort_done) {
+            j->done_bytes += k->plen;
+            if (j->done_bytes >= j->total)
+                *sig |= tcp_complete(n, l, j, KV_LLM_SUCCESS);
+        }
+    }
+    return 1;
+}
+
+static int conn_recv(kv_net *n, kv_conn *k) {
+    kv_core *c = n->c;
+    int sig = 0;
+    uint64_t budget = KV_RECV_BUDGET;
+    while (!k->dead && budget) {
+        ssize_t r;
+        if (k->rx_state == RX_HDR) {
+            r = recv(k->fd, (char *)&k->rh + k->rh_got, sizeof k->rh - k->rh_got, MSG_DONTWAIT);
+        } else {
+            uint64_t want = k->pleft;
+            void *dst = k->pdst;
+            if (k->pdiscard) {
+                dst = n->scratch;
+                if (want > KV_SCRATCH)
+                    want = KV_SCRATCH;
+            }
+            r = recv(k->fd, dst, (size_t)want, MSG_DONTWAIT);
+        }
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            break;
+        if (r <= 0) { /* EOF or error */
+            pthread_mutex_lock(&c->mu);
+            sig |= fail_conn(n, k, 0);
+            pthread_mutex_unlock(&c->mu);
+            break;
+        }
+        budget = (uint64_t)r >= budget ? 0 : budget - (uint64_t)r;
+        if (k->rx_state == RX_HDR) {
+            k->rh_got += (size_t)r;
+            if (k->rh_got < sizeof k->rh)
+                continue;
+            k->rh_got = 0;
+            pthread_mutex_lock(&c->mu);
+            int ok = on_header(n, k, &sig);
+            pthread_mutex_unlock(&c->mu);
+            if (!ok)
+                break;
+        } else {
+            if (!k->pdiscard)
+                k->pdst += r;
+            k->pleft -= (uint64_t)r;
+            if (k->pleft == 0) {
+                pthread_mutex_lock(&c->mu);
+                int ok = on_payload(n, k, &sig);
+                pthread_mutex_unlock(&c->mu);
+                if (!ok)
+                    break;
+            }
+        }
+    }
+    return sig;
+}
+
+/* ---------------------------------------------------------------- the thread */
+
+static kv_conn *conn_new(kv_net *n, int fd, int state) {
+    kv_conn *k = calloc(1, sizeof *k);
+    if (!k)
+        return NULL;
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    k->fd = fd;
+    k->state = state;
+    k->born = now_ns();
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = k};
+    if (epoll_ctl(n->ep, EPOLL_CTL_ADD, fd, &ev) < 0) {
+        free(k);
+        return NULL;
+    }
+    k->next = n->conns;
+    n->conns = k;
+    return k;
+}
+
+static void link_free(kv_link *l) {
+    free(l->ev_ready);
+    free(l->ev_down);
+    free(l);
+}
+
+static int run_cmd(kv_net *n, kv_cmd *m) {
+    kv_core *c = n->c;
+    int sig = 0;
+    if (m->type == CMD_LISTEN) {
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &n->lfd};
+        n->lfd = m->fd;
+        epoll_ctl(n->ep, EPOLL_CTL_ADD, n->lfd, &ev);
+    } else if (m->type == CMD_LINK_ADD) {
+        kv_link *l = calloc(1, sizeof *l);
+        if (!l || link_find(n, m->link_id)) {
+            free(l);
+            free(m->ev_ready);
+            free(m->ev_down);
+            return 0;
+        }
+        l->id = m->link_id;
+        memcpy(l->token, m->token, KV_TOKEN_BYTES);
+        l->nstreams = m->nstreams;
+        l->ev_ready = m->ev_ready;
+        l->ev_down = m->ev_down;
+        l->next = n->links;
+        n->links = l;
+    } else if (m->type == CMD_CONN_ADD) {
+        kv_link *l = link_find(n, m->link_id);
+        kv_conn *k = (l && !l->dead && l->nconns < l->nstreams) ? conn_new(n, m->fd, C_HELLO_SENT) : NULL;
+        if (!k) {
+            close(m->fd);
+            pthread_mutex_lock(&c->mu);
+            if (l)
+                sig |= link_fail(n, l, KV_LLM_LINK_FAILED, 1);
+            pthread_mutex_unlock(&c->mu);
+            return sig;
+        }
+        k->link = l;
+        l->conns[l->nconns++] = k;
+        kv_frame h = frame(F_HELLO, 0, 0);
+        h.length = KV_TOKEN_BYTES;
+        ctrl_push(k, &h);
+    } else if (m->type == CMD_LINK_CLOSE) {
+        kv_link **p = &n->links;
+        while (*p && (*p)->id != m->link_id)
+            p = &(*p)->next;
+        if (*p) {
+            kv_link *l = *p;
+            pthread_mutex_lock(&c->mu);
+            sig |= link_fail(n, l, m->status, 0);
+            pthread_mutex_unlock(&c->mu);
+            *p = l->next;
+            for (kv_conn *k = n->conns; k; k = k->next)
+                if (k->link == l)
+                    k->link = NULL;
+            link_free(l);
+        }
+    }
+    return sig;
+}
+
+static void reap(kv_net *n) {
+    kv_conn **p = &n->conns;
+    while (*p) {
+        kv_conn *k = *p;
+        if (k->dead) {
+            *p = k->next;
+            free(k->ctrl);
+            free(k);
+        } else {
+            p = &k->next;
+        }
+    }
+}
+
+static int accept_conns(kv_net *n) {
+    int sig = 0;
+    for (;;) {
+        int fd = accept4(n->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0)
+            return sig;
+        if (n->npending >= KV_MAX_PENDING) {
+            close(fd);
+            n->refused++;
+            continue;
+        }
+        if (conn_new(n, fd, C_HELLO_WAIT))
+            n->npending++;
+        else
+            close(fd);
+    }
+}
+
+static void *io_main(void *arg) {
+    kv_net *n = arg;
+    kv_core *c = n->c;
+    struct epoll_event evs[64];
+    for (;;) {
+        int ne = epoll_wait(n->ep, evs, 64, 100);
+        if (ne < 0)
+            ne = 0;
+        int sig = 0;
+        pthread_mutex_lock(&c->mu);
+        kv_cmd *cmds = n->cmd_head;
+        kv_job *jobs = n->in_head;
+        n->cmd_head = n->cmd_tail = NULL;
+        n->in_head = n->in_tail = NULL;
+        int stop = n->stop;
+        pthread_mutex_unlock(&c->mu);
+        while (cmds) {
+            kv_cmd *m = cmds;
+            cmds = m->next;
+            if (!stop)
+                sig |= run_cmd(n, m);
+            else if (m->type == CMD_CONN_ADD || m->type == CMD_LISTEN)
+                close(m->fd);
+            if (stop && m->type == CMD_LINK_ADD) {
+                free(m->ev_ready);
+                free(m->ev_down);
+            }
+            free(m);
+        }
+        pthread_mutex_lock(&c->mu);
+        while (jobs) { /* new jobs join their link's send queue */
+            kv_job *j = jobs;
+            jobs = j->inext;
+            j->inext = NULL;
+            j->inbox = 0;
+            kv_link *l = stop ? NULL : link_find(n, j->link_id);
+            if (!l || l->dead) {
+                sig |= tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
+                continue;
+            }
+            j->queued = 1;
+            j->qprev = l->sq_tail;
+            if (l->sq_tail)
+                l->sq_tail->qnext = j;
+            else
+                l->sq_head = j;
+            l->sq_tail = j;
+        }
+        /* aborts requested since the last round; a job still in the inbox waits a round.
+         * handle_abort may complete other listed jobs, so restart from the head. */
+        for (kv_job *j = n->ab_head; j;) {
+            if (j->inbox) {
+                j = j->anext;
+                continue;
+            }
+            sig |= handle_abort(n, j);
+            j = n->ab_head;
+        }
+        if (stop) {
+            for (kv_link *l = n->links; l; l = l->next)
+                sig |= link_fail(n, l, KV_LLM_ENGINE_FINALIZED, 0);
+            for (kv_conn *k = n->conns; k; k = k->next)
+                conn_kill(n, k);
+            pthread_mutex_unlock(&c->mu);
+            if (sig)
+                kv__signal_loop(c);
+            break;
+        }
+        pthread_mutex_unlock(&c->mu);
+        for (int i = 0; i < ne; i++) {
+            void *p = evs[i].data.ptr;
+            if (p == NULL) {
+                uint64_t v;
+                ssize_t r = read(n->wake, &v, sizeof v);
+                (void)r;
+            } else if (p == &n->lfd) {
+                sig |= accept_conns(n);
+            } else {
+                kv_conn *k = p;
+                if (!k->dead && (evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)))
+                    sig |= conn_recv(n, k);
+                if (!k->dead && (evs[i].events & EPOLLOUT))
+                    sig |= conn_send(n, k);
+            }
+        }
+        uint64_t t = now_ns();
+        pthread_mutex_lock(&c->mu);
+        for (kv_conn *k = n->conns; k; k = k->next)
+            if (!k->dead && k->state == C_HELLO_WAIT && t - k->born > KV_HELLO_NS)
+                sig |= fail_conn(n, k, 0);
+        pthread_mutex_unlock(&c->mu);
+        for (kv_conn *k = n->conns; k; k = k->next) /* start whatever became sendable */
+            if (!k->dead && !k->out_armed)
+                sig |= conn_send(n, k);
+        pthread_mutex_lock(&c->mu);
+        c->st.tcp_bytes_sent += n->sent;
+        c->st.tcp_bytes_received += n->received;
+        c->st.tcp_bad_frames += n->bad;
+        c->st.tcp_refused += n->refused;
+        c->st.tcp_links_failed += n->failed;
+        n->sent = n->received = n->bad = n->refused = n->failed = 0;
+        uint64_t open = 0;
+        for (kv_conn *k = n->conns; k; k = k->next)
+            open += !k->dead;
+        c->st.tcp_conns = open;
+        pthread_mutex_unlock(&c->mu);
+        reap(n);
+        if (sig)
+            kv__signal_loop(c);
+    }
+    reap(n);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------- API */
+
+static uint32_t post_cmd(kv_core *c, kv_cmd *m) {
+    kv_net *n;
+    pthread_mutex_lock(&c->mu);
+    uint32_t st = net_get(c, &n);
+    if (st == KV_LLM_SUCCESS) {
+        if (n->cmd_tail)
+            n->cmd_tail->next = m;
+        else
+            n->cmd_head = m;
+        n->cmd_tail = m;
+        wake(n);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return st;
+}
+
+uint32_t kv_tcp_listen(kv_core *c, const char *ip, uint16_t port, uint16_t *bound) {
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    memset(&ss, 0, sizeof ss);
+    struct sockaddr_in *a4 = (struct sockaddr_in *)&ss;
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)&ss;
+    if (inet_pton(AF_INET, ip, &a4->sin_addr) == 1) {
+        a4->sin_family = AF_INET;
+        a4->sin_port = htons(port);
+        sl = sizeof *a4;
+    } else if (inet_pton(AF_INET6, ip, &a6->sin6_addr) == 1) {
+        a6->sin6_family = AF_INET6;
+        a6->sin6_port = htons(port);
+        sl = sizeof *a6;
+    } else {
+        return KV_LLM_PARAM_INVALID;
+    }
+    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return KV_LLM_FAILED;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, (struct sockaddr *)&ss, sl) < 0 || listen(fd, 128) < 0 ||
+        getsockname(fd, (struct sockaddr *)&ss, &sl) < 0) {
+        close(fd);
+        return KV_LLM_FAILED;
+    }
+    *bound = ntohs(ss.ss_family == AF_INET ? a4->sin_port : a6->sin6_port);
+    kv_cmd *m = calloc(1, sizeof *m);
+    if (!m) {
+        close(fd);
+        return KV_LLM_OUT_OF_MEMORY;
+    }
+    m->type = CMD_LISTEN;
+    m->fd = fd;
+    uint32_t st = post_cmd(c, m);
+    if (st != KV_LLM_SUCCESS) {
+        close(fd);
+        free(m);
+    }
+    return st;
+}
+
+uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int nstreams) {
+    if (link_id == 0 || nstreams < 1 || nstreams > KV_MAX_STREAMS)
+        return KV_LLM_PARAM_INVALID;
+    kv_cmd *m = calloc(1, sizeof *m);
+    kv_job *r = calloc(1, sizeof *r), *d = calloc(1, sizeof *d);
+    if (!m || !r || !d) {
+        free(m);
+        free(r);
+        free(d);
+        return KV_LLM_OUT_OF_MEMORY;
+    }
+    r->event = d->event = 1;
+    r->id = KV_EVENT_LINK_READY | link_id;
+    d->id = KV_EVENT_LINK_DOWN | link_id;
+    m->type = CMD_LINK_ADD;
+    m->link_id = link_id;
+    m->nstreams = nstreams;
+    memcpy(m->token, token, KV_TOKEN_BYTES);
+    m->ev_ready = r;
+    m->ev_down = d;
+    uint32_t st = post_cmd(c, m);
+    if (st != KV_LLM_SUCCESS) {
+        free(m);
+        free(r);
+        free(d);
+    }
+    return st;
+}
+
+uint32_t kv_tcp_conn_add(kv_core *c, int fd, uint32_t link_id) {
+    kv_cmd *m = calloc(1, sizeof *m);
+    if (!m) {
+        close(fd);
+        return KV_LLM_OUT_OF_MEMORY;
+    }
+    m->type = CMD_CONN_ADD;
+    m->fd = fd;
+    m->link_id = link_id;
+    uint32_t st = post_cmd(c, m);
+    if (st != KV_LLM_SUCCESS) {
+        close(fd);
+        free(m);
+    }
+    return st;
+}
+
+uint32_t kv_tcp_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
+    kv_cmd *m = calloc(1, sizeof *m);
+    if (!m)
+        return KV_LLM_OUT_OF_MEMORY;
+    m->type = CMD_LINK_CLOSE;
+    m->link_id = link_id;
+    m->status = status ? status : KV_LLM_LINK_FAILED;
+    uint32_t st = post_cmd(c, m);
+    if (st != KV_LLM_SUCCESS)
+        free(m);
+    return st;
+}
+
+uint32_t kv__tcp_submit(kv_core *c, kv_job *j) {
+    kv_net *n = c->net;
+    if (!n || n->stop)
+        return KV_LLM_LINK_FAILED;
+    kv__job_hash(c, j);
+    j->inext = NULL;
+    j->inbox = 1;
+    if (n->in_tail)
+        n->in_tail->inext = j;
+    else
+        n->in_head = j;
+    n->in_tail = j;
+    wake(n);
+    return KV_LLM_SUCCESS;
+}
+
+void kv__tcp_abort(kv_core *c, kv_job *j) {
+    kv_net *n = c->net;
+    if (!n || j->alisted)
+        return;
+    j->aprev = NULL;
+    j->anext = n->ab_head;
+    if (n->ab_head)
+        n->ab_head->aprev = j;
+    n->ab_head = j;
+    j->alisted = 1;
+    wake(n);
+}
+
+void kv__tcp_close(kv_core *c) {
+    pthread_mutex_lock(&c->mu);
+    kv_net *n = c->net;
+    if (!n || n->stop) {
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
+    n->stop = 1;
+    wake(n);
+    pthread_mutex_unlock(&c->mu);
+    pthread_join(n->thread, NULL);
+}
+
+void kv__tcp_free(kv_core *c) {
+    kv_net *n = c->net;
+    if (!n)
+        return;
+    while (n->links) {
+        kv_link *l = n->links;
+        n->links = l->next;
+        link_free(l);
+    }
+    if (n->lfd >= 0)
+        close(n->lfd);
+    close(n->ep);
+    close(n->wake);
+    free(n->scratch);
+    free(n);
+    c->net = NULL;
+}

@@ -1,0 +1,794 @@
+"""Links: handshake, authentication, cache tables, heartbeats, unlink.
+
+``_Links`` is the link half of :class:`kvengine.KvEngine` (a mixin: it uses the
+engine's core, loop, registry and options). A link is set up over TCP; on one
+host it then moves to a Unix SEQPACKET socket (memfds travel there), across
+hosts (or with ``transport="tcp"``) the TCP connection stays the control
+channel and the native core opens ``tcp_streams`` data connections.
+Protocol: docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+import socket
+import weakref
+from typing import Any, Iterable, Sequence
+
+from . import _native, control
+from .control import ProtocolError, SeqpacketChannel, StreamChannel
+from .status import LLMError, LLMStatusCode as S, error_for
+from .transfer import Transfer
+from .types import CacheDesc, ClusterInfo, param_invalid
+
+log = logging.getLogger("kvengine")
+
+_U64 = 2**64 - 1
+_serials = itertools.count(1)
+# Engines of this process by token, for the in-process ("local") transport.
+LOCAL_ENGINES: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+
+
+def group_regions(addrs: Sequence[int], size: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Merge tensors that sit back to back into one region.
+
+    Returns ``(regions, placement)``: regions as ``(base, length)`` and, per tensor,
+    ``(region index, offset in region)``.
+    """
+    regions: list[list[int]] = []
+    placement: list[tuple[int, int]] = []
+    for a in addrs:
+        if regions and regions[-1][0] + regions[-1][1] == a:
+            placement.append((len(regions) - 1, regions[-1][1]))
+            regions[-1][1] += size
+        else:
+            placement.append((len(regions), 0))
+            regions.append([a, size])
+    return [tuple(r) for r in regions], placement
+
+
+async def wait_idle(obj) -> None:
+    """Wait until no transfer is in flight on a cache (``_inflight`` / ``_idle`` protocol)."""
+    if obj._inflight:
+        if obj._idle is None:
+            obj._idle = asyncio.get_running_loop().create_future()
+        await asyncio.shield(obj._idle)
+
+
+class RemoteCache:
+    """A peer's cache as this engine reaches it: regions in this engine's core."""
+
+    __slots__ = ("cache_id", "desc", "regions", "region_ids", "keep", "serial", "_inflight", "_idle")
+
+    def __init__(self, cache_id: int, desc: CacheDesc, regions: list[tuple[int, int]],
+                 region_ids: list[int], keep: Any) -> None:
+        self.cache_id = cache_id
+        self.desc = desc
+        self.regions = regions        # per tensor: (region id, offset)
+        self.region_ids = region_ids
+        self.keep = keep              # the peer's Cache object (local transport) or None
+        self.serial = next(_serials)
+        self._inflight = 0
+        self._idle = None
+
+
+class Link:
+    __slots__ = ("cluster_id", "ch", "transport", "peer_pid", "peer_token", "remote", "inflight",
+                 "reader", "beat", "pending", "up", "closing", "address", "_reqs", "waiters", "tcp_id",
+                 "last_rx")
+
+    def __init__(self, cluster_id: int, ch: Any, transport: str, peer_pid: int, peer_token: str,
+                 address: str) -> None:
+        self.cluster_id = cluster_id
+        self.ch = ch                  # SeqpacketChannel (local, shm) or StreamChannel (tcp)
+        self.transport = transport
+        self.peer_pid = peer_pid
+        self.peer_token = peer_token
+        self.address = address
+        self.remote: dict[int, RemoteCache] = {}
+        self.inflight: set[Transfer] = set()
+        self.reader: asyncio.Task | None = None
+        self.beat: asyncio.Task | None = None
+        self.pending: dict[int, asyncio.Future] = {}
+        self.up = True
+        self.closing = False          # an unlink is under way: EOF is expected
+        self._reqs = itertools.count(1)
+        self.waiters: dict[int, list[asyncio.Future]] = {}  # cache id -> wait_remote_cache futures
+        self.tcp_id = 0               # native link id of the TCP data plane
+        self.last_rx = 0.0
+
+
+async def _const(value):
+    return value
+
+
+def _status_or(value: Any, default: S) -> S:
+    try:
+        return S(value)
+    except ValueError:
+        return default
+
+
+def overall(results: Iterable[S]) -> S:
+    for r in results:
+        if r != S.LLM_SUCCESS:
+            return r
+    return S.LLM_SUCCESS
+
+
+class _Links:
+    """Link management of KvEngine (see the module docstring)."""
+
+    # ------------------------------------------------------------ client side
+
+    async def link_clusters(self, clusters: Sequence[ClusterInfo], timeout: float | None = None
+                            ) -> tuple[S, list[S]]:
+        """Link to each peer (in parallel): ``(overall status, [status per cluster])``.
+
+        Per cluster: ``LLM_SUCCESS``, ``LLM_ALREADY_LINK``, ``LLM_PROCESSING_LINK``
+        (a link to that cluster is being set up), ``LLM_LINK_FAILED`` (unreachable,
+        refused, authentication failed), ``LLM_TIMEOUT`` or ``LLM_PARAM_INVALID``.
+        The overall status is ``LLM_SUCCESS`` only if every cluster linked.
+        """
+        self._check_open()
+        timeout = self._link_timeout(timeout)
+        if isinstance(clusters, ClusterInfo) or not isinstance(clusters, (list, tuple)) or not clusters:
+            return S.LLM_PARAM_INVALID, []
+        ids = [c.remote_cluster_id for c in clusters if isinstance(c, ClusterInfo)]
+        dup = {i for i in ids if ids.count(i) > 1}
+        results = await asyncio.gather(*(
+            self._link_one(c, timeout) if isinstance(c, ClusterInfo) and c.remote_cluster_id not in dup
+            else _const(S.LLM_PARAM_INVALID) for c in clusters))
+        return overall(results), results
+
+    def _link_timeout(self, timeout: Any) -> float:
+        if timeout is None:
+            return self.options.link_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise param_invalid(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return float(timeout)
+
+    async def _link_one(self, info: ClusterInfo, timeout: float) -> S:
+        cid = info.remote_cluster_id
+        try:
+            host, port = control.parse_address(info.address)
+        except (ValueError, TypeError) as e:
+            log.warning("link to cluster %s: %s", cid, e)
+            return S.LLM_PARAM_INVALID
+        if not isinstance(cid, int) or cid == self.cluster_id or not 0 <= cid <= _U64:
+            return S.LLM_PARAM_INVALID
+        if cid in self._links:
+            return S.LLM_ALREADY_LINK
+        if cid in self._linking:
+            return S.LLM_PROCESSING_LINK
+        self._linking.add(cid)
+        tcp = uch = link = None
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+                tcp = StreamChannel(reader, writer)
+                nonce = control.new_nonce()
+                await tcp.send({"t": "hello", "v": control.PROTOCOL_VERSION, "cluster": self.cluster_id,
+                                "role": int(self.role), "host": self._host, "pid": os.getpid(),
+                                "token": self._token, "transport": self.options.transport,
+                                "streams": self.options.tcp_streams,
+                                "auth": self.options.secret is not None, "nonce": nonce})
+                item = await tcp.recv()
+                if item is None:
+                    log.warning("link to cluster %s at %s: connection closed during hello", cid, info.address)
+                    return S.LLM_LINK_FAILED
+                w = item[0]
+                if w["t"] == "reject":
+                    log.warning("link to cluster %s refused: %s", cid, w.get("msg"))
+                    return _status_or(w.get("status"), S.LLM_LINK_FAILED)
+                if w["t"] != "welcome" or w.get("v") != control.PROTOCOL_VERSION:
+                    log.warning("link to cluster %s: unexpected reply %r", cid, w.get("t"))
+                    return S.LLM_LINK_FAILED
+                if w.get("cluster") != cid:
+                    log.warning("link to cluster %s: the engine at %s is cluster %s", cid, info.address,
+                                w.get("cluster"))
+                    return S.LLM_LINK_FAILED
+                if not control.check_proof(self.options.secret, w.get("proof"), "server", nonce,
+                                           str(w.get("nonce"))):
+                    log.warning("link to cluster %s: peer failed authentication", cid)
+                    return S.LLM_LINK_FAILED
+                transport = w.get("transport")
+                proof = (control.proof(self.options.secret, "client", str(w["nonce"]), nonce)
+                         if self.options.secret is not None else None)
+                attach = {"t": "attach", "token": w["token"], "proof": proof}
+                if transport == "tcp":
+                    await tcp.send(attach)
+                    link = Link(cid, tcp, transport, int(w["pid"]), str(w["ptoken"]), info.address)
+                    tcp = None
+                    streams = int(w["streams"])
+                    if not 1 <= streams <= _native.MAX_STREAMS:
+                        raise ProtocolError(f"bad stream count {streams}")
+                    link.tcp_id = next(self._tcp_ids)   # before the table: its regions name the link
+                    st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(str(w["data_token"])), streams)
+                    if st:
+                        raise ProtocolError(f"cannot add the data link (status {st:#x})")
+                    connect = lambda: self._connect_streams(link, host, int(w["data_port"]), streams)
+                    status = await self._establish(link, True, connect)
+                else:
+                    uch = await control.unix_connect(str(w["unix"]), self._loop)
+                    await uch.send(attach)
+                    link = Link(cid, uch, transport, int(w["pid"]), str(w["ptoken"]), info.address)
+                    uch = None
+                    # TCP stays open until the link is up: its EOF tells the server to drop a
+                    # reservation we abandoned.
+                    status = await self._establish(link, True)
+                if status == S.LLM_SUCCESS:
+                    link = None
+                return status
+        except TimeoutError:
+            log.warning("link to cluster %s at %s timed out after %.3f s", cid, info.address, timeout)
+            return S.LLM_TIMEOUT
+        except (OSError, ProtocolError, KeyError, ValueError, TypeError) as e:
+            log.warning("link to cluster %s at %s failed: %s", cid, info.address, e)
+            return S.LLM_LINK_FAILED
+        finally:
+            self._linking.discard(cid)
+            if tcp is not None:
+                tcp.close()
+            if uch is not None:
+                uch.close()
+            if link is not None:
+                self._abandon(link)
+
+    async def _connect_streams(self, link: Link, host: str, port: int, streams: int) -> S:
+        """Client side of a TCP link: open the data connections, hand them to the core,
+        wait until the peer acknowledged every one."""
+        ready = self._loop.create_future()
+        self._tcp_ready[link.tcp_id] = ready
+        try:
+            infos = await self._loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, _, _, _, addr = infos[0]
+            for _ in range(streams):
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                try:
+                    await self._loop.sock_connect(sock, addr)
+                except BaseException:
+                    sock.close()
+                    raise
+                st = self._core.tcp_conn_add(sock.detach(), link.tcp_id)   # the core owns the fd now
+                if st:
+                    return _status_or(st, S.LLM_LINK_FAILED)
+            return await ready
+        finally:
+            self._tcp_ready.pop(link.tcp_id, None)
+
+    def _abandon(self, link: Link) -> None:
+        """A link that never came up: release what it registered."""
+        self._drop_remote(link)
+        if link.tcp_id:
+            self._core.tcp_link_close(link.tcp_id, int(S.LLM_LINK_FAILED))
+            link.tcp_id = 0
+        link.ch.close()
+
+    async def _establish(self, link: Link, client: bool, connect=None) -> S:
+        """Exchange cache tables and go live on both ends.
+
+        local/shm and the TCP server side send their table first; the TCP client reads
+        the server's table, opens the data streams (``connect``), then sends its own.
+        The server records the link, then says "up"; the client records it on "up", so
+        when link_clusters returns both ends can transfer.
+        """
+        if connect is None:
+            await self._announce(link, list(self._caches.values()), ready=True)
+        status = await self._read_table(link)
+        if status == S.LLM_SUCCESS and connect is not None:
+            status = await connect()
+            if status == S.LLM_SUCCESS:
+                await self._announce(link, list(self._caches.values()), ready=True)
+        if status != S.LLM_SUCCESS:
+            return status
+        if client:
+            item = await link.ch.recv()
+            if item is None or item[0].get("t") != "up":
+                msg = item[0] if item else {}
+                log.warning("link to cluster %s refused: %s", link.cluster_id, msg.get("msg", "closed"))
+                return _status_or(msg.get("status"), S.LLM_LINK_FAILED)
+        if self._closed or link.cluster_id in self._links:
+            if not client:
+                await link.ch.send({"t": "reject", "status": int(S.LLM_ALREADY_LINK), "msg": "already linked"})
+            return S.LLM_ALREADY_LINK if not self._closed else S.LLM_ENGINE_FINALIZED
+        self._links[link.cluster_id] = link
+        if link.tcp_id:
+            self._tcp_links[link.tcp_id] = link
+        link.last_rx = self._loop.time()
+        link.reader = self._spawn(self._read_link(link))
+        link.beat = self._spawn(self._heartbeat(link))
+        if not client:
+            await link.ch.send({"t": "up"})
+        log.info("linked cluster %s <-> %s (%s)", self.cluster_id, link.cluster_id, link.transport)
+        return S.LLM_SUCCESS
+
+    async def _read_table(self, link: Link) -> S:
+        while True:
+            item = await link.ch.recv()
+            if item is None:
+                return S.LLM_LINK_FAILED
+            msg, fds = item
+            if msg["t"] == "reject":
+                log.warning("link to cluster %s refused: %s", link.cluster_id, msg.get("msg"))
+                return _status_or(msg.get("status"), S.LLM_LINK_FAILED)
+            if msg["t"] == "ready":
+                return S.LLM_SUCCESS
+            if msg["t"] != "cache_add":
+                raise ProtocolError(f"unexpected {msg['t']!r} while linking")
+            self._on_cache_add(link, msg, fds)
+
+    # ------------------------------------------------------------ cache tables
+
+    async def _announce(self, link: Link, states: list, ready: bool = False) -> None:
+        """Send cache descriptors (and memfds) to the peer."""
+        for state in states:
+            if state.cache.cache_id not in self._caches:
+                continue
+            c = state.cache
+            msg: dict[str, Any] = {"t": "cache_add", "id": c.cache_id, "desc": c.desc.to_wire()}
+            fds: list[int] = []
+            if link.transport == "local":
+                msg["kind"] = "local"
+            elif link.transport == "tcp":
+                index = {rid: i for i, (rid, _) in enumerate(state.regions)}
+                msg.update(kind="tcp", regions=[list(r) for r in state.regions],
+                           placement=[[index[rid], off] for rid, off in c._regions])
+            elif state.memfd is not None:
+                fd, length, stride = c._shared
+                msg.update(kind="memfd", len=length, stride=stride)
+                fds = [fd]
+            else:
+                msg.update(kind="cma", addrs=c.tensor_addrs)
+            try:
+                await link.ch.send(msg, fds)
+            except (ConnectionError, ProtocolError) as e:
+                log.warning("cannot announce cache %s to cluster %s: %s", c.cache_id, link.cluster_id, e)
+                return
+        if ready:
+            await link.ch.send({"t": "ready"})
+
+    def _on_cache_add(self, link: Link, msg: dict, fds: list[int]) -> None:
+        """Register a peer's cache in this engine's core. Bad descriptors are a protocol error."""
+        try:
+            cache_id = msg["id"]
+            if not isinstance(cache_id, int) or cache_id in link.remote:
+                raise ProtocolError(f"bad or repeated cache id {cache_id!r}")
+            try:
+                desc = CacheDesc.from_wire(msg["desc"])
+            except (LLMError, KeyError, TypeError, ValueError) as e:
+                raise ProtocolError(f"bad cache descriptor: {e}") from None
+            kind = msg.get("kind")
+            if (kind == "tcp") != (link.transport == "tcp") or (kind == "local") != (link.transport == "local"):
+                raise ProtocolError(f"cache kind {kind!r} on a {link.transport} link")
+            n, size = desc.num_tensors, desc.size
+            keep = None
+            if kind == "local":
+                peer = LOCAL_ENGINES.get(link.peer_token)
+                state = peer._caches.get(cache_id) if peer is not None else None
+                if state is None:
+                    raise ProtocolError(f"local cache {cache_id} not found in the peer engine")
+                keep = state.cache
+                regions, placement = group_regions(keep.tensor_addrs, size)
+                kinds = (_native.REGION_LOCAL, 0, 0)
+            elif kind == "cma":
+                addrs = msg.get("addrs")
+                if not isinstance(addrs, list) or len(addrs) != n or \
+                        not all(isinstance(a, int) and 0 < a < 2**64 - size for a in addrs):
+                    raise ProtocolError("bad tensor addresses")
+                regions, placement = group_regions(addrs, size)
+                kinds = (_native.REGION_PROCESS, link.peer_pid, 0)
+            elif kind == "memfd":
+                length, stride = msg.get("len"), msg.get("stride")
+                if len(fds) != 1 or not isinstance(length, int) or not isinstance(stride, int) \
+                        or stride < size or length != stride * n:
+                    raise ProtocolError("bad memfd cache descriptor")
+                if os.fstat(fds[0]).st_size < length:
+                    raise ProtocolError("memfd smaller than announced")
+                st, addr = _native.map_fd(fds[0], length)
+                if st:
+                    raise ProtocolError(f"cannot map the peer's cache (status {st:#x})")
+                regions = [(addr, length)]
+                placement = [(0, t * stride) for t in range(n)]
+                kinds = (_native.REGION_LOCAL, 0, _native.F_UNMAP)
+            elif kind == "tcp":
+                regions, placement = msg.get("regions"), msg.get("placement")
+                ok = (isinstance(regions, list) and isinstance(placement, list) and len(placement) == n
+                      and all(isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) for v in r)
+                              and 0 < r[0] < 2**32 and 0 < r[1] < 2**63 for r in regions)
+                      and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int)
+                              and isinstance(p[1], int) and 0 <= p[0] < len(regions)
+                              and 0 <= p[1] <= regions[p[0]][1] - size for p in placement))
+                if not ok:
+                    raise ProtocolError("bad tcp cache descriptor")
+                regions = [tuple(r) for r in regions]
+                placement = [tuple(p) for p in placement]
+                kinds = (_native.REGION_TCP, link.tcp_id, 0)
+            else:
+                raise ProtocolError(f"unknown cache kind {kind!r}")
+            rids = []
+            for base, length in regions:
+                st, rid = self._core.region_add(kinds[0], kinds[1], base, length, kinds[2])
+                if st:
+                    for r in rids:
+                        self._core.region_remove(r)
+                    raise ProtocolError(f"cannot register the peer's cache (status {st:#x})")
+                rids.append(rid)
+            link.remote[cache_id] = RemoteCache(cache_id, desc, [(rids[ri], off) for ri, off in placement],
+                                                rids, keep)
+            for fut in link.waiters.pop(cache_id, ()):
+                if not fut.done():
+                    fut.set_result(S.LLM_SUCCESS)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    async def wait_remote_cache(self, cluster_id: int, cache_id: int, timeout: float | None = None) -> S:
+        """Wait until linked peer ``cluster_id`` has announced cache ``cache_id``.
+
+        Caches a peer registers after linking reach this engine asynchronously;
+        this is how a prefill worker waits for a decode worker's new cache.
+        Returns ``LLM_SUCCESS`` or raises (``LLM_NOT_YET_LINK``, ``LLM_TIMEOUT``, or
+        ``LLM_LINK_FAILED`` / ``LLM_NOT_YET_LINK`` if the link goes down meanwhile).
+        """
+        self._check_open()
+        tmo = self._deadline(timeout)
+        link = self._links.get(cluster_id)
+        if link is None:
+            raise error_for(S.LLM_NOT_YET_LINK, f"cluster {cluster_id!r} is not linked")
+        if cache_id in link.remote:
+            return S.LLM_SUCCESS
+        fut = self._loop.create_future()
+        link.waiters.setdefault(cache_id, []).append(fut)
+        try:
+            st = await asyncio.wait_for(asyncio.shield(fut), tmo)
+        except asyncio.TimeoutError:
+            raise error_for(S.LLM_TIMEOUT, f"cluster {cluster_id} did not announce cache {cache_id} "
+                                           f"within {tmo:g} s") from None
+        finally:
+            futs = link.waiters.get(cache_id)
+            if futs and fut in futs:
+                futs.remove(fut)
+                if not futs:
+                    del link.waiters[cache_id]
+        if st != S.LLM_SUCCESS:
+            raise error_for(st, f"the link to cluster {cluster_id} went down")
+        return st
+
+    # ---------------------------------------------------------- a live link
+
+    async def _read_link(self, link: Link) -> None:
+        """Serve one link's control messages until it closes."""
+        reason = "peer closed the control connection"
+        try:
+            while True:
+                item = await link.ch.recv()
+                if item is None:
+                    break
+                link.last_rx = self._loop.time()
+                msg, fds = item
+                t = msg["t"]
+                if t == "ping":
+                    for fd in fds:
+                        os.close(fd)
+                elif t == "cache_add":
+                    self._on_cache_add(link, msg, fds)
+                elif t == "cache_del":
+                    self._spawn(self._on_cache_del(link, msg))
+                elif t == "unlink":
+                    self._spawn(self._on_unlink(link, msg))
+                elif t == "ok":
+                    fut = link.pending.pop(msg.get("req"), None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                else:
+                    raise ProtocolError(f"unknown control message {t!r}")
+        except ProtocolError as e:
+            reason = f"protocol error: {e}"
+        except asyncio.CancelledError:
+            reason = "engine closing"
+            raise
+        finally:
+            if link.up and not link.closing:
+                log.warning("link %s <-> %s lost: %s", self.cluster_id, link.cluster_id, reason)
+                self._link_down(link, S.LLM_LINK_FAILED)
+
+    async def _heartbeat(self, link: Link) -> None:
+        """Ping every heartbeat_interval; a peer silent for heartbeat_timeout is lost."""
+        interval, limit = self.options.heartbeat_interval, self.options.heartbeat_timeout
+        while link.up:
+            await asyncio.sleep(interval)
+            if not link.up:
+                return
+            silent = self._loop.time() - link.last_rx
+            if silent > limit:
+                log.warning("link %s <-> %s lost: no message for %.2f s (heartbeat_timeout %.2f s)",
+                            self.cluster_id, link.cluster_id, silent, limit)
+                self._link_down(link, S.LLM_LINK_FAILED)
+                return
+            try:
+                await link.ch.send({"t": "ping"})
+            except (ConnectionError, ProtocolError):
+                pass   # the reader sees the EOF
+
+    async def _request(self, link: Link, msg: dict, timeout: float) -> dict | None:
+        req = next(link._reqs)
+        fut = self._loop.create_future()
+        link.pending[req] = fut
+        try:
+            await link.ch.send(dict(msg, req=req))
+            return await asyncio.wait_for(fut, timeout)
+        except (ConnectionError, asyncio.TimeoutError, ProtocolError):
+            return None
+        finally:
+            link.pending.pop(req, None)
+
+    async def _on_cache_del(self, link: Link, msg: dict) -> None:
+        rc = link.remote.pop(msg.get("id"), None)
+        if rc is not None:
+            await wait_idle(rc)  # bounded: each transfer has a deadline
+            for rid in rc.region_ids:
+                self._core.region_remove(rid)
+            rc.keep = None
+        if link.up:
+            try:
+                await link.ch.send({"t": "ok", "req": msg.get("req")})
+            except ConnectionError:
+                pass
+
+    async def _on_unlink(self, link: Link, msg: dict) -> None:
+        link.closing = True
+        await self._fence_link(link, S.LLM_NOT_YET_LINK)
+        try:
+            await link.ch.send({"t": "ok", "req": msg.get("req")})
+        except ConnectionError:
+            pass
+        self._link_down(link, S.LLM_NOT_YET_LINK)
+
+    async def _fence_link(self, link: Link, status: S) -> None:
+        """Abort every transfer on the link and wait until none can write any more."""
+        transfers = list(link.inflight)
+        for t in transfers:
+            t._abort(status)
+        for t in transfers:
+            await t._fenced()
+
+    def _link_down(self, link: Link, status: S) -> None:
+        if not link.up:
+            return
+        link.up = False
+        if self._links.get(link.cluster_id) is link:
+            del self._links[link.cluster_id]
+        for t in list(link.inflight):
+            t._abort(status)
+        if link.tcp_id:   # closes the data streams; the link's jobs complete with `status`
+            self._core.tcp_link_close(link.tcp_id, int(status))
+            self._tcp_links.pop(link.tcp_id, None)
+            link.tcp_id = 0
+        self._drop_remote(link)
+        for fut in link.pending.values():
+            if not fut.done():
+                fut.set_result(None)
+        for futs in link.waiters.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_result(status)
+        link.waiters.clear()
+        link.ch.close()
+        for task in (link.reader, link.beat):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+
+    def _drop_remote(self, link: Link) -> None:
+        # Regions are refcounted natively: a mapping a job still uses survives until it ends.
+        for rc in link.remote.values():
+            for rid in rc.region_ids:
+                self._core.region_remove(rid)
+        link.remote.clear()
+
+    async def unlink_clusters(self, clusters: Sequence[ClusterInfo], timeout: float | None = None,
+                              force: bool = False) -> tuple[S, list[S]]:
+        """Tear links down: ``(overall status, [status per cluster])``.
+
+        Normal unlink tells the peer, which aborts (fenced) its transfers to us
+        first; ``force=True`` only drops this end. Unknown cluster: ``LLM_NOT_YET_LINK``.
+        """
+        self._check_open()
+        timeout = self._link_timeout(timeout)
+        if isinstance(clusters, ClusterInfo) or not isinstance(clusters, (list, tuple)) or not clusters:
+            return S.LLM_PARAM_INVALID, []
+        results = []
+        for c in clusters:
+            link = self._links.get(c.remote_cluster_id) if isinstance(c, ClusterInfo) else None
+            results.append(self._unlink_one(link, timeout, graceful=not force) if link else None)
+        done = await asyncio.gather(*(r if r is not None else _const(S.LLM_NOT_YET_LINK) for r in results))
+        return overall(done), done
+
+    async def _unlink_one(self, link: Link, timeout: float, graceful: bool) -> S:
+        status = S.LLM_SUCCESS
+        link.closing = True
+        await self._fence_link(link, S.LLM_NOT_YET_LINK)
+        if graceful and link.up:
+            reply = await self._request(link, {"t": "unlink"}, timeout)
+            if reply is None:
+                status = S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
+        self._link_down(link, S.LLM_NOT_YET_LINK)
+        return status
+
+    # ------------------------------------------------------------ server side
+
+    async def _on_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ch = StreamChannel(reader, writer)
+        reply = None
+        keep = False
+        try:
+            async with asyncio.timeout(self.options.link_timeout):
+                item = await ch.recv()
+                if item is None:
+                    return
+                reply = self._answer_hello(item[0])
+                await ch.send(reply)
+                if reply["t"] == "welcome":
+                    item = await ch.recv()   # tcp: the attach; shm: EOF once attached over Unix
+                    if item is not None and reply["transport"] == "tcp":
+                        keep = await self._attach(ch, item[0])
+        except (TimeoutError, ProtocolError, OSError, KeyError, TypeError, ValueError) as e:
+            self._counts["control_refused"] += 1
+            log.info("control connection dropped during hello: %s", e)
+        finally:
+            if not keep:
+                ch.close()
+            if reply is not None and reply["t"] == "welcome":
+                self._expire_attach(reply["token"])
+
+    def _answer_hello(self, h: dict) -> dict:
+        def reject(status: S, msg: str) -> dict:
+            log.warning("refusing link from cluster %s: %s", h.get("cluster"), msg)
+            return {"t": "reject", "status": int(status), "msg": msg}
+
+        if h.get("t") != "hello" or h.get("v") != control.PROTOCOL_VERSION:
+            return reject(S.LLM_LINK_FAILED, f"protocol version {h.get('v')!r} not supported "
+                                             f"(this engine speaks {control.PROTOCOL_VERSION})")
+        cid = h.get("cluster")
+        if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid <= _U64:
+            return reject(S.LLM_PARAM_INVALID, "bad cluster id")
+        if cid == self.cluster_id:
+            return reject(S.LLM_PARAM_INVALID, f"cluster id {cid} is this engine's own")
+        if self._closed:
+            return reject(S.LLM_LINK_FAILED, "engine closing")
+        if cid in self._links:
+            return reject(S.LLM_ALREADY_LINK, f"cluster {cid} is already linked")
+        if cid in self._linking:
+            return reject(S.LLM_PROCESSING_LINK, f"a link with cluster {cid} is being set up")
+        if bool(h.get("auth")) != (self.options.secret is not None):
+            return reject(S.LLM_LINK_FAILED, "authentication mismatch: one engine has a secret, the other not")
+        same_host = h.get("host") == self._host
+        same_process = same_host and h.get("pid") == os.getpid() and h.get("token") in LOCAL_ENGINES
+        prefs = {h.get("transport"), self.options.transport} - {"auto"}
+        if len(prefs) > 1:
+            return reject(S.LLM_LINK_FAILED, f"transports conflict: {sorted(prefs)}")
+        want = prefs.pop() if prefs else None
+        if want == "tcp" or not same_host:
+            if want in ("local", "shm"):
+                return reject(S.LLM_LINK_FAILED, f"transport {want!r} needs both engines on one host")
+            transport = "tcp"
+        elif want == "local" or (want is None and same_process):
+            if not same_process:
+                return reject(S.LLM_LINK_FAILED, "transport 'local' needs both engines in one process")
+            transport = "local"
+        else:
+            transport = "shm"
+        token = control.new_nonce()
+        nonce = control.new_nonce()
+        streams = h.get("streams")
+        streams = min(streams, self.options.tcp_streams) if isinstance(streams, int) and streams >= 1 else 1
+        data_token = secrets.token_hex(_native.TOKEN_BYTES)
+        self._linking.add(cid)
+        expiry = self._loop.call_later(self.options.link_timeout, self._expire_attach, token)
+        self._attach_tokens[token] = (cid, h, transport, nonce, expiry, data_token, streams)
+        return {"t": "welcome", "v": control.PROTOCOL_VERSION, "cluster": self.cluster_id,
+                "pid": os.getpid(), "ptoken": self._token, "transport": transport,
+                "unix": self._unix_name, "token": token, "nonce": nonce,
+                "data_port": self._data_port, "data_token": data_token, "streams": streams,
+                "proof": (control.proof(self.options.secret, "server", str(h.get("nonce")), nonce)
+                          if self.options.secret is not None else None)}
+
+    def _expire_attach(self, token: str) -> None:
+        entry = self._attach_tokens.pop(token, None)
+        if entry is not None:
+            entry[4].cancel()
+            self._linking.discard(entry[0])
+
+    def _on_unix_accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._unix.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.warning("unix accept failed: %s", e)
+                return
+            self._spawn(self._on_unix_conn(SeqpacketChannel(sock, self._loop)))
+
+    async def _on_unix_conn(self, ch: SeqpacketChannel) -> None:
+        keep = False
+        try:
+            async with asyncio.timeout(self.options.link_timeout):
+                item = await ch.recv()
+                if item is None:
+                    return
+                msg, fds = item
+                for fd in fds:
+                    os.close(fd)
+                keep = await self._attach(ch, msg)
+        except (TimeoutError, ProtocolError, OSError, KeyError, TypeError, ValueError) as e:
+            log.warning("link attach failed: %s", e)
+        finally:
+            if not keep:
+                ch.close()
+
+    async def _attach(self, ch: Any, msg: dict) -> bool:
+        """Server side: check the client's attach (token and HMAC proof), then link."""
+        entry = self._attach_tokens.pop(msg.get("token"), None) if msg.get("t") == "attach" else None
+        if entry is None:
+            await ch.send({"t": "reject", "status": int(S.LLM_LINK_FAILED), "msg": "unknown link token"})
+            return False
+        cid, hello, transport, nonce, expiry, data_token, streams = entry
+        expiry.cancel()
+        link = None
+        try:
+            if not control.check_proof(self.options.secret, msg.get("proof"), "client", nonce,
+                                       str(hello.get("nonce"))):
+                log.warning("refusing link from cluster %s: authentication failed", cid)
+                await ch.send({"t": "reject", "status": int(S.LLM_LINK_FAILED),
+                               "msg": "authentication failed"})
+                return False
+            link = Link(cid, ch, transport, int(hello["pid"]), str(hello["token"]), "")
+            if transport == "tcp":   # data streams presenting this token are bound to the link
+                link.tcp_id = next(self._tcp_ids)
+                st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(data_token), streams)
+                if st:
+                    raise ProtocolError(f"cannot add the data link (status {st:#x})")
+            if await self._establish(link, False) == S.LLM_SUCCESS:
+                link = None
+                return True
+            return False
+        finally:
+            self._linking.discard(cid)
+            if link is not None:
+                link.ch = _Detached(ch)   # the caller closes the channel itself
+                self._abandon(link)
+
+    # --------------------------------------------------------------- native events
+
+    def _on_link_event(self, kind: int, link_id: int, status: int) -> None:
+        if kind == _native.EVENT_LINK_READY:
+            fut = self._tcp_ready.get(link_id)
+            if fut is not None and not fut.done():
+                fut.set_result(S.LLM_SUCCESS)
+        elif kind == _native.EVENT_LINK_DOWN:
+            fut = self._tcp_ready.get(link_id)
+            if fut is not None and not fut.done():
+                fut.set_result(S.LLM_LINK_FAILED)
+            link = self._tcp_links.get(link_id)
+            if link is not None and link.up and not link.closing:
+                log.warning("link %s <-> %s lost: a data stream failed (%s)", self.cluster_id,
+                            link.cluster_id, _status_or(status, S.LLM_LINK_FAILED).name)
+                self._link_down(link, S.LLM_LINK_FAILED)
+            elif link is not None and link.up:
+                self._link_down(link, S.LLM_NOT_YET_LINK)   # unlink under way: the peer closed first
+
+
+class _Detached:
+    """Stands in for a channel its caller still owns."""
+
+    def __init__(self, ch: Any) -> None:
+        self._ch = ch
+
+    def close(self) -> None:
+        pass
