@@ -105,8 +105,9 @@ class _Server:
 
 async def _serve(args: argparse.Namespace) -> None:
     import kvengine as kv
+    extra = {} if args.tcp_streams is None else {"tcp_streams": args.tcp_streams}
     opts = kv.EngineOptions(transport=args.transport, secret=args.secret.encode() if args.secret else None,
-                            movers=args.movers)
+                            movers=args.movers, **extra)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -141,9 +142,11 @@ class PeerProcess:
 
     @classmethod
     async def start(cls, cluster_id: int, transport: str = "auto", secret: bytes | None = None,
-                    movers: int = 2, timeout: float = 30.0) -> "PeerProcess":
+                    movers: int = 2, timeout: float = 30.0, tcp_streams: int | None = None) -> "PeerProcess":
         argv = [sys.executable, "-m", "kvengine._peer", "--cluster-id", str(cluster_id),
                 "--listen", "127.0.0.1:0", "--transport", transport, "--movers", str(movers)]
+        if tcp_streams is not None:   # None: EngineOptions' default
+            argv += ["--tcp-streams", str(tcp_streams)]
         if secret:
             argv += ["--secret", secret.decode()]
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
@@ -193,6 +196,7 @@ def main() -> None:
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--secret", default=None)
     ap.add_argument("--movers", type=int, default=2)
+    ap.add_argument("--tcp-streams", type=int, default=None, help="default: EngineOptions' default")
     ap.add_argument("--uvloop", action="store_true")
     args = ap.parse_args()
     if args.uvloop:

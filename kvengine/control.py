@@ -123,6 +123,15 @@ class StreamChannel:
         except (RuntimeError, OSError) as e:   # closed transport, reset
             raise ConnectionError(f"control channel: {e}") from None
 
+    def send_nowait(self, msg: dict) -> bool:
+        """Queue a small message without waiting (the transport buffers it)."""
+        data = encode(msg)
+        try:
+            self.writer.write(_LEN.pack(len(data)) + data)
+        except (RuntimeError, OSError):
+            return True   # closed: the reader reports the loss
+        return True
+
     async def recv(self) -> tuple[dict, list[int]] | None:
         """Next ``(msg, [])``; ``None`` at EOF. Raises ProtocolError on garbage."""
         try:
@@ -218,6 +227,18 @@ class SeqpacketChannel:
                 await self._writable()
             except OSError as e:
                 raise ConnectionError(f"control channel: {e}") from None
+
+    def send_nowait(self, msg: dict) -> bool:
+        """Send a small message if the socket takes it now; False if it would block."""
+        if self._closed:
+            return True
+        try:
+            self.sock.sendmsg([encode(msg)])
+            return True
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True   # the reader sees the EOF
 
     async def _writable(self) -> None:
         fut = self.loop.create_future()

@@ -23,6 +23,8 @@ import numpy as np
 
 from . import control, plan
 from .links import LOCAL_ENGINES, _Links, group_regions, wait_idle
+from .scheduler import _Scheduler, _new_hists
+from .notify import Notification, _Notifications
 from .status import LLMError, LLMStatusCode as S, error_for
 from .transfer import Transfer
 from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, EngineOptions, KvCacheExtParam,
@@ -44,6 +46,7 @@ _U64 = 2**64 - 1
 _serials = itertools.count(1)
 _warned_no_secret = False
 _LOCAL_FLAGS = _native.F_EXPORT | _native.F_NOTIFY  # this engine's caches: TCP peers may name them
+_MAX_NOTIFY = 4096                                    # bytes of one push notification
 
 
 def _now_error(status: S, message: str) -> LLMError:
@@ -70,7 +73,7 @@ class _LocalState:
         return [rid for rid, _ in self.regions]
 
 
-class KvEngine(_Links):
+class KvEngine(_Links, _Scheduler, _Notifications):
     """One cluster's KV-cache transfer engine (LLM-DataDist's ``LLMDataDist`` + cache manager).
 
     Use ``async with KvEngine(cluster_id, role, listen="127.0.0.1:0") as engine:``.
@@ -123,6 +126,10 @@ class KvEngine(_Links):
         self._unix: socket.socket | None = None
         self._unix_name: str | None = None
         self._counts = {"transfers": 0, "bytes": 0, "by_status": {}, "control_refused": 0}
+        self._queued = 0                 # transfers waiting in link queues or in flight
+        self._hists = _new_hists()       # latency histograms, every link
+        self._per_link: dict = {}        # (cluster id, transport) -> counters and histograms
+        self._notes_init()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -189,7 +196,8 @@ class KvEngine(_Links):
             self._loop.remove_reader(self._core.fileno())
             self._drain()
             for t in list(self._pending.values()):  # nothing should be left; never leave a waiter
-                t._finish(S.LLM_ENGINE_FINALIZED, 0)
+                t._jobs.clear()
+                t._finish(S.LLM_ENGINE_FINALIZED, t.nbytes)
             self._pending.clear()
         for st in self._caches.values():   # the core is closed: no thread touches them any more
             self._release_local(st)
@@ -217,14 +225,14 @@ class KvEngine(_Links):
 
     def _drain(self) -> None:
         """eventfd readable: resolve every transfer whose native job finished."""
-        pending = self._pending
-        for job_id, status, nbytes in self._core.poll():
-            if job_id & _native.EVENT:
-                self._on_event(job_id & _native.EVENT_KIND_MASK, job_id & _native.EVENT_ID_MASK, status)
-                continue
-            t = pending.pop(job_id, None)
-            if t is not None:
-                t._finish(status, nbytes)
+        done = self._core.poll()
+        jobs = [c for c in done if not c[0] & _native.EVENT] if done else done
+        if len(jobs) != len(done):
+            for job_id, status, _ in done:
+                if job_id & _native.EVENT:
+                    self._on_event(job_id & _native.EVENT_KIND_MASK, job_id & _native.EVENT_ID_MASK, status)
+        if jobs:
+            self._on_completions(jobs)
 
     def _on_event(self, kind: int, ident: int, status: int) -> None:
         if kind == _native.EVENT_REGION_FREED:
@@ -422,34 +430,35 @@ class KvEngine(_Links):
             raise param_invalid(f"timeout must be a positive number of seconds, got {timeout!r}")
         return float(timeout)
 
-    def _segments(self, key: tuple | None, make, src_regions, dst_regions) -> array.array:
+    def _segments(self, key: tuple | None, make, src_regions, dst_regions) -> tuple[array.array, int]:
+        """The packed plan and its byte count (memoized for exact-typed keys)."""
         if key is not None:
             if not _plain_key(key):   # only exact ints hit the memo: True == 1, 0.0 == 0
                 key = None
             else:
-                segs = self._plans.get(key)
-                if segs is not None:
-                    return segs
+                hit = self._plans.get(key)
+                if hit is not None:
+                    return hit
         mapped = [(src_regions[s][0], src_regions[s][1] + so, dst_regions[d][0], dst_regions[d][1] + do, n)
                   for s, so, d, do, n in make()]
-        segs = array.array("Q", [w for seg in plan.coalesce(mapped) for w in seg])
+        merged = plan.coalesce(mapped)
+        hit = (array.array("Q", [w for seg in merged for w in seg]), sum(seg[4] for seg in merged))
         if key is not None:
             if len(self._plans) >= 4096:
                 self._plans.clear()
-            self._plans[key] = segs
-        return segs
+            self._plans[key] = hit
+        return hit
 
-    def _launch(self, op: str, link: Any, local: _LocalState, remote: Any,
-                segs: array.array, timeout: float, what: str) -> Transfer:
-        t = Transfer(self, what)
-        job = next(self._jobs)
-        st, done, nbytes = self._core.submit(job, segs, self.options.inline_threshold)
-        if done or st:
-            t._finish(st, nbytes)
-            return t
-        t._start(job, link, (local, remote), timeout)
-        self._pending[job] = t
-        return t
+    def _options(self, timeout: Any, priority: Any, notify: Any) -> tuple[float, int, bytes | None]:
+        tmo = self._deadline(timeout)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+            raise param_invalid(f"priority must be an int in [-1000, 1000], got {priority!r}")
+        if notify is not None:
+            if not isinstance(notify, (bytes, bytearray)) or len(notify) > _MAX_NOTIFY:
+                raise param_invalid(f"notify must be bytes of at most {_MAX_NOTIFY}, got {type(notify).__name__}"
+                                    + (f" of {len(notify)}" if isinstance(notify, (bytes, bytearray)) else ""))
+            notify = bytes(notify)
+        return tmo, priority, notify
 
     def _transfer(self, op: str, fn) -> Transfer:
         """Run ``fn`` (validation + launch); turn a raised LLMError into a finished Transfer."""
@@ -463,7 +472,8 @@ class KvEngine(_Links):
 
     def submit_push_kv_cache(self, cache: Cache, dst_index: CacheIndex, src_batch_index: int = 0,
                              size: int = -1, ext_param: KvCacheExtParam | None = None,
-                             timeout: float | None = None) -> Transfer:
+                             timeout: float | None = None,
+                     priority: int = 0, notify: bytes | None = None) -> Transfer:
         """Start writing row ``src_batch_index`` of local ``cache`` into the peer's
         ``dst_index`` row; returns a :class:`Transfer` (awaiting it never raises)."""
         def go() -> Transfer:
@@ -471,18 +481,19 @@ class KvEngine(_Links):
             if not isinstance(dst_index, CacheIndex):
                 raise param_invalid(f"dst_index must be a CacheIndex, got {type(dst_index).__name__}")
             link, rc = self._remote(dst_index.cluster_id, dst_index.cache_id)
-            tmo = self._deadline(timeout)
+            tmo, prio, note = self._options(timeout, priority, notify)
             key = ("pc", local.serial, rc.serial, src_batch_index, dst_index.batch_index, size, ext_param)
             segs = self._segments(key, lambda: plan.plan_cache(
                 local.cache.desc, rc.desc, src_batch_index, dst_index.batch_index, size, ext_param, op="push"),
                 local.cache._regions, rc.regions)
-            return self._launch("push", link, local, rc, segs, tmo,
+            return self._launch(link, local, rc, *segs, tmo, prio, note,
                                 f"push_kv_cache to cluster {dst_index.cluster_id} cache {dst_index.cache_id}")
         return self._transfer("push_kv_cache", go)
 
     def submit_pull_kv_cache(self, src_index: CacheIndex, cache: Cache, batch_index: int = 0,
                              size: int = -1, ext_param: KvCacheExtParam | None = None,
-                             timeout: float | None = None) -> Transfer:
+                             timeout: float | None = None,
+                     priority: int = 0) -> Transfer:
         """Start reading the peer's ``src_index`` row into row ``batch_index`` of local
         ``cache``; ``size`` is bytes per tensor or -1 for the whole row."""
         def go() -> Transfer:
@@ -490,101 +501,123 @@ class KvEngine(_Links):
             if not isinstance(src_index, CacheIndex):
                 raise param_invalid(f"src_index must be a CacheIndex, got {type(src_index).__name__}")
             link, rc = self._remote(src_index.cluster_id, src_index.cache_id)
-            tmo = self._deadline(timeout)
+            tmo, prio, note = self._options(timeout, priority, None)
             key = ("lc", local.serial, rc.serial, src_index.batch_index, batch_index, size, ext_param)
             segs = self._segments(key, lambda: plan.plan_cache(
                 rc.desc, local.cache.desc, src_index.batch_index, batch_index, size, ext_param, op="pull"),
                 rc.regions, local.cache._regions)
-            return self._launch("pull", link, local, rc, segs, tmo,
+            return self._launch(link, local, rc, *segs, tmo, prio, note,
                                 f"pull_kv_cache from cluster {src_index.cluster_id} cache {src_index.cache_id}")
         return self._transfer("pull_kv_cache", go)
 
     def submit_push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: Sequence[int],
                               dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
-                              timeout: float | None = None) -> Transfer:
+                              timeout: float | None = None,
+                     priority: int = 0, notify: bytes | None = None) -> Transfer:
         """Start writing local blocks ``src_blocks[i]`` into the peer's ``dst_blocks[i]``."""
         def go() -> Transfer:
             local = self._local(cache)
             if not isinstance(dst_key, BlocksCacheKey):
                 raise param_invalid(f"dst_key must be a BlocksCacheKey, got {type(dst_key).__name__}")
             link, rc = self._remote(dst_key.cluster_id, dst_key.cache_id)
-            tmo = self._deadline(timeout)
+            tmo, prio, note = self._options(timeout, priority, notify)
             segs = self._segments(None, lambda: plan.plan_blocks(
                 local.cache.desc, rc.desc, src_blocks, dst_blocks, ext_param, op="push"),
                 local.cache._regions, rc.regions)
-            return self._launch("push", link, local, rc, segs, tmo,
+            return self._launch(link, local, rc, *segs, tmo, prio, note,
                                 f"push_kv_blocks to cluster {dst_key.cluster_id} cache {dst_key.cache_id}")
         return self._transfer("push_kv_blocks", go)
 
     def submit_pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: Sequence[int],
                               dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
-                              timeout: float | None = None) -> Transfer:
+                              timeout: float | None = None,
+                     priority: int = 0) -> Transfer:
         """Start reading the peer's blocks ``src_blocks[i]`` into local ``dst_blocks[i]``."""
         def go() -> Transfer:
             local = self._local(cache)
             if not isinstance(src_key, BlocksCacheKey):
                 raise param_invalid(f"src_key must be a BlocksCacheKey, got {type(src_key).__name__}")
             link, rc = self._remote(src_key.cluster_id, src_key.cache_id)
-            tmo = self._deadline(timeout)
+            tmo, prio, note = self._options(timeout, priority, None)
             segs = self._segments(None, lambda: plan.plan_blocks(
                 rc.desc, local.cache.desc, src_blocks, dst_blocks, ext_param, op="pull"),
                 rc.regions, local.cache._regions)
-            return self._launch("pull", link, local, rc, segs, tmo,
+            return self._launch(link, local, rc, *segs, tmo, prio, note,
                                 f"pull_kv_blocks from cluster {src_key.cluster_id} cache {src_key.cache_id}")
         return self._transfer("pull_kv_blocks", go)
 
     async def push_kv_cache(self, cache: Cache, dst_index: CacheIndex, src_batch_index: int = 0,
                             size: int = -1, ext_param: KvCacheExtParam | None = None,
-                            timeout: float | None = None) -> S:
-        """PushKvCache: ``LLM_SUCCESS`` or raise the :class:`LLMError` subclass of the status."""
+                            timeout: float | None = None, priority: int = 0,
+                            notify: bytes | None = None) -> S:
+        """PushKvCache: ``LLM_SUCCESS`` or raise the :class:`LLMError` subclass of the status.
+
+        ``priority`` (-1000..1000, higher first) and the deadline order the link's queue;
+        ``notify`` bytes reach the destination engine after the last byte landed.
+        """
         return await self.submit_push_kv_cache(cache, dst_index, src_batch_index, size, ext_param,
-                                               timeout)._result()
+                                               timeout, priority, notify)._result()
 
     async def pull_kv_cache(self, src_index: CacheIndex, cache: Cache, batch_index: int = 0,
                             size: int = -1, ext_param: KvCacheExtParam | None = None,
-                            timeout: float | None = None) -> S:
+                            timeout: float | None = None, priority: int = 0) -> S:
         """PullKvCache: ``LLM_SUCCESS`` or raise the :class:`LLMError` subclass of the status."""
         return await self.submit_pull_kv_cache(src_index, cache, batch_index, size, ext_param,
-                                               timeout)._result()
+                                               timeout, priority)._result()
 
     async def push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: Sequence[int],
                              dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
-                             timeout: float | None = None) -> S:
+                             timeout: float | None = None, priority: int = 0,
+                             notify: bytes | None = None) -> S:
         """PushKvBlocks: ``LLM_SUCCESS`` or raise."""
         return await self.submit_push_kv_blocks(cache, dst_key, src_blocks, dst_blocks, ext_param,
-                                                timeout)._result()
+                                                timeout, priority, notify)._result()
 
     async def pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: Sequence[int],
                              dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
-                             timeout: float | None = None) -> S:
+                             timeout: float | None = None, priority: int = 0) -> S:
         """PullKvBlocks: ``LLM_SUCCESS`` or raise."""
         return await self.submit_pull_kv_blocks(src_key, cache, src_blocks, dst_blocks, ext_param,
-                                                timeout)._result()
+                                                timeout, priority)._result()
 
     # ---------------------------------------------------------------- inspection
 
-    def _account(self, status: int, nbytes: int) -> None:
-        c = self._counts
-        c["transfers"] += 1
-        c["bytes"] += nbytes
-        name = S(status).name if status in S._value2member_map_ else str(status)
-        c["by_status"][name] = c["by_status"].get(name, 0) + 1
-
     def stats(self) -> dict:
-        """Counters: transfers by status, bytes, links, caches, in flight, native core."""
+        """Counters and latency summaries (see docs/api.md, "Observability").
+
+        ``latency`` phases: ``queue`` (submit to first byte handed to the core),
+        ``transfer`` (first piece to completion), ``total``; each with count, mean
+        and p50/p90/p99 in seconds. ``peers`` holds the same per ``"cluster/transport"``.
+        """
+        def live(heap):
+            return sum(1 for _, t in heap if t._status is None and t._left)
+
         out = {
             "transfers": self._counts["transfers"],
             "bytes": self._counts["bytes"],
             "by_status": dict(self._counts["by_status"]),
+            "queued": self._queued,
             "in_flight": len(self._pending),
+            "latency": {k: h.summary() for k, h in self._hists.items()},
             "links": {cid: {"transport": l.transport, "remote_caches": len(l.remote),
-                            "in_flight": len(l.inflight)} for cid, l in self._links.items()},
+                            "in_flight": len(l.inflight), "queue_depth": live(l.heap),
+                            "inflight_bytes": l.inflight_bytes} for cid, l in self._links.items()},
+            "peers": {f"{cid}/{tr}": {"transfers": p["transfers"], "bytes": p["bytes"],
+                                      "by_status": dict(p["by_status"]),
+                                      "latency": {k: p[k].summary() for k in ("queue", "transfer", "total")}}
+                      for (cid, tr), p in self._per_link.items()},
+            "notifications": self._notes_stats(),
             "control_refused": self._counts["control_refused"],
             "caches": len(self._caches),
         }
         if self._core is not None:
             out["native"] = self._core.stats()
         return out
+
+    def metrics_text(self) -> str:
+        """The counters and histograms in Prometheus text exposition format."""
+        from .metrics import render
+        return render(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "started" if self._started else "new"

@@ -79,7 +79,7 @@ class RemoteCache:
 class Link:
     __slots__ = ("cluster_id", "ch", "transport", "peer_pid", "peer_token", "remote", "inflight",
                  "reader", "beat", "pending", "up", "closing", "address", "_reqs", "waiters", "tcp_id",
-                 "last_rx")
+                 "last_rx", "heap", "inflight_bytes")
 
     def __init__(self, cluster_id: int, ch: Any, transport: str, peer_pid: int, peer_token: str,
                  address: str) -> None:
@@ -100,6 +100,8 @@ class Link:
         self.waiters: dict[int, list[asyncio.Future]] = {}  # cache id -> wait_remote_cache futures
         self.tcp_id = 0               # native link id of the TCP data plane
         self.last_rx = 0.0
+        self.heap: list = []          # the scheduler's queue: (key, Transfer)
+        self.inflight_bytes = 0       # bytes handed to the core, not yet completed
 
 
 async def _const(value):
@@ -482,6 +484,8 @@ class _Links:
                     self._spawn(self._on_cache_del(link, msg))
                 elif t == "unlink":
                     self._spawn(self._on_unlink(link, msg))
+                elif t == "notify":
+                    self._on_notify(link, msg)
                 elif t == "ok":
                     fut = link.pending.pop(msg.get("req"), None)
                     if fut is not None and not fut.done():
@@ -576,6 +580,7 @@ class _Links:
             del self._links[link.cluster_id]
         for t in list(link.inflight):
             t._abort(status)
+        link.heap.clear()
         if link.tcp_id:   # closes the data streams; the link's jobs complete with `status`
             self._core.tcp_link_close(link.tcp_id, int(status))
             self._tcp_links.pop(link.tcp_id, None)

@@ -278,6 +278,13 @@ class EngineOptions:
     tcp_streams: TCP data connections per link (large transfers are striped over them).
     heartbeat_interval / heartbeat_timeout: a peer silent for heartbeat_timeout is lost
       (``LLM_LINK_FAILED``); pings go out every heartbeat_interval.
+    scheduling: ``"edf"`` (priority, then earliest deadline first) or ``"fifo"`` (arrival order).
+    max_inflight_bytes: per link, bytes handed to the native core at once; the rest waits
+      in the link's queue, in scheduling order.
+    piece_bytes: transfers are handed over in pieces of at most this many bytes, so an
+      urgent one overtakes a large one at the next piece.
+    max_queued: transfers queued or in flight at once; more fail ``LLM_OUT_OF_MEMORY``.
+    max_notifications: received notifications kept until read (oldest dropped beyond).
     """
     sync_kv_timeout: float = 1.0
     link_timeout: float = 3.0
@@ -289,6 +296,11 @@ class EngineOptions:
     tcp_streams: int = 4
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 2.0
+    scheduling: str = "edf"
+    max_inflight_bytes: int = 32 << 20
+    piece_bytes: int = 4 << 20
+    max_queued: int = 1 << 16
+    max_notifications: int = 1 << 16
 
     def __post_init__(self) -> None:
         for name in ("sync_kv_timeout", "link_timeout", "heartbeat_interval", "heartbeat_timeout"):
@@ -299,6 +311,12 @@ class EngineOptions:
             raise param_invalid(
                 f"EngineOptions.transport must be 'auto', 'local', 'shm' or 'tcp', got {self.transport!r}")
         _check_int("EngineOptions.tcp_streams", self.tcp_streams, 1, 16)
+        if self.scheduling not in ("edf", "fifo"):
+            raise param_invalid(f"EngineOptions.scheduling must be 'edf' or 'fifo', got {self.scheduling!r}")
+        _check_int("EngineOptions.max_inflight_bytes", self.max_inflight_bytes, 4096, 1 << 40)
+        _check_int("EngineOptions.piece_bytes", self.piece_bytes, 4096, 1 << 40)
+        _check_int("EngineOptions.max_queued", self.max_queued, 1, 1 << 24)
+        _check_int("EngineOptions.max_notifications", self.max_notifications, 1, 1 << 24)
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise param_invalid("EngineOptions.heartbeat_timeout must exceed heartbeat_interval")
         _check_int("EngineOptions.movers", self.movers, 1, 64)

@@ -1,0 +1,177 @@
+"""The transfer scheduler: what moves next, under which budget.
+
+Every push and pull that does not run inline joins its link's queue, a heap
+ordered by ``(-priority, deadline, arrival)`` (earliest deadline first within
+a priority class; ``EngineOptions(scheduling="fifo")`` orders by arrival only,
+the baseline of the load benchmark). The scheduler hands the native core one
+piece (at most ``piece_bytes``) of the transfer at the head of the queue at a
+time, while the link's bytes in flight stay under ``max_inflight_bytes``; so a
+small urgent push waits for at most one budget's worth of bytes, never for the
+rest of a 1 GiB push that started before it. A transfer whose deadline passes
+while queued resolves ``LLM_TIMEOUT`` without a byte moved. Cost per transfer:
+one heap push and pop, one timer; no task per transfer.
+
+Links are independent: each has its own queue and budget, so a slow or dead
+peer never holds another link's work.
+"""
+
+from __future__ import annotations
+
+import array
+import heapq
+import itertools
+import math
+from typing import Any
+
+from .status import LLMStatusCode as S
+from .transfer import Transfer
+
+__all__ = ["Histogram"]
+
+_seq = itertools.count()
+
+
+class Histogram:
+    """Latency histogram with log buckets (ratio 2**0.25, from 1 us to ~1.2 h)."""
+
+    __slots__ = ("counts", "n", "total")
+    _BASE = 1e-6
+    _STEP = 2 ** 0.25
+    _N = 128
+
+    def __init__(self) -> None:
+        self.counts = [0] * self._N
+        self.n = 0
+        self.total = 0.0
+
+    def record(self, seconds: float) -> None:
+        i = 0 if seconds <= self._BASE else min(self._N - 1, int(math.log(seconds / self._BASE, self._STEP)) + 1)
+        self.counts[i] += 1
+        self.n += 1
+        self.total += seconds
+
+    def upper(self, i: int) -> float:
+        return self._BASE * self._STEP ** i
+
+    def quantile(self, q: float) -> float:
+        """Upper edge of the bucket holding the q-quantile (seconds); 0 when empty."""
+        if not self.n:
+            return 0.0
+        rank = q * self.n
+        seen = 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= rank and c:
+                return self.upper(i)
+        return self.upper(self._N - 1)
+
+    def summary(self) -> dict:
+        return {"count": self.n, "mean_s": self.total / self.n if self.n else 0.0,
+                "p50_s": self.quantile(0.5), "p90_s": self.quantile(0.9), "p99_s": self.quantile(0.99)}
+
+
+class _Scheduler:
+    """Queueing half of KvEngine (mixin: uses the engine's core, loop and options)."""
+
+    def _launch(self, link: Any, local: Any, remote: Any, segs: array.array, total: int, timeout: float,
+                priority: int, notify: bytes | None, what: str) -> Transfer:
+        t = Transfer(self, what)
+        opts = self.options
+        now = self._loop.time()
+        if total <= opts.inline_threshold and link.transport != "tcp":
+            # below a thread hand-off's cost: copy now, on this thread (local and shm only)
+            t._link, t._notify = link, notify
+            t._t_queued = t._t_started = now
+            job = next(self._jobs)
+            st, done, nbytes = self._core.submit(job, segs, opts.inline_threshold)
+            if done or st:
+                t._finish(st, nbytes)
+                return t
+            t._link = None   # not expected: the core handed it to the movers after all
+            t._queue(link, (local, remote), segs, total, timeout, priority, notify, now)
+            t._left = 0
+            t._jobs[job] = total
+            self._pending[job] = t
+            link.inflight_bytes += total
+            return t
+        if self._queued >= opts.max_queued:
+            t._finish(S.LLM_OUT_OF_MEMORY, 0,
+                      f"{what}: {self._queued} transfers queued already (EngineOptions.max_queued)")
+            return t
+        t._queue(link, (local, remote), segs, total, timeout, priority, notify, now)
+        t._inq = True
+        self._queued += 1
+        seq = next(_seq)
+        t._key = (seq,) if opts.scheduling == "fifo" else (-priority, t.deadline, seq)
+        heapq.heappush(link.heap, (t._key, t))
+        self._dispatch(link)
+        return t
+
+    def _dispatch(self, link: Any) -> None:
+        """Feed the core from the head of the link's queue while the budget allows."""
+        heap = link.heap
+        budget = self.options.max_inflight_bytes
+        piece = self.options.piece_bytes
+        core, pending, jobs = self._core, self._pending, self._jobs
+        while heap and link.inflight_bytes < budget and link.up:
+            t = heap[0][1]
+            if t._status is not None or t._left == 0:
+                heapq.heappop(heap)
+                continue
+            segs, n = t._next_piece(piece)
+            job = next(jobs)
+            st, _, _ = core.submit(job, segs, 0)
+            if not t._t_started:
+                t._t_started = self._loop.time()
+            if st:
+                t._left = 0
+                t._abort(S(st) if st in S._value2member_map_ else S.LLM_FAILED)
+                continue
+            t._jobs[job] = n
+            pending[job] = t
+            link.inflight_bytes += n
+            if t._left == 0:
+                heapq.heappop(heap)
+
+    def _on_completions(self, done: list) -> None:
+        links = set()
+        pending = self._pending
+        for job_id, status, nbytes in done:
+            t = pending.pop(job_id, None)
+            if t is not None:
+                link = t._link
+                t._piece_done(job_id, status, nbytes)
+                if link is not None:
+                    links.add(link)
+        for link in links:
+            if link.heap:
+                self._dispatch(link)
+
+    # ------------------------------------------------------------- accounting
+
+    def _account(self, t: Transfer, status: S, nbytes: int, link: Any) -> None:
+        c = self._counts
+        c["transfers"] += 1
+        c["bytes"] += nbytes
+        name = status.name
+        c["by_status"][name] = c["by_status"].get(name, 0) + 1
+        if link is None:
+            return
+        key = (link.cluster_id, link.transport)
+        per = self._per_link.get(key)
+        if per is None:
+            per = self._per_link[key] = {"transfers": 0, "bytes": 0, "by_status": {}, **_new_hists()}
+        per["transfers"] += 1
+        per["bytes"] += nbytes
+        per["by_status"][name] = per["by_status"].get(name, 0) + 1
+        if t._t_queued:
+            now = self._loop.time()
+            started = t._t_started or now
+            for h in (self._hists, per):
+                h["queue"].record(started - t._t_queued)
+                h["transfer"].record(now - started)
+                h["total"].record(now - t._t_queued)
+
+
+def _new_hists() -> dict:
+    return {"queue": Histogram(), "transfer": Histogram(), "total": Histogram()}
