@@ -580,6 +580,22 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         return await self.submit_pull_kv_blocks(src_key, cache, src_blocks, dst_blocks, ext_param,
                                                 timeout, priority)._result()
 
+    def layer_stream(self, cache: Cache, dsts: Sequence[Any], src_batch_index: int = 0,
+                     tensor_num_per_layer: int = 2, timeout: float | None = None,
+                     notify: bytes | None = None, priority: int = 0,
+                     src_blocks: Sequence[int] | None = None,
+                     dst_blocks: Sequence[Sequence[int]] | None = None):
+        """Push ``cache`` layer by layer as layers become ready (see kvengine/layers.py).
+
+        ``dsts``: ``CacheIndex`` rows (source row ``src_batch_index``), or
+        ``BlocksCacheKey`` caches with ``src_blocks`` and ``dst_blocks`` (one list, or
+        one per destination). ``timeout`` covers the whole stream. ``notify`` reaches
+        each destination once all its layers landed.
+        """
+        from .layers import open_stream
+        return open_stream(self, cache, dsts, src_batch_index, tensor_num_per_layer, timeout, notify,
+                           priority, src_blocks, dst_blocks)
+
     # ---------------------------------------------------------------- inspection
 
     def stats(self) -> dict:

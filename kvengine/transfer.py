@@ -34,7 +34,8 @@ class Transfer:
 
     __slots__ = ("_engine", "_what", "_status", "_fut", "_timer", "_link", "_refs", "_timeout",
                  "_message", "nbytes", "_segs", "_cur", "_off", "_left", "_jobs", "_fail", "_key",
-                 "_notify", "_t_queued", "_t_started", "_total", "_inq", "priority", "deadline", "__weakref__")
+                 "_notify", "_t_queued", "_t_started", "_total", "_inq", "_on_done", "priority", "deadline",
+                 "__weakref__")
 
     def __init__(self, engine: Any, what: str) -> None:
         self._engine = engine
@@ -59,6 +60,7 @@ class Transfer:
         self._t_queued = 0.0
         self._t_started = 0.0
         self._inq = False      # counted in the engine's queued total
+        self._on_done = None   # callable(status), e.g. a layer stream's bookkeeping
         self.priority = 0
         self.deadline = 0.0
 
@@ -171,6 +173,9 @@ class Transfer:
         engine._account(self, st, nbytes, link)
         if self._fut is not None and not self._fut.done():
             self._fut.set_result(st)
+        if self._on_done is not None:
+            cb, self._on_done = self._on_done, None
+            cb(st)
 
     # ---------------------------------------------------------------- public
 

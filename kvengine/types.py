@@ -297,8 +297,8 @@ class EngineOptions:
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 2.0
     scheduling: str = "edf"
-    max_inflight_bytes: int = 32 << 20
-    piece_bytes: int = 4 << 20
+    max_inflight_bytes: int = 16 << 20
+    piece_bytes: int = 2 << 20
     max_queued: int = 1 << 16
     max_notifications: int = 1 << 16
 

@@ -30,6 +30,7 @@ def transport(request):
 
 
 async def make_pair(transport="auto", **opts):
+    """A prefill engine (cluster 1) and a decode engine (cluster 2) in this process."""
     o = kv.EngineOptions(transport=transport, **opts)
     p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", o).start()
     d = await kv.KvEngine(2, kv.Role.DECODER, "127.0.0.1:0", o).start()

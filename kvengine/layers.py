@@ -1,0 +1,206 @@
+"""Layer-wise pushes: LLM-DataDist's ``transfer_cache_async`` + ``LayerSynchronizer``,
+as asyncio.
+
+The prefill side opens a stream for one source row (or block list) towards
+one or more destinations, and marks layers ready as it computes them; each
+layer's push starts at once, so the transfer overlaps the rest of the
+prefill. A failed layer stops that destination; the others go on.
+
+    stream = engine.layer_stream(cache, [kv.CacheIndex(2, 7, 0), kv.CacheIndex(3, 9, 0)],
+                                 src_batch_index=0, timeout=5.0, notify=b"req-42")
+    for i in range(num_layers):
+        ...                        # compute layer i (any thread)
+        stream.layer_ready(i)      # thread-safe; that layer's push starts now
+    statuses = await stream.wait() # one LLMStatusCode per destination
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Sequence
+
+from .status import LLMStatusCode as S
+from .types import BlocksCacheKey, CacheIndex, KvCacheExtParam, as_int_list, param_invalid
+
+__all__ = ["LayerStream"]
+
+
+class _Dest:
+    __slots__ = ("key", "blocks", "status", "pending", "done_layers", "transfers")
+
+    def __init__(self, key: Any, blocks: list[int] | None) -> None:
+        self.key = key
+        self.blocks = blocks
+        self.status: S | None = None       # final status, once known
+        self.pending = 0                   # layer pushes in flight
+        self.done_layers = 0               # layers landed
+        self.transfers: list = []
+
+
+class LayerStream:
+    """Pushes of one source, layer by layer, to several destinations (see module docstring)."""
+
+    def __init__(self, engine: Any, cache: Any, dsts: Sequence[Any], src_batch_index: int,
+                 tensor_num_per_layer: int, timeout: float, notify: bytes | None, priority: int,
+                 src_blocks: Sequence[int] | None, dst_blocks: Sequence[Sequence[int]] | None) -> None:
+        engine._check_open()
+        engine._local(cache)
+        if not isinstance(dsts, (list, tuple)) or not dsts:
+            raise param_invalid("layer_stream needs a non-empty list of destinations")
+        tnpl = tensor_num_per_layer
+        if isinstance(tnpl, bool) or not isinstance(tnpl, int) or not 1 <= tnpl <= 255 \
+                or cache.desc.num_tensors % tnpl:
+            raise param_invalid(f"tensor_num_per_layer {tnpl!r} must divide num_tensors {cache.desc.num_tensors}")
+        self._tmo, self._prio, self._notify = engine._options(timeout, priority, notify)
+        blocks = all(isinstance(d, BlocksCacheKey) for d in dsts)
+        if not blocks and not all(isinstance(d, CacheIndex) for d in dsts):
+            raise param_invalid("destinations must all be CacheIndex (rows) or all BlocksCacheKey (blocks)")
+        if blocks:
+            if src_blocks is None or dst_blocks is None:
+                raise param_invalid("block destinations need src_blocks and dst_blocks")
+            src_blocks = as_int_list("src_blocks", src_blocks)
+            if dst_blocks and not isinstance(dst_blocks[0], (list, tuple, range)):
+                dst_blocks = [dst_blocks] * len(dsts)
+            if len(dst_blocks) != len(dsts):
+                raise param_invalid("dst_blocks needs one block list per destination")
+            per = [as_int_list("dst_blocks", b) for b in dst_blocks]
+        else:
+            if src_blocks is not None or dst_blocks is not None:
+                raise param_invalid("src_blocks/dst_blocks go with BlocksCacheKey destinations")
+            per = [None] * len(dsts)
+        self._engine = engine
+        self._cache = cache
+        self._batch = src_batch_index
+        self._src_blocks = src_blocks
+        self._tnpl = tnpl
+        self.num_layers = cache.desc.num_tensors // tnpl
+        self._dests = [_Dest(d, b) for d, b in zip(dsts, per)]
+        self._loop = engine._loop
+        self._lock = threading.Lock()
+        self._marked: set[int] = set()
+        self._layer_futs: dict[int, asyncio.Future] = {}
+        self._done = self._loop.create_future()
+        self._deadline = self._loop.time() + self._tmo
+        self._timer = self._loop.call_at(self._deadline, self._on_deadline)
+
+    # --------------------------------------------------------------- producer
+
+    def layer_ready(self, layer: int) -> None:
+        """Layer ``layer`` of the source is computed: push it now. Thread-safe.
+
+        Raises ``LLMParamInvalidError`` for a layer out of range or marked twice.
+        """
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise param_invalid(f"layer {layer!r} out of range [0, {self.num_layers})")
+        with self._lock:
+            if layer in self._marked:
+                raise param_invalid(f"layer {layer} was already marked ready")
+            self._marked.add(layer)
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._start(layer)
+        else:
+            self._loop.call_soon_threadsafe(self._start, layer)
+
+    def _start(self, layer: int) -> None:
+        e = self._engine
+        remaining = self._deadline - self._loop.time()
+        ext = KvCacheExtParam((layer, layer), (layer, layer), self._tnpl)
+        futs = []
+        for d in self._dests:
+            if d.status is not None:
+                continue
+            if remaining <= 0:
+                self._settle(d, S.LLM_TIMEOUT)
+                continue
+            if isinstance(d.key, CacheIndex):
+                t = e.submit_push_kv_cache(self._cache, d.key, self._batch, ext_param=ext, timeout=remaining,
+                                           priority=self._prio)
+            else:
+                t = e.submit_push_kv_blocks(self._cache, d.key, self._src_blocks, d.blocks, ext_param=ext,
+                                            timeout=remaining, priority=self._prio)
+            d.pending += 1
+            d.transfers.append(t)
+            fut = self._loop.create_future()
+            futs.append(fut)
+            t._on_done = lambda st, d=d, fut=fut: self._layer_done(d, st, fut)
+            if t.done():
+                t._on_done(t.status)
+        fut = self._layer_futs.setdefault(layer, self._loop.create_future())
+        if futs:
+            gathered = asyncio.gather(*futs)
+            gathered.add_done_callback(lambda g: fut.done() or fut.set_result(g.result()))
+        elif not fut.done():
+            fut.set_result([d.status for d in self._dests])
+
+    def _layer_done(self, d: _Dest, status: S, fut: asyncio.Future) -> None:
+        d.pending -= 1
+        if not fut.done():
+            fut.set_result(status)
+        if d.status is None:
+            if status != S.LLM_SUCCESS:
+                self._settle(d, status)
+            else:
+                d.done_layers += 1
+                if d.done_layers == self.num_layers:
+                    self._settle(d, S.LLM_SUCCESS)
+        self._check_done()
+
+    def _settle(self, d: _Dest, status: S) -> None:
+        """Final status of one destination; its other layers stop."""
+        if d.status is not None:
+            return
+        d.status = status
+        if status != S.LLM_SUCCESS:
+            for t in d.transfers:
+                t.cancel()
+        elif self._notify is not None:
+            link = self._engine._links.get(d.key.cluster_id)
+            if link is not None:
+                self._engine._send_notify(link, self._notify)
+        self._check_done()
+
+    def _check_done(self) -> None:
+        """Resolve wait() once every destination is settled and no push of it is in flight."""
+        if all(x.status is not None and x.pending == 0 for x in self._dests):
+            self._timer.cancel()
+            if not self._done.done():
+                self._done.set_result([x.status for x in self._dests])
+
+    def _on_deadline(self) -> None:
+        for d in self._dests:
+            if d.status is None and d.pending == 0:
+                self._settle(d, S.LLM_TIMEOUT)   # layers never marked ready in time
+            # layers in flight carry the same deadline and settle on their own
+
+    # --------------------------------------------------------------- consumer
+
+    async def wait_layer(self, layer: int) -> list[S]:
+        """Statuses, per destination, of layer ``layer``'s pushes (after it was marked ready)."""
+        fut = self._layer_futs.setdefault(layer, self._loop.create_future())
+        return list(await asyncio.shield(fut))
+
+    async def wait(self) -> list[S]:
+        """One final status per destination: ``LLM_SUCCESS`` once every layer landed there."""
+        return list(await asyncio.shield(self._done))
+
+    def statuses(self) -> list[S | None]:
+        return [d.status for d in self._dests]
+
+    def cancel(self) -> None:
+        """Stop every destination (``LLM_CANCELLED``; layers in flight are fenced)."""
+        for d in self._dests:
+            self._settle(d, S.LLM_CANCELLED)
+
+
+def open_stream(engine: Any, cache: Any, dsts: Sequence[Any], src_batch_index: int = 0,
+                tensor_num_per_layer: int = 2, timeout: float | None = None, notify: bytes | None = None,
+                priority: int = 0, src_blocks: Sequence[int] | None = None,
+                dst_blocks: Sequence[Sequence[int]] | None = None) -> LayerStream:
+    return LayerStream(engine, cache, dsts, src_batch_index, tensor_num_per_layer, timeout, notify,
+                       priority, src_blocks, dst_blocks)
+

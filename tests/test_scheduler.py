@@ -1,0 +1,277 @@
+"""The scheduler, layer streams, notifications and stats, through the public API."""
+
+import asyncio
+import resource
+
+import numpy as np
+import pytest
+
+import kvengine as kv
+from kvengine import LLMStatusCode as S
+from conftest import filled, link, make_pair, snapshot
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def sched_transport(request):
+    return request.param
+
+
+@pytest.fixture
+async def spair(sched_transport):
+    p, d = await make_pair(sched_transport)
+    try:
+        await link(p, d)
+        yield p, d
+    finally:
+        await p.close()
+        await d.close()
+
+
+async def caches(p, d, desc, seed=1):
+    src = filled(p.allocate_cache(desc), seed)
+    dst = d.allocate_cache(desc)
+    await p.wait_remote_cache(2, dst.cache_id)
+    return src, dst
+
+
+async def test_urgent_small_push_overtakes_a_running_large_one(spair):
+    p, d = spair
+    big_src, big_dst = await caches(p, d, kv.CacheDesc(2, (1, 128 << 20), np.uint8))   # 256 MiB
+    small_src, small_dst = await caches(p, d, kv.CacheDesc(2, (1, 32 << 10), np.uint8))  # 64 KiB
+    big = p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst.cache_id, 0), timeout=30)
+    await asyncio.sleep(0.005)   # the large push is under way
+    assert not big.done() and p._core.stats()["jobs_live"] >= 1
+    t0 = asyncio.get_running_loop().time()
+    small = p.submit_push_kv_cache(small_src, kv.CacheIndex(2, small_dst.cache_id, 0), timeout=1)
+    assert await small == S.LLM_SUCCESS
+    latency = asyncio.get_running_loop().time() - t0
+    assert not big.done(), "the small push waited for the large one"
+    assert latency < 0.020, f"small push took {latency * 1e3:.1f} ms behind a 256 MiB push"
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(small_src.tensors, small_dst.tensors))
+    assert await big == S.LLM_SUCCESS
+    assert all(np.array_equal(a, b) for a, b in zip(big_src.tensors, big_dst.tensors))
+
+
+async def test_queued_transfers_past_their_deadline_never_start(spair):
+    p, d = spair
+    big_src, big_dst = await caches(p, d, kv.CacheDesc(2, (1, 128 << 20), np.uint8))
+    src, dst = await caches(p, d, kv.CacheDesc(1, (64, 1 << 20), np.uint8))   # rows of 1 MiB
+    big = p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst.cache_id, 0), timeout=30, priority=10)
+    # lower priority, 1 MiB each (above the inline threshold): they queue behind the big push
+    waiting = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r, timeout=0.005)
+               for r in range(64)]
+    statuses = await asyncio.gather(*waiting)
+    assert statuses == [S.LLM_TIMEOUT] * 64
+    assert all("had not started" in t.message() for t in waiting)
+    assert all(t.nbytes == 0 for t in waiting)
+    assert not dst.tensors[0].any(), "a transfer that timed out in the queue touched the destination"
+    assert await big == S.LLM_SUCCESS
+
+
+async def test_priority_orders_the_queue(sched_transport):
+    p, d = await make_pair(sched_transport, max_inflight_bytes=1 << 20, piece_bytes=1 << 20,
+                           inline_threshold=0)
+    try:
+        await link(p, d)
+        src, dst = await caches(p, d, kv.CacheDesc(1, (16, 1 << 20), np.uint8))
+        order = []
+        ts = []
+        for r in range(16):
+            t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r, timeout=30,
+                                       priority=r % 4)
+            t._on_done = lambda st, r=r: order.append(r)
+            ts.append(t)
+        await asyncio.gather(*ts)
+        # the first went straight to the core; after it, higher priority first, FIFO within a class
+        rest = order[1:]
+        prios = [r % 4 for r in rest]
+        assert prios == sorted(prios, reverse=True), order
+        assert all(np.array_equal(src.tensors[0][r], dst.tensors[0][r]) for r in range(16))
+    finally:
+        await p.close()
+        await d.close()
+
+
+async def test_fifo_scheduling_option(sched_transport):
+    p, d = await make_pair(sched_transport, scheduling="fifo", max_inflight_bytes=1 << 20,
+                           piece_bytes=1 << 20, inline_threshold=0)
+    try:
+        await link(p, d)
+        src, dst = await caches(p, d, kv.CacheDesc(1, (8, 1 << 20), np.uint8))
+        order = []
+        ts = []
+        for r in range(8):   # later ones have earlier deadlines: FIFO ignores that
+            t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r, timeout=30 - r)
+            t._on_done = lambda st, r=r: order.append(r)
+            ts.append(t)
+        await asyncio.gather(*ts)
+        assert order == list(range(8))
+    finally:
+        await p.close()
+        await d.close()
+
+
+async def test_queue_full_is_out_of_memory():
+    p, d = await make_pair("tcp", max_queued=4)
+    try:
+        await link(p, d)
+        src, dst = await caches(p, d, kv.CacheDesc(1, (8, 1 << 20), np.uint8))
+        ts = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r, timeout=30) for r in range(8)]
+        full = [t for t in ts if t.done() and t.status == S.LLM_OUT_OF_MEMORY]
+        assert len(full) == 4 and "max_queued" in full[0].message()
+        assert [await t for t in ts[:4]] == [S.LLM_SUCCESS] * 4
+    finally:
+        await p.close()
+        await d.close()
+
+
+async def test_10000_concurrent_pushes_on_4_links():
+    opts = dict(transport="tcp")
+    prefill = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", kv.EngineOptions(**opts)).start()
+    decodes = [await kv.KvEngine(10 + i, kv.Role.DECODER, "127.0.0.1:0", kv.EngineOptions(**opts)).start()
+               for i in range(4)]
+    try:
+        desc = kv.CacheDesc(2, (2500, 1024), np.uint8)   # 2500 rows of 2 x 1 KiB per link
+        src = filled(prefill.allocate_cache(desc), seed=5)
+        dsts = []
+        for d in decodes:
+            await link(prefill, d)
+            dst = d.allocate_cache(desc)
+            await prefill.wait_remote_cache(d.cluster_id, dst.cache_id)
+            dsts.append(dst)
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        ts = [prefill.submit_push_kv_cache(src, kv.CacheIndex(d.cluster_id, dst.cache_id, r), r, timeout=60)
+              for r in range(2500) for d, dst in zip(decodes, dsts)]
+        assert len(ts) == 10_000
+        assert prefill.stats()["queued"] <= 10_000
+        statuses = await asyncio.gather(*ts)
+        assert statuses == [S.LLM_SUCCESS] * 10_000
+        for dst in dsts:
+            assert all(np.array_equal(a, b) for a, b in zip(src.tensors, dst.tensors))
+        grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+        assert grown_mib < 256, f"10,000 queued pushes grew the process by {grown_mib:.0f} MiB"
+        st = prefill.stats()
+        assert st["queued"] == 0 and st["in_flight"] == 0
+        assert sum(st["peers"][f"{d.cluster_id}/tcp"]["transfers"] for d in decodes) == 10_000
+    finally:
+        await prefill.close()
+        for d in decodes:
+            await d.close()
+
+
+async def test_layer_stream_delivers_each_layer_before_the_next_is_ready(spair):
+    p, d = spair
+    layers = 32
+    desc = kv.CacheDesc(2 * layers, (2, 16 << 10), np.uint8)
+    src = p.allocate_cache(desc)
+    dst = d.allocate_cache(desc)
+    await p.wait_remote_cache(2, dst.cache_id)
+    stream = p.layer_stream(src, [kv.CacheIndex(2, dst.cache_id, 1)], src_batch_index=0, timeout=30,
+                            notify=b"req-42")
+    from kvengine._peer import fill_pattern
+    for i in range(layers):
+        for k in (2 * i, 2 * i + 1):          # "compute" layer i only now
+            fill_pattern(src.tensors[k], 100 + i, k)
+        stream.layer_ready(i)
+        assert await stream.wait_layer(i) == [S.LLM_SUCCESS]
+        for k in range(2 * layers):
+            if k <= 2 * i + 1:
+                assert np.array_equal(dst.tensors[k][1], src.tensors[k][0]), f"layer {k // 2} missing"
+            else:
+                assert not dst.tensors[k].any(), f"layer {k // 2} arrived before it was ready"
+    assert await stream.wait() == [S.LLM_SUCCESS]
+    note = await d.wait_notification(b"req-42", timeout=5)
+    assert note.cluster_id == 1 and note.payload == b"req-42"
+    with pytest.raises(kv.LLMParamInvalidError, match="already marked"):
+        stream.layer_ready(3)
+    with pytest.raises(kv.LLMParamInvalidError, match="out of range"):
+        stream.layer_ready(layers)
+
+
+async def test_layer_stream_from_a_thread_with_a_failing_destination(spair):
+    p, d = spair
+    layers = 8
+    desc = kv.CacheDesc(2 * layers, (1, 8 << 10), np.uint8)
+    src = filled(p.allocate_cache(desc), seed=9)
+    good = d.allocate_cache(desc)
+    bad = d.allocate_cache(desc)
+    await p.wait_remote_cache(2, good.cache_id)
+    await p.wait_remote_cache(2, bad.cache_id)
+    stream = p.layer_stream(src, [kv.CacheIndex(2, good.cache_id, 0), kv.CacheIndex(2, bad.cache_id, 0)],
+                            timeout=30)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, lambda: [stream.layer_ready(i) for i in range(4)])   # compute thread
+    assert [await stream.wait_layer(i) for i in range(4)] == [[S.LLM_SUCCESS, S.LLM_SUCCESS]] * 4
+    await d.unregister_kv_cache(bad.cache_id)    # the second destination goes away mid-stream
+    await loop.run_in_executor(None, lambda: [stream.layer_ready(i) for i in range(4, layers)])
+    assert await stream.wait() == [S.LLM_SUCCESS, S.LLM_KV_CACHE_NOT_EXIST]
+    assert all(np.array_equal(a, b) for a, b in zip(src.tensors, good.tensors))
+
+
+async def test_layer_stream_times_out_when_layers_never_come(spair):
+    p, d = spair
+    desc = kv.CacheDesc(4, (1, 4096), np.uint8)
+    src, dst = await caches(p, d, desc)
+    stream = p.layer_stream(src, [kv.CacheIndex(2, dst.cache_id, 0)], timeout=0.05, notify=b"never")
+    stream.layer_ready(0)
+    assert await stream.wait() == [S.LLM_TIMEOUT]
+    with pytest.raises(kv.LLMTimeoutError):
+        await d.wait_notification(b"never", timeout=0.2)
+
+
+async def test_notification_arrives_after_the_data_and_only_on_success(spair):
+    p, d = spair
+    src, dst = await caches(p, d, kv.CacheDesc(4, (2, 1 << 20), np.uint8))   # 4 MiB rows: queued path
+    waiter = asyncio.ensure_future(d.wait_notification(b"row-1", timeout=10))
+    await p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 1), 0, notify=b"row-1")
+    note = await waiter
+    assert note.payload == b"row-1"
+    # at delivery every byte is in place (the notification follows the completion)
+    assert all(np.array_equal(a[1], b[0]) for a, b in zip(dst.tensors, src.tensors))
+    # a failed push sends none
+    big_src, big_dst = await caches(p, d, kv.CacheDesc(2, (1, 64 << 20), np.uint8))
+    t = p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst.cache_id, 0), timeout=0.002,
+                               notify=b"failed")
+    assert await t == S.LLM_TIMEOUT
+    await p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), 0, notify=b"after")   # a later marker
+    assert (await d.wait_notification(b"after", timeout=10)).payload == b"after"
+    with pytest.raises(kv.LLMTimeoutError):
+        await d.wait_notification(b"failed", timeout=0.1)
+    # notifications() yields them in arrival order
+    for i in range(3):
+        await p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), 0, notify=b"n%d" % i)
+    got = []
+    async for n in d.notifications():
+        got.append(n.payload)
+        if len(got) == 3:
+            break
+    assert got == [b"n0", b"n1", b"n2"]
+    with pytest.raises(kv.LLMParamInvalidError, match="notify"):
+        await p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), 0, notify=b"x" * 5000)
+
+
+async def test_stats_match_what_happened(spair, sched_transport):
+    p, d = spair
+    src, dst = await caches(p, d, kv.CacheDesc(2, (8, 1 << 20), np.uint8))
+    for r in range(5):
+        await p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r)
+    with pytest.raises(kv.LLMKvCacheNotExistError):
+        await p.push_kv_cache(src, kv.CacheIndex(2, 999, 0))
+    big_src, big_dst = await caches(p, d, kv.CacheDesc(2, (1, 64 << 20), np.uint8))
+    assert await p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst.cache_id, 0), timeout=0.002) \
+        == S.LLM_TIMEOUT
+    st = p.stats()
+    assert st["by_status"] == {"LLM_SUCCESS": 5, "LLM_KV_CACHE_NOT_EXIST": 1, "LLM_TIMEOUT": 1}
+    assert st["transfers"] == 7 and st["queued"] == 0 and st["in_flight"] == 0
+    peer = st["peers"][f"2/{sched_transport}"]
+    assert peer["transfers"] == 6 and peer["by_status"]["LLM_SUCCESS"] == 5
+    assert peer["bytes"] >= 5 * 2 * (1 << 20)
+    assert peer["latency"]["total"]["count"] == 6
+    assert 0 < peer["latency"]["total"]["p50_s"] < 5
+    assert st["links"][2]["queue_depth"] == 0 and st["links"][2]["inflight_bytes"] == 0
+    text = p.metrics_text()
+    assert f'kvengine_transfers_total{{cluster="1",peer="2",transport="{sched_transport}",status="LLM_SUCCESS"}} 5' in text
+    assert "# TYPE kvengine_transfer_seconds histogram" in text
+    assert f'kvengine_transfer_seconds_count{{cluster="1",peer="2",transport="{sched_transport}",phase="total"}} 6' in text
+    before = snapshot(dst)
+    assert all(np.array_equal(a, b) for a, b in zip(before, dst.tensors))
