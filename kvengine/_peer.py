@@ -96,6 +96,14 @@ class _Server:
                                        kv.CacheIndex(m["cluster_id"], m["dst_cache_id"], m.get("dst_batch", 0)),
                                        m.get("src_batch", 0), timeout=m.get("timeout"))
             return {"status": int(await t)}
+        if op == "wait_link_down":   # returns once the link to cluster_id is gone (or after timeout)
+            try:
+                await e.wait_remote_cache(m["cluster_id"], 2**62, timeout=m.get("timeout", 10))
+            except (kv.LLMNotYetLinkError, kv.LLMLinkFailedError):
+                return {"down": True}
+            except kv.LLMTimeoutError:
+                return {"down": False}
+            return {"down": False}
         if op == "stats":
             return {"stats": e.stats()}
         if op == "exit":
@@ -105,7 +113,9 @@ class _Server:
 
 async def _serve(args: argparse.Namespace) -> None:
     import kvengine as kv
-    extra = {} if args.tcp_streams is None else {"tcp_streams": args.tcp_streams}
+    extra = json.loads(args.options) if args.options else {}
+    if args.tcp_streams is not None:
+        extra["tcp_streams"] = args.tcp_streams
     opts = kv.EngineOptions(transport=args.transport, secret=args.secret.encode() if args.secret else None,
                             movers=args.movers, **extra)
     loop = asyncio.get_running_loop()
@@ -142,9 +152,13 @@ class PeerProcess:
 
     @classmethod
     async def start(cls, cluster_id: int, transport: str = "auto", secret: bytes | None = None,
-                    movers: int = 2, timeout: float = 30.0, tcp_streams: int | None = None) -> "PeerProcess":
+                    movers: int = 2, timeout: float = 30.0, tcp_streams: int | None = None,
+                    options: dict | None = None) -> "PeerProcess":
+        """Start the child; ``options``: more EngineOptions fields (JSON-able values)."""
         argv = [sys.executable, "-m", "kvengine._peer", "--cluster-id", str(cluster_id),
                 "--listen", "127.0.0.1:0", "--transport", transport, "--movers", str(movers)]
+        if options:
+            argv += ["--options", json.dumps(options)]
         if tcp_streams is not None:   # None: EngineOptions' default
             argv += ["--tcp-streams", str(tcp_streams)]
         if secret:
@@ -176,6 +190,10 @@ class PeerProcess:
         if self.proc.returncode is None:
             self.proc.send_signal(signal.SIGKILL)
 
+    def signal(self, sig: int) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(sig)
+
     async def close(self, timeout: float = 10.0) -> int:
         if self.proc.returncode is None:
             try:
@@ -197,6 +215,7 @@ def main() -> None:
     ap.add_argument("--secret", default=None)
     ap.add_argument("--movers", type=int, default=2)
     ap.add_argument("--tcp-streams", type=int, default=None, help="default: EngineOptions' default")
+    ap.add_argument("--options", default=None, help="JSON object of more EngineOptions fields")
     ap.add_argument("--uvloop", action="store_true")
     args = ap.parse_args()
     if args.uvloop:
