@@ -107,7 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--transport", default="auto", choices=["auto", "shm"])
     d.add_argument("--timeout", type=float, default=10.0)
     d.add_argument("--uvloop", action="store_true", help="run on uvloop")
+    b = sub.add_parser("bench", help="benchmarks: kvengine bench load [--quick] ...", add_help=False)
+    b.add_argument("what", choices=["load"], help="load: EDF vs FIFO under mixed load")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
+    if args.cmd == "bench":
+        from kvengine.bench.load import main as load_main
+        return load_main(args.rest)
     if args.cmd == "demo":
         if args.uvloop:
             import uvloop

@@ -796,8 +796,8 @@ class _Links:
                 log.warning("link %s <-> %s lost: a data stream failed (%s)", self.cluster_id,
                             link.cluster_id, _status_or(status, S.LLM_LINK_FAILED).name)
                 self._link_down(link, S.LLM_LINK_FAILED)
-            elif link is not None and link.up:
-                self._link_down(link, S.LLM_NOT_YET_LINK)   # unlink under way: the peer closed first
+            # closing: an unlink is under way and finishes the link itself (the peer may
+            # close its streams before its "ok" reached us)
 
 
 class _Detached:

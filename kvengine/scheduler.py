@@ -29,6 +29,10 @@ from .transfer import Transfer
 __all__ = ["Histogram"]
 
 _seq = itertools.count()
+# Defaults by transport (docs/benchmarks.md, load test): on tcp, 4 MiB in flight keeps
+# 4 streams busy while an urgent push waits ~1 ms of wire; shm copies are ~3x faster.
+_TCP_BUDGET, _TCP_PIECE = 4 << 20, 1 << 20
+_SHM_BUDGET, _SHM_PIECE = 16 << 20, 2 << 20
 
 
 class Histogram:
@@ -110,8 +114,9 @@ class _Scheduler:
     def _dispatch(self, link: Any) -> None:
         """Feed the core from the head of the link's queue while the budget allows."""
         heap = link.heap
-        budget = self.options.max_inflight_bytes
-        piece = self.options.piece_bytes
+        tcp = link.transport == "tcp"
+        budget = self.options.max_inflight_bytes or (_TCP_BUDGET if tcp else _SHM_BUDGET)
+        piece = self.options.piece_bytes or (_TCP_PIECE if tcp else _SHM_PIECE)
         core, pending, jobs = self._core, self._pending, self._jobs
         while heap and link.inflight_bytes < budget and link.up:
             t = heap[0][1]

@@ -280,9 +280,10 @@ class EngineOptions:
       (``LLM_LINK_FAILED``); pings go out every heartbeat_interval.
     scheduling: ``"edf"`` (priority, then earliest deadline first) or ``"fifo"`` (arrival order).
     max_inflight_bytes: per link, bytes handed to the native core at once; the rest waits
-      in the link's queue, in scheduling order.
+      in the link's queue, in scheduling order (default: 4 MiB on tcp links, 16 MiB on
+      local/shm links; chosen by the load benchmark, docs/benchmarks.md).
     piece_bytes: transfers are handed over in pieces of at most this many bytes, so an
-      urgent one overtakes a large one at the next piece.
+      urgent one overtakes a large one at the next piece (default: 1 MiB tcp, 2 MiB shm).
     max_queued: transfers queued or in flight at once; more fail ``LLM_OUT_OF_MEMORY``.
     max_notifications: received notifications kept until read (oldest dropped beyond).
     """
@@ -297,8 +298,8 @@ class EngineOptions:
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 2.0
     scheduling: str = "edf"
-    max_inflight_bytes: int = 16 << 20
-    piece_bytes: int = 2 << 20
+    max_inflight_bytes: int | None = None
+    piece_bytes: int | None = None
     max_queued: int = 1 << 16
     max_notifications: int = 1 << 16
 
@@ -313,8 +314,10 @@ class EngineOptions:
         _check_int("EngineOptions.tcp_streams", self.tcp_streams, 1, 16)
         if self.scheduling not in ("edf", "fifo"):
             raise param_invalid(f"EngineOptions.scheduling must be 'edf' or 'fifo', got {self.scheduling!r}")
-        _check_int("EngineOptions.max_inflight_bytes", self.max_inflight_bytes, 4096, 1 << 40)
-        _check_int("EngineOptions.piece_bytes", self.piece_bytes, 4096, 1 << 40)
+        if self.max_inflight_bytes is not None:
+            _check_int("EngineOptions.max_inflight_bytes", self.max_inflight_bytes, 4096, 1 << 40)
+        if self.piece_bytes is not None:
+            _check_int("EngineOptions.piece_bytes", self.piece_bytes, 4096, 1 << 40)
         _check_int("EngineOptions.max_queued", self.max_queued, 1, 1 << 24)
         _check_int("EngineOptions.max_notifications", self.max_notifications, 1, 1 << 24)
         if self.heartbeat_timeout <= self.heartbeat_interval:

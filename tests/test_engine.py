@@ -259,7 +259,7 @@ async def test_task_cancellation_is_fenced(pair):
     src, dst = await _big_pair_caches(p, d)
     task = asyncio.ensure_future(p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), timeout=30))
     await asyncio.sleep(0)   # let the push start
-    assert p._core.stats()["jobs_live"] >= 1   # pieces of it are in the native queue
+    assert not task.done()   # 256 MiB: far from finished
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
