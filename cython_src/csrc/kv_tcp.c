@@ -275,10 +275,18 @@ static void abort_unlist(kv_net *n, kv_job *j) {
     j->alisted = 0;
 }
 
+static void discard_payloads(kv_link *l, kv_core *c, int ptype, uint64_t xfer);
+
 /* Complete a TCP job. Caller holds c->mu; returns 1 if the loop must be signalled. */
 static int tcp_complete(kv_net *n, kv_link *l, kv_job *j, uint32_t status) {
     if (l)
         sq_remove(l, j);
+    /* RDATA payloads of a pull still arriving on other streams write into its
+     * destination without a region ref: stop them now, or they land after the
+     * completion, possibly in freed memory (e.g. a peer answering a READ twice,
+     * or an abort with frames == 0; found by tests/native/fuzz_tcp.c). */
+    if (l && !l->dead && j->is_pull)
+        discard_payloads(l, n->c, F_RDATA, j->id);
     abort_unlist(n, j);
     return kv__job_complete(n->c, j, status);
 }
@@ -351,9 +359,13 @@ static int link_fail(kv_net *n, kv_link *l, uint32_t status, int post_down) {
         l->dead = 1;
         if (post_down)
             n->failed++;
+        /* Only here: a dead link's streams were killed when it died and reap()
+         * freed them at the end of that round, so a later link_fail of the same
+         * link (kv_core_close, link_close or conn_add after a failure) must not
+         * touch l->conns (heap-use-after-free found by tests/native/fuzz_tcp.c). */
+        for (int i = 0; i < l->nconns; i++)
+            conn_kill(n, l->conns[i]);
     }
-    for (int i = 0; i < l->nconns; i++)
-        conn_kill(n, l->conns[i]);
     kv_core *c = n->c;
     for (unsigned b = 0; b < KV_HASH_BUCKETS; b++) {
         kv_job *j = c->hash[b];
@@ -545,6 +557,17 @@ static kv_region *exported(kv_core *c, uint32_t id) {
     return r;
 }
 
+/* A DATA frame of push `xfer` is part-way out on one of l's streams: its payload
+ * is still read from the source by sendmsg. Caller holds c->mu. */
+static int data_in_flight(kv_link *l, uint64_t xfer) {
+    for (int i = 0; i < l->nconns; i++) {
+        kv_conn *k = l->conns[i];
+        if (!k->dead && k->cur_on && k->cur.type == F_DATA && k->cur.xfer == xfer)
+            return 1;
+    }
+    return 0;
+}
+
 static void discard_payloads(kv_link *l, kv_core *c, int ptype, uint64_t xfer) {
     for (int i = 0; i < l->nconns; i++) {
         kv_conn *k = l->conns[i];
@@ -667,6 +690,11 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
     case F_ACK: {
         kv_job *j = kv__job_find(c, h->xfer);
         if (j && j->tcp && !j->is_pull && j->link_id == l->id && j->claimed_all) {
+            /* No honest receiver ACKs bytes not even sent yet; completing now would
+             * release the source while sendmsg still reads it (heap-use-after-free
+             * found by tests/native/fuzz_tcp.c). */
+            if (data_in_flight(l, j->id))
+                return *sig |= fail_conn(n, k, 1), 0;
             if (!h->status)
                 j->done_bytes = j->total; /* the receiver counted every byte in place */
             *sig |= tcp_complete(n, l, j, h->status ? h->status : KV_LLM_SUCCESS);
@@ -712,8 +740,14 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
                 rx_del(l, t);
         } else {
             kv_job *j = kv__job_find(c, h->xfer);
-            if (j && j->tcp && !j->is_pull && j->link_id == l->id && j->abort_done && --j->acks_left <= 0)
+            if (j && j->tcp && !j->is_pull && j->link_id == l->id && j->abort_done && --j->acks_left <= 0) {
+                /* the fence: every stream's ABORT (sent after its DATA) was answered;
+                 * an extra ABORT_ACK must not complete the job under a frame still
+                 * going out (same use-after-free as an early ACK) */
+                if (data_in_flight(l, j->id))
+                    return *sig |= fail_conn(n, k, 1), 0;
                 *sig |= tcp_complete(n, l, j, j->status);
+            }
         }
         return 1;
     }
