@@ -72,6 +72,7 @@ typedef struct kv_serve {
 
 typedef struct kv_rx {
     uint64_t xfer, total, received;
+    uint64_t claimed;  /* bytes of DATA headers accepted; received catches up as payloads end */
     int pull;        /* 1: tombstone of our aborted pull, 0: a push we receive */
     int aborted;
     int aborts_seen; /* push: ABORTs received */
@@ -660,8 +661,12 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
                 return *sig |= fail_conn(n, k, 1), 0;
             x->total = h->total;
         }
-        if (!x->aborted && (x->total != h->total || h->length > x->total - x->received))
+        /* claimed, not received: two streams with payloads under way must not both
+         * fit in what is left of the total */
+        if (!x->aborted && (x->total != h->total || h->length > x->total - x->claimed))
             return *sig |= fail_conn(n, k, 1), 0;
+        if (!x->aborted)
+            x->claimed += h->length;
         k->pdiscard = x->aborted;
         if (!x->aborted) {
             kv__region_ref(c, h->region);

@@ -760,7 +760,7 @@ static uint32_t special_rid(void) {
  * orders them with pings and by waiting for payload bytes to land). */
 
 typedef struct {
-    uint64_t xfer, total, received;
+    uint64_t xfer, total, received, claimed; /* claimed: DATA headers accepted (kv_tcp.c checks it) */
     int aborted, aborts_seen;
 } mrx;
 
@@ -894,8 +894,10 @@ static uint64_t m_header(msess *s, mconn *k, const fr *h) {
             x = m_rx_new(s, h->xfer);
             x->total = h->total;
         }
-        if (!x->aborted && (x->total != h->total || h->length > x->total - x->received))
+        if (!x->aborted && (x->total != h->total || h->length > x->total - x->claimed))
             return m_bad(s), 0;
+        if (!x->aborted)
+            x->claimed += h->length;
         k->in_pay = 1;
         k->pay_discard = x->aborted;
         k->pay_base = base;
@@ -1246,12 +1248,12 @@ static fr gen_data(msess *s) {
     mrx *open = NULL;
     if (s->nrx && chance(50)) {
         open = &s->rx[below((uint64_t)s->nrx)];
-        if (open->aborted || open->total - open->received == 0 || open->total < open->received)
+        if (open->aborted || open->total - open->claimed == 0 || open->total < open->claimed)
             open = NULL;
     }
     uint64_t len, total, x;
     if (open) {
-        uint64_t left = open->total - open->received;
+        uint64_t left = open->total - open->claimed;
         len = rnd_len(left < EXP_LEN ? left : EXP_LEN);
         if (chance(50) && left <= EXP_LEN)
             len = left;
@@ -1688,8 +1690,8 @@ static void sess_multi(void) {
                 mrx *x = m_rx_find(s, f.xfer);
                 if (x) {
                     f.total = x->total;
-                    if (x->total - x->received < f.length)
-                        f.length = x->total - x->received ? x->total - x->received : 1;
+                    if (x->total - x->claimed < f.length)
+                        f.length = x->total - x->claimed ? x->total - x->claimed : 1;
                     if (f.offset + f.length > EXP_LEN)
                         f.offset = EXP_LEN - f.length;
                 }
