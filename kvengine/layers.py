@@ -20,7 +20,7 @@ import asyncio
 import threading
 from typing import Any, Sequence
 
-from .status import LLMStatusCode as S
+from .status import LLMStatusCode as S, error_for
 from .types import BlocksCacheKey, CacheIndex, KvCacheExtParam, as_int_list, param_invalid
 
 __all__ = ["LayerStream"]
@@ -81,6 +81,9 @@ class LayerStream:
         self._marked: set[int] = set()
         self._layer_futs: dict[int, asyncio.Future] = {}
         self._done = self._loop.create_future()
+        self._finished = False       # read from producer threads: set once, on the loop
+        self._final: list[S] = []
+        self._notified = False
         self._deadline = self._loop.time() + self._tmo
         self._timer = self._loop.call_at(self._deadline, self._on_deadline)
 
@@ -96,6 +99,9 @@ class LayerStream:
         with self._lock:
             if layer in self._marked:
                 raise param_invalid(f"layer {layer} was already marked ready")
+            if self._finished:
+                st = next((x for x in self._final if x != S.LLM_SUCCESS), S.LLM_FAILED)
+                raise error_for(st, f"the layer stream is finished ({[x.name for x in self._final]})")
             self._marked.add(layer)
         try:
             on_loop = asyncio.get_running_loop() is self._loop
@@ -160,6 +166,7 @@ class LayerStream:
                 t.cancel()
         elif self._notify is not None:
             link = self._engine._links.get(d.key.cluster_id)
+            self._notified = True
             if link is not None:
                 self._engine._send_notify(link, self._notify)
         self._check_done()
@@ -168,8 +175,13 @@ class LayerStream:
         """Resolve wait() once every destination is settled and no push of it is in flight."""
         if all(x.status is not None and x.pending == 0 for x in self._dests):
             self._timer.cancel()
+            final = [x.status for x in self._dests]
+            self._final, self._finished = final, True
             if not self._done.done():
-                self._done.set_result([x.status for x in self._dests])
+                self._done.set_result(final)
+            for fut in self._layer_futs.values():   # layers never marked ready: the final word
+                if not fut.done():
+                    fut.set_result(final)
 
     def _on_deadline(self) -> None:
         for d in self._dests:
@@ -179,9 +191,21 @@ class LayerStream:
 
     # --------------------------------------------------------------- consumer
 
+    def set_notify(self, payload: bytes | None) -> None:
+        """Replace the notification (e.g. with something the forward pass computed);
+        allowed until a destination has received it. Call it from the loop thread."""
+        if self._notified:
+            raise param_invalid("the notification was already sent")
+        self._notify = self._engine._options(None, 0, payload)[2]
+
     async def wait_layer(self, layer: int) -> list[S]:
-        """Statuses, per destination, of layer ``layer``'s pushes (after it was marked ready)."""
+        """Statuses, per destination, of layer ``layer``'s pushes; for a layer that was
+        never marked ready, the stream's final statuses once it is finished."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise param_invalid(f"layer {layer!r} out of range [0, {self.num_layers})")
         fut = self._layer_futs.setdefault(layer, self._loop.create_future())
+        if self._finished and not fut.done():
+            fut.set_result(self._final)
         return list(await asyncio.shield(fut))
 
     async def wait(self) -> list[S]:

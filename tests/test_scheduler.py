@@ -214,8 +214,30 @@ async def test_layer_stream_times_out_when_layers_never_come(spair):
     stream = p.layer_stream(src, [kv.CacheIndex(2, dst.cache_id, 0)], timeout=0.05, notify=b"never")
     stream.layer_ready(0)
     assert await stream.wait() == [S.LLM_TIMEOUT]
+    assert await stream.wait_layer(1) == [S.LLM_TIMEOUT]     # never marked: the final word, no hang
+    with pytest.raises(kv.LLMTimeoutError, match="finished"):
+        stream.layer_ready(1)
     with pytest.raises(kv.LLMTimeoutError):
         await d.wait_notification(b"never", timeout=0.2)
+    # cancel: the same, with LLM_CANCELLED
+    stream = p.layer_stream(src, [kv.CacheIndex(2, dst.cache_id, 0)], timeout=30)
+    stream.cancel()
+    assert await stream.wait() == [S.LLM_CANCELLED]
+    assert await stream.wait_layer(0) == [S.LLM_CANCELLED]
+
+
+async def test_layer_stream_notify_set_late(spair):
+    p, d = spair
+    desc = kv.CacheDesc(4, (1, 4096), np.uint8)
+    src, dst = await caches(p, d, desc)
+    stream = p.layer_stream(src, [kv.CacheIndex(2, dst.cache_id, 0)], timeout=30, notify=b"placeholder")
+    stream.layer_ready(0)
+    stream.set_notify(b'{"first_token": 7}')   # known only once the forward pass is done
+    stream.layer_ready(1)
+    assert await stream.wait() == [S.LLM_SUCCESS]
+    assert (await d.wait_notification(timeout=5)).payload == b'{"first_token": 7}'
+    with pytest.raises(kv.LLMParamInvalidError, match="already sent"):
+        stream.set_notify(b"too late")
 
 
 async def test_notification_arrives_after_the_data_and_only_on_success(spair):
