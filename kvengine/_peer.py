@@ -92,6 +92,7 @@ class _Server:
             st, per = await e.link_clusters([kv.ClusterInfo(m["cluster_id"], m["address"])])
             return {"status": int(st)}
         if op == "push":
+            await e.wait_remote_cache(m["cluster_id"], m["dst_cache_id"], timeout=m.get("timeout"))
             t = e.submit_push_kv_cache(self.caches[m["cache_id"]],
                                        kv.CacheIndex(m["cluster_id"], m["dst_cache_id"], m.get("dst_batch", 0)),
                                        m.get("src_batch", 0), timeout=m.get("timeout"))

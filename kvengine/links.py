@@ -323,7 +323,7 @@ class _Links:
                 return S.LLM_SUCCESS
             if msg["t"] != "cache_add":
                 raise ProtocolError(f"unexpected {msg['t']!r} while linking")
-            self._on_cache_add(link, msg, fds)
+            await self._on_cache_add(link, msg, fds)
 
     # ------------------------------------------------------------ cache tables
 
@@ -355,8 +355,10 @@ class _Links:
         if ready:
             await link.ch.send({"t": "ready"})
 
-    def _on_cache_add(self, link: Link, msg: dict, fds: list[int]) -> None:
-        """Register a peer's cache in this engine's core. Bad descriptors are a protocol error."""
+    async def _on_cache_add(self, link: Link, msg: dict, fds: list[int]) -> None:
+        """Register a peer's cache in this engine's core. Bad descriptors are a protocol error.
+
+        A memfd is mapped (and pre-faulted) in a worker thread: the loop keeps serving."""
         try:
             cache_id = msg["id"]
             if not isinstance(cache_id, int) or cache_id in link.remote:
@@ -392,7 +394,7 @@ class _Links:
                     raise ProtocolError("bad memfd cache descriptor")
                 if os.fstat(fds[0]).st_size < length:
                     raise ProtocolError("memfd smaller than announced")
-                st, addr = _native.map_fd(fds[0], length)
+                st, addr = await self._loop.run_in_executor(None, _native.map_fd, fds[0], length)
                 if st:
                     raise ProtocolError(f"cannot map the peer's cache (status {st:#x})")
                 regions = [(addr, length)]
@@ -479,7 +481,7 @@ class _Links:
                     for fd in fds:
                         os.close(fd)
                 elif t == "cache_add":
-                    self._on_cache_add(link, msg, fds)
+                    await self._on_cache_add(link, msg, fds)
                 elif t == "cache_del":
                     self._spawn(self._on_cache_del(link, msg))
                 elif t == "unlink":

@@ -21,6 +21,7 @@ import array
 import heapq
 import itertools
 import math
+from time import perf_counter
 from typing import Any
 
 from .status import LLMStatusCode as S
@@ -81,11 +82,11 @@ class _Scheduler:
                 priority: int, notify: bytes | None, what: str) -> Transfer:
         t = Transfer(self, what)
         opts = self.options
-        now = self._loop.time()
+        now = self._loop.time()   # deadlines: the loop's clock (timers use it)
         if total <= opts.inline_threshold and link.transport != "tcp":
             # below a thread hand-off's cost: copy now, on this thread (local and shm only)
             t._link, t._notify = link, notify
-            t._t_queued = t._t_started = now
+            t._t_queued = t._t_started = perf_counter()   # latency: a fine clock (uvloop's ticks in ms)
             job = next(self._jobs)
             st, done, nbytes = self._core.submit(job, segs, opts.inline_threshold)
             if done or st:
@@ -127,7 +128,7 @@ class _Scheduler:
             job = next(jobs)
             st, _, _ = core.submit(job, segs, 0)
             if not t._t_started:
-                t._t_started = self._loop.time()
+                t._t_started = perf_counter()
             if st:
                 t._left = 0
                 t._abort(S(st) if st in S._value2member_map_ else S.LLM_FAILED)
@@ -170,7 +171,7 @@ class _Scheduler:
         per["bytes"] += nbytes
         per["by_status"][name] = per["by_status"].get(name, 0) + 1
         if t._t_queued:
-            now = self._loop.time()
+            now = perf_counter()
             started = t._t_started or now
             for h in (self._hists, per):
                 h["queue"].record(started - t._t_queued)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+from time import perf_counter
 from typing import Any
 
 from .status import LLMStatusCode as S, error_for
@@ -76,7 +77,7 @@ class Transfer:
         self.priority = priority
         self.deadline = now + timeout
         self._notify = notify
-        self._t_queued = now
+        self._t_queued = perf_counter()   # stats clock; `now` is the loop's, for the deadline
         link.inflight.add(self)
         for r in refs:
             r._inflight += 1

@@ -425,3 +425,26 @@ async def test_engine_argument_checks():
     with pytest.raises(kv.LLMFailedError, match="not started"):
         e.allocate_cache(desc())
     await e.close()
+
+
+async def test_allocate_cache_async_keeps_the_loop_live(pair):
+    p, d = pair
+    await link(p, d)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    tick = asyncio.ensure_future(ticker())
+    try:
+        dst = await d.allocate_cache_async(kv.CacheDesc(2, (1, 64 << 20), np.uint8))   # 128 MiB
+    finally:
+        tick.cancel()
+    assert ticks > 1, "the loop stood still while the cache was pre-faulted"
+    src = filled(p.allocate_cache(kv.CacheDesc(2, (1, 64 << 20), np.uint8)), seed=14)
+    await p.wait_remote_cache(2, dst.cache_id)
+    await p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), timeout=30)
+    assert all(same(a, b) for a, b in zip(src.tensors, dst.tensors))
