@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from . import control, plan
+from .native import _native
 from .links import LOCAL_ENGINES, _Links, group_regions, wait_idle
 from .scheduler import _Scheduler, _new_hists
 from .notify import Notification, _Notifications
@@ -30,12 +31,6 @@ from .transfer import Transfer
 from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, EngineOptions, KvCacheExtParam,
                     Placement, Role, param_invalid)
 
-try:
-    from . import _native
-except ImportError as e:  # pragma: no cover - depends on the build
-    raise ImportError(
-        "kvengine's native extension is not built: run `pip install -e .` in the source tree "
-        f"(or `pip install kvengine`) ({e})") from e
 
 __all__ = ["KvEngine"]
 
@@ -478,8 +473,8 @@ class KvEngine(_Links, _Scheduler, _Notifications):
 
     def submit_push_kv_cache(self, cache: Cache, dst_index: CacheIndex, src_batch_index: int = 0,
                              size: int = -1, ext_param: KvCacheExtParam | None = None,
-                             timeout: float | None = None,
-                     priority: int = 0, notify: bytes | None = None) -> Transfer:
+                             timeout: float | None = None, priority: int = 0,
+                             notify: bytes | None = None) -> Transfer:
         """Start writing row ``src_batch_index`` of local ``cache`` into the peer's
         ``dst_index`` row; returns a :class:`Transfer` (awaiting it never raises)."""
         def go() -> Transfer:
@@ -498,8 +493,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
 
     def submit_pull_kv_cache(self, src_index: CacheIndex, cache: Cache, batch_index: int = 0,
                              size: int = -1, ext_param: KvCacheExtParam | None = None,
-                             timeout: float | None = None,
-                     priority: int = 0) -> Transfer:
+                             timeout: float | None = None, priority: int = 0) -> Transfer:
         """Start reading the peer's ``src_index`` row into row ``batch_index`` of local
         ``cache``; ``size`` is bytes per tensor or -1 for the whole row."""
         def go() -> Transfer:
@@ -518,8 +512,8 @@ class KvEngine(_Links, _Scheduler, _Notifications):
 
     def submit_push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: Sequence[int],
                               dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
-                              timeout: float | None = None,
-                     priority: int = 0, notify: bytes | None = None) -> Transfer:
+                              timeout: float | None = None, priority: int = 0,
+                             notify: bytes | None = None) -> Transfer:
         """Start writing local blocks ``src_blocks[i]`` into the peer's ``dst_blocks[i]``."""
         def go() -> Transfer:
             local = self._local(cache)
@@ -536,8 +530,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
 
     def submit_pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: Sequence[int],
                               dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
-                              timeout: float | None = None,
-                     priority: int = 0) -> Transfer:
+                              timeout: float | None = None, priority: int = 0) -> Transfer:
         """Start reading the peer's blocks ``src_blocks[i]`` into local ``dst_blocks[i]``."""
         def go() -> Transfer:
             local = self._local(cache)

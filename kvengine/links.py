@@ -19,7 +19,8 @@ import socket
 import weakref
 from typing import Any, Iterable, Sequence
 
-from . import _native, control
+from . import control
+from .native import _native
 from .control import ProtocolError, SeqpacketChannel, StreamChannel
 from .status import LLMError, LLMStatusCode as S, error_for
 from .transfer import Transfer

@@ -14,23 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-def _load_pure_modules():
-    """kvengine's pure-Python modules, even when kvengine/__init__ cannot import the native core."""
-    try:
-        from kvengine import plan, status, types
-        return plan, status, types
-    except ImportError:
-        import importlib
-        import importlib.util
-        name = "_kvengine_pure"
-        if name not in sys.modules:
-            pkg = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, None, is_package=True))
-            pkg.__path__ = [str(Path(__file__).resolve().parents[1] / "kvengine")]
-            sys.modules[name] = pkg
-        return tuple(importlib.import_module(f"{name}.{m}") for m in ("plan", "status", "types"))
-
-
-_, status, types = _load_pure_modules()
+from kvengine import status, types  # noqa: E402  (pure Python: no native build needed)
 DataType, CacheDesc, Placement, Role = types.DataType, types.CacheDesc, types.Placement, types.Role
 EngineOptions = types.EngineOptions
 ParamInvalid = status.LLMParamInvalidError
