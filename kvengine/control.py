@@ -4,8 +4,9 @@ A link starts on TCP (the ``listen`` address users know). Hello and welcome
 messages carry each engine's host identity; when both engines are on one host
 the client moves the link onto the server's Unix SEQPACKET socket, which can
 carry file descriptors (memfd caches are shared that way) and whose EOF tells
-at once that the peer process died. Peers on different hosts are refused
-until the TCP data plane lands (docs/protocol.md).
+at once that the peer process died. Across hosts (or with
+``transport="tcp"``) the TCP connection stays the control channel and the
+native core opens the data connections (docs/protocol.md).
 
 Messages are small JSON objects with a type field ``t``; nothing here moves
 payload bytes.

@@ -113,6 +113,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         self._tcp_links: dict = {}
         self._data_port: int | None = None
         self._freeing: dict[int, _LocalState] = {}
+        self._link_waiters: dict[int, list[asyncio.Future]] = {}
         self._jobs = itertools.count(1)
         self._pending: dict[int, Transfer] = {}
         self._plans: dict[tuple, array.array] = {}
@@ -376,10 +377,20 @@ class KvEngine(_Links, _Scheduler, _Notifications):
     async def _retire(self, state: _LocalState) -> None:
         try:
             links = [link for link in self._links.values() if link.up]
-            await asyncio.gather(*(self._request(link, {"t": "cache_del", "id": state.cache.cache_id},
-                                                 self.options.link_timeout) for link in links),
-                                 return_exceptions=True)
+            replies = await asyncio.gather(*(self._request(link, {"t": "cache_del", "id": state.cache.cache_id},
+                                                           self.options.link_timeout) for link in links),
+                                           return_exceptions=True)
             await wait_idle(state)
+            # A peer that writes into caller-owned memory over CMA and did not confirm may
+            # still be writing: keep the memory until that link is down. (memfd caches stay
+            # mapped by the peer anyway; tcp frames are checked against our region table.)
+            unsure = [link for link, r in zip(links, replies)
+                      if r is None and link.up and link.transport == "shm" and state.memfd is None]
+            if unsure:
+                log.warning("unregister_kv_cache(%s): clusters %s did not confirm; the memory stays "
+                            "referenced until their links are down", state.cache.cache_id,
+                            [link.cluster_id for link in unsure])
+                await asyncio.gather(*(asyncio.shield(link.gone) for link in unsure))
         finally:
             self._release_local(state)
         if state.released is not None:
@@ -598,7 +609,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
     # ---------------------------------------------------------------- inspection
 
     def stats(self) -> dict:
-        """Counters and latency summaries (see docs/api.md, "Observability").
+        """Counters and latency summaries (see docs/api.md, "Inspection").
 
         ``latency`` phases: ``queue`` (submit to first byte handed to the core),
         ``transfer`` (first piece to completion), ``total``; each with count, mean

@@ -80,7 +80,7 @@ class RemoteCache:
 class Link:
     __slots__ = ("cluster_id", "ch", "transport", "peer_pid", "peer_token", "remote", "inflight",
                  "reader", "beat", "pending", "up", "closing", "address", "_reqs", "waiters", "tcp_id",
-                 "last_rx", "heap", "inflight_bytes")
+                 "last_rx", "heap", "inflight_bytes", "gone")
 
     def __init__(self, cluster_id: int, ch: Any, transport: str, peer_pid: int, peer_token: str,
                  address: str) -> None:
@@ -103,6 +103,7 @@ class Link:
         self.last_rx = 0.0
         self.heap: list = []          # the scheduler's queue: (key, Transfer)
         self.inflight_bytes = 0       # bytes handed to the core, not yet completed
+        self.gone = asyncio.get_running_loop().create_future()   # done when the link is down
 
 
 async def _const(value):
@@ -306,6 +307,9 @@ class _Links:
         link.last_rx = self._loop.time()
         link.reader = self._spawn(self._read_link(link))
         link.beat = self._spawn(self._heartbeat(link))
+        for fut in self._link_waiters.pop(link.cluster_id, ()):
+            if not fut.done():
+                fut.set_result(S.LLM_SUCCESS)
         if not client:
             await link.ch.send({"t": "up"})
         log.info("linked cluster %s <-> %s (%s)", self.cluster_id, link.cluster_id, link.transport)
@@ -432,6 +436,28 @@ class _Links:
         finally:
             for fd in fds:
                 os.close(fd)
+
+    async def wait_link(self, cluster_id: int, timeout: float | None = None) -> S:
+        """Wait until a link with ``cluster_id`` is up, made by either end (a listening
+        decode engine uses it to learn that a prefill engine linked to it).
+
+        Returns ``LLM_SUCCESS``; raises ``LLMTimeoutError`` after ``timeout``
+        (default ``link_timeout``).
+        """
+        self._check_open()
+        tmo = self._link_timeout(timeout)
+        if cluster_id in self._links:
+            return S.LLM_SUCCESS
+        fut = self._loop.create_future()
+        waiters = self._link_waiters.setdefault(cluster_id, [])
+        waiters.append(fut)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), tmo)
+        except asyncio.TimeoutError:
+            raise error_for(S.LLM_TIMEOUT, f"cluster {cluster_id!r} did not link within {tmo:g} s") from None
+        finally:
+            if fut in waiters:
+                waiters.remove(fut)
 
     async def wait_remote_cache(self, cluster_id: int, cache_id: int, timeout: float | None = None) -> S:
         """Wait until linked peer ``cluster_id`` has announced cache ``cache_id``.
@@ -579,6 +605,8 @@ class _Links:
         if not link.up:
             return
         link.up = False
+        if not link.gone.done():
+            link.gone.set_result(status)
         if self._links.get(link.cluster_id) is link:
             del self._links[link.cluster_id]
         for t in list(link.inflight):
@@ -620,11 +648,16 @@ class _Links:
         timeout = self._link_timeout(timeout)
         if isinstance(clusters, ClusterInfo) or not isinstance(clusters, (list, tuple)) or not clusters:
             return S.LLM_PARAM_INVALID, []
+        ids = [c.remote_cluster_id for c in clusters if isinstance(c, ClusterInfo)]
         results = []
         for c in clusters:
-            link = self._links.get(c.remote_cluster_id) if isinstance(c, ClusterInfo) else None
-            results.append(self._unlink_one(link, timeout, graceful=not force) if link else None)
-        done = await asyncio.gather(*(r if r is not None else _const(S.LLM_NOT_YET_LINK) for r in results))
+            if not isinstance(c, ClusterInfo) or ids.count(c.remote_cluster_id) > 1:
+                results.append(_const(S.LLM_PARAM_INVALID))   # as link_clusters does
+                continue
+            link = self._links.get(c.remote_cluster_id)
+            results.append(self._unlink_one(link, timeout, graceful=not force) if link
+                           else _const(S.LLM_NOT_YET_LINK))
+        done = await asyncio.gather(*results)
         return overall(done), done
 
     async def _unlink_one(self, link: Link, timeout: float, graceful: bool) -> S:

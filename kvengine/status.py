@@ -103,6 +103,8 @@ LINK_USABLE_AFTER = frozenset({
     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
     LLMStatusCode.LLM_TIMEOUT,
     LLMStatusCode.LLM_CANCELLED,
+    LLMStatusCode.LLM_OUT_OF_MEMORY,   # queue full
+    LLMStatusCode.LLM_FAILED,          # an unexpected native error on one transfer
 })
 
 

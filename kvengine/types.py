@@ -324,7 +324,8 @@ class EngineOptions:
             raise param_invalid("EngineOptions.heartbeat_timeout must exceed heartbeat_interval")
         _check_int("EngineOptions.movers", self.movers, 1, 64)
         _check_int("EngineOptions.inline_threshold", self.inline_threshold, 0, 1 << 30)
-        _check_int("EngineOptions.chunk_bytes", self.chunk_bytes, 4096, 1 << 30)
+        # at most the TCP receiver's frame limit (64 MiB): a chunk is one data frame
+        _check_int("EngineOptions.chunk_bytes", self.chunk_bytes, 4096, 64 << 20)
         if self.secret is not None and not isinstance(self.secret, (bytes, bytearray)):
             raise param_invalid("EngineOptions.secret must be bytes")
 

@@ -448,3 +448,18 @@ async def test_allocate_cache_async_keeps_the_loop_live(pair):
     await p.wait_remote_cache(2, dst.cache_id)
     await p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), timeout=30)
     assert all(same(a, b) for a, b in zip(src.tensors, dst.tensors))
+
+
+async def test_wait_link_on_the_listening_side(pair):
+    p, d = pair
+    waiter = asyncio.ensure_future(p.wait_link(2, timeout=10))   # p listens; d will link to it
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    await link(d, p)
+    assert await waiter == S.LLM_SUCCESS
+    assert await p.wait_link(2) == S.LLM_SUCCESS                # already linked: at once
+    with pytest.raises(kv.LLMTimeoutError):
+        await p.wait_link(99, timeout=0.05)
+    # unlink_clusters rejects what link_clusters rejects
+    st, per = await p.unlink_clusters([kv.ClusterInfo(2, d.address), kv.ClusterInfo(2, d.address)])
+    assert per == [S.LLM_PARAM_INVALID] * 2 and 2 in p.stats()["links"]

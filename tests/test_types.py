@@ -338,7 +338,7 @@ def test_engine_options_secret_from_env(monkeypatch):
     dict(transport="local"), dict(transport="shm"), dict(transport="auto"),
     dict(movers=1), dict(movers=64), dict(movers=np.int32(4)),
     dict(inline_threshold=0), dict(inline_threshold=1 << 30),
-    dict(chunk_bytes=4096), dict(chunk_bytes=1 << 30),
+    dict(chunk_bytes=4096), dict(chunk_bytes=64 << 20),
     dict(secret=b"k"), dict(secret=bytearray(b"k")), dict(secret=None),
 ], ids=repr)
 def test_engine_options_valid(kwargs):
@@ -360,7 +360,7 @@ def test_engine_options_timeouts_invalid(field, bad):
     ("heartbeat_timeout", 0.1),   # not above heartbeat_interval
     ("movers", 0), ("movers", 65), ("movers", 1.5), ("movers", True), ("movers", "2"),
     ("inline_threshold", -1), ("inline_threshold", (1 << 30) + 1), ("inline_threshold", 1.0),
-    ("chunk_bytes", 4095), ("chunk_bytes", (1 << 30) + 1), ("chunk_bytes", 0), ("chunk_bytes", None),
+    ("chunk_bytes", 4095), ("chunk_bytes", (64 << 20) + 1), ("chunk_bytes", (1 << 30) + 1), ("chunk_bytes", 0), ("chunk_bytes", None),
     ("secret", "text"), ("secret", 123),
 ], ids=repr)
 def test_engine_options_invalid(field, bad):
