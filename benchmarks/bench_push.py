@@ -30,16 +30,10 @@ import numpy as np
 
 import kvengine as kv
 from kvengine._peer import PeerProcess, fill_pattern
+from kvengine.bench.baselines import memcpy_seconds   # shared with `kvengine bench throughput`
 
 S = kv.LLMStatusCode
 MiB = 1 << 20
-
-
-def memcpy_seconds(src_rows: list[np.ndarray], dst_rows: list[np.ndarray]) -> float:
-    t0 = time.perf_counter()
-    for s, d in zip(src_rows, dst_rows):
-        np.copyto(d, s)
-    return time.perf_counter() - t0
 
 
 async def throughput(engine, peer, reps: int, tensors: int, row_mib: int) -> dict:
@@ -151,14 +145,17 @@ def plot(all_results: dict, path: str) -> None:
     names = list(all_results)
     ax = axes[0]
     xs = np.arange(len(names))
-    ax.bar(xs - 0.2, [all_results[n]["throughput"]["push_GBps"] for n in names], 0.4, label="kvengine push (other process)")
-    ax.bar(xs + 0.2, [all_results[n]["throughput"]["memcpy_GBps"] for n in names], 0.4, label="memcpy, 1 thread")
-    ax.set_xticks(xs, names)
-    ax.set_ylabel("GB/s")
-    ax.set_title("64 x 2 MiB KV row, same host")
-    ax.legend(fontsize=8)
+    if all("throughput" in all_results[n] for n in names):
+        ax.bar(xs - 0.2, [all_results[n]["throughput"]["push_GBps"] for n in names], 0.4, label="kvengine push (other process)")
+        ax.bar(xs + 0.2, [all_results[n]["throughput"]["memcpy_GBps"] for n in names], 0.4, label="memcpy, 1 thread")
+        ax.set_xticks(xs, names)
+        ax.set_ylabel("GB/s")
+        ax.set_title("64 x 2 MiB KV row, same host")
+        ax.legend(fontsize=8)
     ax = axes[1]
     for n in names:
+        if "latency" not in all_results[n]:
+            continue
         us = all_results[n]["latency"]["samples_us"]
         ax.plot(us, np.linspace(0, 1, len(us)), label=f"{n}: p50 {all_results[n]['latency']['p50_us']:.1f} us")
     ax.axvline(30, color="grey", ls=":", label="goal p50 30 us")

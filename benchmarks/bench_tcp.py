@@ -39,12 +39,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import platform
 import socket
 import statistics
-import struct
 import sys
 import threading
 import time
@@ -53,126 +51,22 @@ import numpy as np
 
 import kvengine as kv
 from kvengine._peer import PeerProcess, fill_pattern, row_digests
+# the baselines' peer processes and senders, and the load check, are shared with `kvengine bench`
+from kvengine.bench.baselines import HDR, STOCK_LIMIT, raw_peer, raw_send, start_peer, streams_peer, streams_send
+from kvengine.bench.common import cpu_snapshot, foreign_load, git_rev, pct
 
 S = kv.LLMStatusCode
 MiB = 1 << 20
 KiB = 1 << 10
-HDR = struct.Struct("<Q")          # baseline wire format: 8-byte length, payload; 1-byte ack back
 PIECE = 4 * MiB                    # bytes per write + drain (streams), per sendall (raw 4M)
 DEFAULT_STREAMS = kv.EngineOptions(secret=None).tcp_streams
 GOAL_RAW, GOAL_STREAMS = 0.9, 1.8
-STOCK_LIMIT = 1 << 16              # asyncio.StreamReader's default limit
 TUNED_READ = 1 * MiB               # tuned streams reader: readexactly size (limit = PIECE)
 RAW, RAW4, STREAMS, STREAMS_T = "raw socket", "raw socket 4M sends", "uvloop streams", "uvloop streams tuned"
 BASELINES = (RAW, RAW4, STREAMS, STREAMS_T)
 VS = ("vs_raw", "vs_raw4", "vs_streams", "vs_streams_tuned")
 GOALS = (GOAL_RAW, GOAL_RAW, GOAL_STREAMS, GOAL_STREAMS)
 REFERENCE = "NIXL UCX TCP ~3.2 GB/s, Mooncake TE ~1.6 GB/s, one Python socket pair ~1.9 GB/s"
-
-
-# ---------------------------------------------------------------- baseline peers (spawned processes)
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    got, n = 0, len(view)
-    while got < n:
-        r = sock.recv_into(view[got:], n - got)
-        if r == 0:
-            return False
-        got += r
-    return True
-
-
-def raw_peer(conn, nbytes: int) -> None:
-    """Receiver of baseline A: recv_into a pre-faulted numpy buffer, ack each message."""
-    buf = np.ones(nbytes, np.uint8)   # pre-faulted
-    view = memoryview(buf)
-    ls = socket.create_server(("127.0.0.1", 0))
-    conn.send(ls.getsockname()[1])
-    s, _ = ls.accept()
-    ls.close()
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    hdr = bytearray(HDR.size)
-    try:
-        while _recv_exact(s, memoryview(hdr)):
-            n = HDR.unpack(hdr)[0]
-            if n == 0 or n > nbytes or not _recv_exact(s, view[:n]):
-                break
-            s.sendall(b"\x01")
-    finally:
-        s.close()
-
-
-async def _streams_serve(conn, limit: int, read_piece: int) -> None:
-    done = asyncio.Event()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                n = HDR.unpack(await reader.readexactly(HDR.size))[0]
-                if n == 0:
-                    break
-                left = n
-                while left:
-                    k = min(read_piece, left)
-                    await reader.readexactly(k)
-                    left -= k
-                writer.write(b"\x01")
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            done.set()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=limit)
-    conn.send(server.sockets[0].getsockname()[1])
-    await done.wait()
-    server.close()
-
-
-def streams_peer(conn, limit: int, read_piece: int) -> None:
-    """Receiver of baseline B: a uvloop process reading with StreamReader.readexactly."""
-    import uvloop
-    uvloop.run(_streams_serve(conn, limit, read_piece))
-
-
-def start_peer(target, *args) -> tuple:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=target, args=(child, *args), daemon=True)
-    p.start()
-    if not parent.poll(60):
-        p.kill()
-        raise RuntimeError(f"{target.__name__} did not start")
-    return p, parent.recv()
-
-
-# ---------------------------------------------------------------- baseline senders (this process)
-
-def raw_send(sock: socket.socket, view: memoryview, piece: int = 0) -> float:
-    """Blocking, on a worker thread: header + sendall (at once, or in pieces) + wait for the ack.
-    Seconds, end to end."""
-    ack = bytearray(1)
-    t0 = time.perf_counter()
-    sock.sendall(HDR.pack(len(view)))
-    if piece:
-        for off in range(0, len(view), piece):
-            sock.sendall(view[off:off + piece])
-    else:
-        sock.sendall(view)
-    if sock.recv_into(ack, 1) != 1:
-        raise ConnectionError("raw peer closed")
-    return time.perf_counter() - t0
-
-
-async def streams_send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, view: memoryview) -> float:
-    t0 = time.perf_counter()
-    writer.write(HDR.pack(len(view)))
-    for off in range(0, len(view), PIECE):
-        writer.write(view[off:off + PIECE])
-        await writer.drain()
-    await reader.readexactly(1)
-    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------- kvengine side
@@ -269,51 +163,8 @@ class Side:
         return await self.runner(self._close())
 
 
-def cpu_snapshot() -> tuple[float, dict[int, tuple[int, int]], float]:
-    """(wall, {pid: (ppid, CPU ticks incl. reaped children)} of every process, steal seconds), from /proc."""
-    procs = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-            procs[int(d)] = (int(rest[1]), sum(int(x) for x in rest[11:15]))   # utime stime cutime cstime
-        except (OSError, IndexError, ValueError):
-            pass
-    with open("/proc/stat") as f:
-        steal = int(f.readline().split()[8])
-    return time.perf_counter(), procs, steal / os.sysconf("SC_CLK_TCK")
-
-
-def foreign_load(a: tuple, b: tuple) -> dict:
-    """CPU time spent between two snapshots by processes outside this benchmark's process tree
-    (including processes that started and ended in between, through their parents' reaped time)."""
-    tck = os.sysconf("SC_CLK_TCK")
-    mine, grew = {os.getpid()}, True
-    while grew:
-        new = {pid for pid, (ppid, _) in b[1].items() if ppid in mine} - mine
-        grew = bool(new)
-        mine |= new
-    other = own = 0
-    for pid, (_, t) in b[1].items():
-        dt = t - a[1].get(pid, (0, 0))[1] if pid in a[1] else t
-        if pid in mine:
-            own += dt
-        elif pid != 2 and b[1][pid][0] != 2:   # not kernel threads (softirq work lands in the senders' time)
-            other += dt
-    wall = b[0] - a[0]
-    return {"wall_s": wall, "own_cpu_s": own / tck, "other_cpu_s": other / tck,
-            "other_vcpu_fraction": other / tck / wall if wall > 0 else 0.0, "steal_cpu_s": b[2] - a[2]}
-
-
 async def direct(coro):
     return await coro
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(len(xs) * q))]
 
 
 # ---------------------------------------------------------------- the run
@@ -609,19 +460,6 @@ def plot(r: dict, path: str) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def git_rev() -> str | None:
-    import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "kvengine", "cython_src"],
-                               cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (rev + "+dirty" if dirty else rev) or None
 
 
 def main() -> int:

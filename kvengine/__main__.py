@@ -1,4 +1,5 @@
-"""``kvengine`` command line: ``kvengine demo`` (also ``python -m kvengine demo``)."""
+"""``kvengine`` command line: ``kvengine demo``, ``kvengine bench throughput|latency|load``
+(also ``python -m kvengine ...``)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,14 @@ async def demo(args: argparse.Namespace) -> int:
         await decode.close()
 
 
+_BENCH = {
+    "throughput": ("kvengine.bench.throughput",
+                   "push GB/s from one layer to a 256 MiB cache beside memcpy/sockets, NIXL and Mooncake"),
+    "latency": ("kvengine.bench.latency", "one-layer (64 KiB) push p50/p99/p999 beside the same"),
+    "load": ("kvengine.bench.load", "EDF vs FIFO scheduling under mixed load over tcp"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvengine", description="KV-cache transfer engine")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -107,13 +116,22 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--transport", default="auto", choices=["auto", "shm"])
     d.add_argument("--timeout", type=float, default=10.0)
     d.add_argument("--uvloop", action="store_true", help="run on uvloop")
-    b = sub.add_parser("bench", help="benchmarks: kvengine bench load [--quick] ...", add_help=False)
-    b.add_argument("what", choices=["load"], help="load: EDF vs FIFO under mixed load")
+    b = sub.add_parser("bench", add_help=False,
+                       help="benchmarks: kvengine bench throughput|latency|load [--quick] ... (--help after one)",
+                       description="kvengine bench throughput|latency|load [options]; each takes --help")
+    b.add_argument("what", choices=list(_BENCH),
+                   help="; ".join(f"{k}: {v[1]}" for k, v in _BENCH.items()))
     b.add_argument("rest", nargs=argparse.REMAINDER)
+    raw = sys.argv[1:] if argv is None else list(argv)
+    if raw[:1] == ["bench"] and (len(raw) == 1 or raw[1] in ("-h", "--help")):
+        print("usage: kvengine bench {throughput,latency,load} [options]   (each takes --help)\n")
+        for k, (_, what) in _BENCH.items():
+            print(f"  {k:11s} {what}")
+        return 0 if len(raw) > 1 else 2
     args = ap.parse_args(argv)
     if args.cmd == "bench":
-        from kvengine.bench.load import main as load_main
-        return load_main(args.rest)
+        import importlib
+        return importlib.import_module(_BENCH[args.what][0]).main(args.rest)
     if args.cmd == "demo":
         if args.uvloop:
             import uvloop

@@ -47,6 +47,9 @@ enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_
 #define KV_READ_WINDOW 4             /* chunks of READ outstanding per connection */
 #define KV_SCRATCH (1u << 20)
 #define KV_RECV_BUDGET (16u << 20)   /* bytes read from one connection per wake-up */
+#ifndef KV_SPIN_NS
+#define KV_SPIN_NS 300000ull         /* keep polling this long after the last event */
+#endif
 
 typedef struct {
     uint32_t magic;
@@ -1046,10 +1049,16 @@ static void *io_main(void *arg) {
     kv_net *n = arg;
     kv_core *c = n->c;
     struct epoll_event evs[64];
+    uint64_t last_busy = 0;
     for (;;) {
-        int ne = epoll_wait(n->ep, evs, 64, 100);
+        /* Spin (poll without sleeping) for a short while after activity: a sleeping
+         * thread takes tens of microseconds to wake on these VMs, once per frame. */
+        int spin = KV_SPIN_NS && now_ns() - last_busy < KV_SPIN_NS;
+        int ne = epoll_wait(n->ep, evs, 64, spin ? 0 : 100);
         if (ne < 0)
             ne = 0;
+        if (ne > 0)
+            last_busy = now_ns();
         int sig = 0;
         pthread_mutex_lock(&c->mu);
         kv_cmd *cmds = n->cmd_head;

@@ -1,5 +1,11 @@
 """``kvengine bench``: benchmarks a user can run on an installed kvengine.
 
-Each prints its figures beside baselines measured in the same run and writes
-JSON and a PNG (matplotlib, ``pip install kvengine[bench]``).
+    kvengine bench throughput --transport shm|tcp   push GB/s, one layer .. 256 MiB cache
+    kvengine bench latency --transport shm|tcp      one-layer push p50/p99/p99.9
+    kvengine bench load                             EDF vs FIFO under mixed load (tcp)
+
+Each prints its figures beside baselines measured in the same run (and, for
+throughput and latency, beside NIXL and Mooncake when installed: see
+``benchmarks/install_peers.sh``) and writes JSON and a PNG (matplotlib,
+``pip install kvengine[bench]``, which also brings uvloop and tqdm).
 """

@@ -1,0 +1,218 @@
+"""Pieces every ``kvengine bench`` command shares: percentiles, a progress bar
+(tqdm, or plain prints without it), the machine-load check, run metadata and
+the JSON/PNG output paths. No third-party import at module level."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) of xs, nearest rank below; nan for no samples."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * q))]
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
+        if n >= k and n % k == 0:
+            return f"{n // k} {unit}"
+    for unit, k in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
+        if n >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{n} B"
+
+
+def short_bytes(n: int) -> str:
+    """4M, 32K, ..."""
+    for unit, k in (("G", 1 << 30), ("M", MiB), ("K", KiB)):
+        if n >= k and n % k == 0:
+            return f"{n // k}{unit}"
+    return str(n)
+
+
+def parse_bytes(s: str) -> int:
+    s = s.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": KiB, "M": MiB, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
+
+
+class Progress:
+    """A progress bar over ``total`` steps: tqdm when installed, else one line per ``every`` steps."""
+
+    def __init__(self, total: int, desc: str, every: int | None = None) -> None:
+        self.total, self.desc, self.n = total, desc, 0
+        self.every = every or max(1, total // 10)
+        self._t0 = time.perf_counter()
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+            print(f"{desc}: {total} steps (pip install tqdm for a progress bar)", flush=True)
+        else:
+            self.bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=True,
+                            file=sys.stderr)
+
+    def step(self, note: str = "") -> None:
+        self.n += 1
+        if self.bar is not None:
+            if note:
+                self.bar.set_postfix_str(note, refresh=False)
+            self.bar.update(1)
+        elif self.n % self.every == 0 or self.n == self.total:
+            print(f"  {self.desc}: {self.n}/{self.total} ({time.perf_counter() - self._t0:.0f} s) {note}",
+                  flush=True)
+
+    def write(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------- machine load
+
+def cpu_snapshot() -> tuple[float, dict[int, tuple[int, int]], float]:
+    """(wall, {pid: (ppid, CPU ticks incl. reaped children)} of every process, steal seconds), from /proc."""
+    procs = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+            procs[int(d)] = (int(rest[1]), sum(int(x) for x in rest[11:15]))   # utime stime cutime cstime
+        except (OSError, IndexError, ValueError):
+            pass
+    try:
+        with open("/proc/stat") as f:
+            steal = int(f.readline().split()[8])
+    except (OSError, IndexError, ValueError):
+        steal = 0
+    return time.perf_counter(), procs, steal / os.sysconf("SC_CLK_TCK")
+
+
+def foreign_load(a: tuple, b: tuple) -> dict:
+    """CPU time spent between two snapshots by processes outside this benchmark's process tree
+    (including processes that started and ended in between, through their parents' reaped time)."""
+    tck = os.sysconf("SC_CLK_TCK")
+    mine, grew = {os.getpid()}, True
+    while grew:
+        new = {pid for pid, (ppid, _) in b[1].items() if ppid in mine} - mine
+        grew = bool(new)
+        mine |= new
+    other = own = 0
+    for pid, (_, t) in b[1].items():
+        dt = t - a[1].get(pid, (0, 0))[1] if pid in a[1] else t
+        if pid in mine:
+            own += dt
+        elif pid != 2 and b[1][pid][0] != 2:   # not kernel threads (softirq work lands in the senders' time)
+            other += dt
+    wall = b[0] - a[0]
+    return {"wall_s": wall, "own_cpu_s": own / tck, "other_cpu_s": other / tck,
+            "other_vcpu_fraction": other / tck / wall if wall > 0 else 0.0, "steal_cpu_s": b[2] - a[2]}
+
+
+def load_line(ld: dict) -> str:
+    return (f"other processes used {ld['other_cpu_s']:.1f} CPU-s during the {ld['wall_s']:.0f} s measured "
+            f"({ld['other_vcpu_fraction'] * 100:.0f}% of one vCPU; this benchmark {ld['own_cpu_s']:.1f} CPU-s, "
+            f"hypervisor steal {ld['steal_cpu_s']:.1f} CPU-s)"
+            + ("  <-- the machine was busy: figures are depressed and noisier"
+               if ld["other_vcpu_fraction"] > 0.1 else ""))
+
+
+def busy_processes(threshold: float = 0.2, window: float = 1.0) -> list[str]:
+    """Processes outside this one that used more than ``threshold`` of a vCPU over ``window`` seconds."""
+    a = cpu_snapshot()
+    time.sleep(window)
+    b = cpu_snapshot()
+    tck = os.sysconf("SC_CLK_TCK")
+    out = []
+    for pid, (ppid, t) in b[1].items():
+        if pid == os.getpid() or pid == 2 or ppid == 2 or pid not in a[1]:
+            continue
+        frac = (t - a[1][pid][1]) / tck / (b[0] - a[0])
+        if frac > threshold:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:100]
+            except OSError:
+                cmd = "?"
+            out.append(f"pid {pid} ({frac * 100:.0f}% CPU): {cmd}")
+    return out
+
+
+# ---------------------------------------------------------------- metadata and output
+
+def git_rev() -> str | None:
+    """Short commit of the checkout kvengine was imported from (+dirty), or None when installed."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if not os.path.isdir(os.path.join(root, ".git")):
+        return None
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "kvengine", "cython_src"],
+                               cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + "+dirty" if dirty else rev) or None
+
+
+def meta(argv: list[str] | None) -> dict[str, Any]:
+    import numpy as np
+    import kvengine as kv
+    m = {"kvengine": kv.__version__, "git": git_rev(), "python": sys.version.split()[0],
+         "numpy": np.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+         "kernel": platform.release(), "argv": list(sys.argv[1:] if argv is None else argv),
+         "time": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    try:
+        import uvloop
+        m["uvloop"] = uvloop.__version__
+    except ImportError:
+        pass
+    return m
+
+
+def write_json(path: str, obj: dict) -> None:
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+
+
+def out_paths(out: str, json_path: str | None) -> tuple[str, str]:
+    """(json path, png path) from --out PREFIX and --json PATH."""
+    d = os.path.dirname(out)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    return json_path or out + ".json", out + ".png"
+
+
+def get_runner(loop: str):
+    """asyncio.run or uvloop.run, by name ('auto': uvloop when installed)."""
+    import asyncio
+    if loop in ("auto", "uvloop"):
+        try:
+            import uvloop
+            return "uvloop", uvloop.run
+        except ImportError:
+            if loop == "uvloop":
+                raise SystemExit("--loop uvloop: uvloop is not installed (pip install 'kvengine[bench]')")
+    return "asyncio", asyncio.run

@@ -1,0 +1,144 @@
+"""The kvengine side of ``kvengine bench throughput|latency``: a prefill engine in this
+process linked to a decode engine in a child process (``kvengine._peer``), over
+the transport under test, and the table/ratio helpers both commands print with."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import numpy as np
+
+from .common import MiB, pct
+
+TRANSPORTS = ("shm", "tcp")
+
+
+class KvSide:
+    """Prefill engine here (cluster 1), decode engine in a child process (cluster 2)."""
+
+    def __init__(self, transport: str, movers: int) -> None:
+        self.transport, self.movers = transport, movers
+        self.peer = self.engine = None
+        self.caches: list = []
+
+    async def start(self) -> None:
+        import kvengine as kv
+        from kvengine._peer import PeerProcess
+        self.kv = kv
+        secret = secrets.token_hex(16).encode()
+        self.peer = await PeerProcess.start(cluster_id=2, transport=self.transport, secret=secret,
+                                            movers=self.movers)
+        opts = kv.EngineOptions(transport=self.transport, secret=secret, movers=self.movers)
+        self.options = opts
+        self.engine = await kv.KvEngine(1, kv.Role.PROMPT, None, opts).start()
+        st, per = await self.engine.link_clusters([kv.ClusterInfo(2, self.peer.address)], timeout=10)
+        if st != kv.LLMStatusCode.LLM_SUCCESS:
+            raise RuntimeError(f"kvengine: link to the decode process failed: {st!r} {per!r}")
+        link = self.engine.stats()["links"][2]
+        if link["transport"] != self.transport:
+            raise RuntimeError(f"kvengine: link transport {link['transport']!r}, not {self.transport!r}")
+
+    async def alloc(self, tensors: int, row: int, seed: int):
+        """A source cache here (tensors x (1, row) bytes, filled) and its destination in the child:
+        (src cache, destination CacheIndex)."""
+        from kvengine._peer import fill_pattern
+        kv = self.kv
+        desc = kv.CacheDesc(tensors, (1, row), np.uint8)
+        src = await self.engine.allocate_cache_async(desc)
+        for i, t in enumerate(src.tensors):
+            fill_pattern(t, seed, i)
+        dst = (await self.peer.call("alloc", n=tensors, shape=[1, row], dtype="uint8", timeout=120))["cache_id"]
+        await self.engine.wait_remote_cache(2, dst, timeout=30)
+        self.caches.append(src)
+        return src, kv.CacheIndex(2, dst, 0)
+
+    async def verify(self, src, idx) -> bool:
+        """Zero the destination, push once, compare row digests with the source's."""
+        from kvengine._peer import row_digests
+        await self.peer.call("zero", cache_id=idx.cache_id, timeout=120)
+        await self.engine.push_kv_cache(src, idx, 0, timeout=60)
+        got = (await self.peer.call("digest", cache_id=idx.cache_id, timeout=120))["rows"]
+        return got == row_digests(src.tensors)
+
+    async def push_seconds(self, src, idx, n: int) -> float:
+        """n pushes of row 0, each awaited: total seconds."""
+        push, clock = self.engine.push_kv_cache, time.perf_counter
+        t0 = clock()
+        for _ in range(n):
+            await push(src, idx, 0, timeout=60)
+        return clock() - t0
+
+    async def stats(self) -> tuple[dict, dict]:
+        here = self.engine.stats()
+        there = (await self.peer.call("stats"))["stats"]
+        return here, there
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            try:
+                await self.engine.close()
+            except Exception:
+                pass
+        if self.peer is not None:
+            await self.peer.close()
+
+
+def odd_stats(name: str, s: dict) -> str | None:
+    """Anything an engine owner should see: failed or aborted transfers, refused connections."""
+    odd = {k: v for k, v in s.get("by_status", {}).items() if str(k) not in ("LLM_SUCCESS", "0")}
+    nat = s.get("native", {})
+    odd.update({k: v for k, v in nat.items()
+                if v and any(w in k for w in ("abort", "bad", "fail", "refused")) and k != "regions_live"})
+    if s.get("control_refused"):
+        odd["control_refused"] = s["control_refused"]
+    return f"note: {name}: {odd}" if odd else None
+
+
+def summary(samples_s: list[float]) -> dict:
+    us = sorted(x * 1e6 for x in samples_s)
+    return {"n": len(us), "p50_us": pct(us, 0.5), "p90_us": pct(us, 0.9), "p99_us": pct(us, 0.99),
+            "p999_us": pct(us, 0.999), "max_us": us[-1] if us else float("nan"),
+            "mean_us": sum(us) / len(us) if us else float("nan")}
+
+
+def table(rows: list[list[str]], header: list[str], align: str | None = None) -> str:
+    """Plain-text table: first column left-aligned, the rest right-aligned (align: 'l'/'r' per column)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    cols = list(zip(*([header] + rows)))
+    w = [max(len(str(c)) for c in col) for col in cols]
+    def line(r):
+        return "  ".join(str(c).ljust(w[i]) if align[i] == "l" else str(c).rjust(w[i])
+                         for i, c in enumerate(r)).rstrip()
+    return "\n".join([line(header), "  ".join("-" * x for x in w)] + [line(r) for r in rows])
+
+
+def gbps(x: float) -> str:
+    if x != x:
+        return "-"
+    return f"{x:.1f}" if x >= 10 else f"{x:.2f}" if x >= 0.1 else f"{x:.3f}"
+
+
+def ratio(x: float | None) -> str:
+    if x is None or x != x:
+        return "-"
+    return f"{x:.2f}x" if x < 10 else f"{x:.1f}x" if x < 100 else f"{x:.0f}x"
+
+
+def us(x: float) -> str:
+    if x != x:
+        return "-"
+    return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
+async def in_thread(fn, *a):
+    return await asyncio.to_thread(fn, *a)
+
+
+def model_label(tensors: int, row: int) -> str:
+    from .common import fmt_bytes, short_bytes
+    return f"{fmt_bytes(tensors * row)} ({tensors} x {short_bytes(row)})"
+
+
+MODEL = (64, 4 * MiB)            # the whole model-shaped cache the goals are about: 64 tensors x 4 MiB

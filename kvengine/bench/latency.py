@@ -1,0 +1,270 @@
+"""Latency: one-layer pushes awaited one at a time, beside baselines and the peer engines.
+
+    kvengine bench latency --transport shm [--quick] [--json PATH] [--out PREFIX]
+    kvengine bench latency --transport tcp
+
+One layer of a 32-layer model-shaped cache (K + V: 2 x 32 KiB = 64 KiB, cycling
+over the layers) pushed from a prefill engine in this process into a decode
+engine in a child process with ``await engine.push_kv_cache(...)``, one at a
+time; p50/p99/p99.9. Beside it, in the same run, in interleaved rounds (the
+order rotates every round):
+
+- shm: memcpy of the same two rows (numpy copyto, one thread);
+- tcp: a 64 KiB send + 1-byte ack through a raw socket (sendall / recv_into,
+  TCP_NODELAY) and through uvloop streams, to another process;
+- NIXL (UCX; ``UCX_TLS=tcp`` for tcp): WRITE of the layer's two descriptors,
+  polled until DONE; Mooncake TE (TCP): a batch write of the two, when installed.
+
+Every sample is one transfer's wall time in the process that issued it. The
+ratios are the column's percentile / kvengine's (> 1: kvengine faster).
+Writes PREFIX.json and PREFIX.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+import numpy as np
+
+from . import peers as P
+from .baselines import RawSocket, Streams
+from .common import KiB, Progress, busy_processes, cpu_snapshot, foreign_load, get_runner, load_line, meta, write_json
+from .harness import KvSide, odd_stats, ratio, summary, table, us
+from .throughput import KV, MEMCPY, RAW, STREAMS, add_common_args, col_name, resolve_common
+
+LAYERS = 32
+HALF = 32 * KiB                 # K and V of one layer: 2 x 32 KiB = 64 KiB
+ROUNDS = 10
+
+
+async def run(args) -> dict:
+    T = args.transport
+    say = print
+    layer_bytes = 2 * HALF
+    total = 2 * LAYERS * HALF
+    out: dict = {"transport": T, "layer_bytes": layer_bytes, "layers": LAYERS, "loop": args.loop_name}
+    t_setup = time.perf_counter()
+    say(f"setup: decode engine in a child process ({T}), baselines, peers ...", flush=True)
+    pairs, missing = P.start_peers(args.peers, total, T, args.peer_log, say)
+    out["peers"] = {n: ("ok" if n in pairs else missing[n]) for n in args.peers}
+    for n in P.ENGINES:
+        if n not in args.peers:
+            out["peers"][n] = "not run (--peers)"
+    kvs = KvSide(T, args.movers)
+    raw = streams = None
+    try:
+        await kvs.start()
+        kv = kvs.kv
+        src, idx = await kvs.alloc(2 * LAYERS, HALF, seed=5)
+        exts = [kv.KvCacheExtParam((i, i), (i, i), 2) for i in range(LAYERS)]
+        rows = [t[0] for t in src.tensors]
+        if T == "shm":
+            dst_rows = [np.ones(HALF, np.uint8) for _ in range(2 * LAYERS)]
+        else:
+            raw = RawSocket(layer_bytes)
+            streams = Streams()
+            await streams.connect()
+            payload = memoryview(np.ascontiguousarray(np.concatenate(rows[:2])))
+        plans = [(f"l{i}", [(2 * i * HALF, HALF), ((2 * i + 1) * HALF, HALF)]) for i in range(LAYERS)]
+        keys = [k for k, _ in plans]
+        for name, pair in list(pairs.items()):
+            try:
+                pair.prepare(plans)
+                if not await asyncio.to_thread(pair.verify, keys, 2 * HALF):
+                    raise P.PeerError("the layer did not land as sent")
+            except P.PeerError as e:
+                say(f"  {name}: {e}; left out")
+                out["peers"][name] = f"failed: {e}"
+                pair.close()
+                del pairs[name]
+        if not await kvs.verify(src, idx):
+            raise RuntimeError("kvengine: pushed cache differs from the source")
+
+        push, clock = kvs.engine.push_kv_cache, time.perf_counter
+
+        async def kv_samples(n: int) -> list[float]:
+            s = []
+            for i in range(n):
+                t0 = clock()
+                await push(src, idx, 0, ext_param=exts[i % LAYERS], timeout=10)
+                s.append(clock() - t0)
+            return s
+
+        def memcpy_samples(n: int) -> list[float]:
+            s = []
+            for i in range(n):
+                a, b = 2 * (i % LAYERS), 2 * (i % LAYERS) + 1
+                t0 = clock()
+                np.copyto(dst_rows[a], rows[a])
+                np.copyto(dst_rows[b], rows[b])
+                s.append(clock() - t0)
+            return s
+
+        async def streams_samples(n: int) -> list[float]:
+            return [await streams.send(payload) for _ in range(n)]
+
+        async def samples(name: str, n: int) -> list[float]:
+            if name == KV:
+                return await kv_samples(n)
+            if name == MEMCPY:
+                return memcpy_samples(n)
+            if name == RAW:
+                return await asyncio.to_thread(lambda: [raw.send(payload) for _ in range(n)])
+            if name == STREAMS:
+                return await streams_samples(n)
+            return await asyncio.to_thread(pairs[name].run, keys, n)
+
+        configs = [KV] + ([MEMCPY] if T == "shm" else [RAW, STREAMS]) + list(pairs)
+        per = max(1, args.n // ROUNDS)
+        say(f"setup {time.perf_counter() - t_setup:.1f} s; measuring: {len(configs)} columns x {ROUNDS} rounds x "
+            f"{per} samples, interleaved (columns: {', '.join(col_name(n, T) for n in configs)})", flush=True)
+        lat = {n: [] for n in configs}
+        bar = Progress(ROUNDS * len(configs), f"latency {T}", every=len(configs))
+        snap0 = cpu_snapshot()
+        t_meas = time.perf_counter()
+        try:
+            for r in range(ROUNDS):
+                k = r % len(configs)
+                for name in configs[k:] + configs[:k]:
+                    await samples(name, 200 if r == 0 else 20)          # warm-up
+                    lat[name] += await samples(name, per)
+                    bar.step(f"round {r + 1} {name}")
+        finally:
+            bar.close()
+        out["measure_s"] = time.perf_counter() - t_meas
+        out["load"] = foreign_load(snap0, cpu_snapshot())
+        out["setup_s"] = t_meas - t_setup
+        out["columns"] = configs
+        out["results"] = {n: summary(v) for n, v in lat.items()}
+        out["samples_us"] = {n: sorted(x * 1e6 for x in v) for n, v in lat.items()}
+        kvr = out["results"][KV]
+        out["kv_over"] = {n: {q: out["results"][n][q] / kvr[q] for q in ("p50_us", "p99_us", "p999_us")}
+                          for n in configs if n != KV}
+        here, there = await kvs.stats()
+        out["engine_stats"] = {"prefill": here, "decode": there}
+        out["peer_env"] = {n: p.env for n, p in pairs.items()}
+    finally:
+        await kvs.close()
+        for p in pairs.values():
+            p.close()
+        if raw is not None:
+            raw.close()
+        if streams is not None:
+            streams.close()
+    return out
+
+
+def report(r: dict) -> list[str]:
+    T = r["transport"]
+    res, cols = r["results"], r["columns"]
+    lines = [f"kvengine bench latency --transport {T}: one-layer push (K + V = 2 x 32 KiB = 64 KiB), awaited one "
+             f"at a time, {res[KV]['n']} samples per column in {ROUNDS} interleaved rounds ({r['loop']} here); "
+             f"'x kv' = that column's percentile / kvengine's (> 1: kvengine faster)", ""]
+    what = {KV: "push_kv_cache into another process", MEMCPY: "np.copyto of the 2 rows, this process",
+            RAW: "64 KiB sendall + 1-byte ack", STREAMS: "64 KiB write/drain + 1-byte ack",
+            P.NIXL: "WRITE of 2 descriptors, until DONE", P.MOONCAKE: "batch write of 2, sync (local completion)"}
+    rows = []
+    for c in cols:
+        s = res[c]
+        x = r["kv_over"].get(c)
+        rows.append([col_name(c, T), us(s["p50_us"]), us(s["p99_us"]), us(s["p999_us"]), us(s["max_us"]),
+                     ratio(x["p50_us"]) if x else "", ratio(x["p99_us"]) if x else "",
+                     ratio(x["p999_us"]) if x else "", what.get(c, "")])
+    for n in P.ENGINES:
+        if n not in cols:
+            rows.append([col_name(n, T), "-", "-", "-", "-", "", "", "", r["peers"].get(n, "")])
+    lines.append(table(rows, ["column", "p50 us", "p99 us", "p99.9 us", "max us", "x kv p50", "x kv p99",
+                              "x kv p99.9", "what"], align="lrrrrrrrl"))
+    ld = r.get("load")
+    if ld:
+        lines.append("")
+        lines.append(load_line(ld))
+    for n, s in (r.get("engine_stats") or {}).items():
+        o = odd_stats(f"kvengine {n}", s)
+        if o:
+            lines.append(o)
+    return lines
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    T = r["transport"]
+    color = {KV: "tab:blue", MEMCPY: "grey", RAW: "grey", STREAMS: "tab:brown", P.NIXL: "tab:green",
+             P.MOONCAKE: "tab:orange"}
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    ax = axes[0]
+    for c in r["columns"]:
+        s = r["samples_us"][c]
+        res = r["results"][c]
+        ax.plot(s, np.linspace(0, 1, len(s)), color=color.get(c), lw=2.4 if c == KV else 1.4,
+                ls=":" if c in (MEMCPY, RAW) else "-",
+                label=f"{col_name(c, T)}: p50 {us(res['p50_us'])}, p99 {us(res['p99_us'])} us")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("64 KiB one-layer transfer, awaited one at a time (us)")
+    ax.set_ylabel("CDF")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"latency, {T}", fontsize=10)
+    ax = axes[1]
+    cols = r["columns"]
+    qs = ("p50_us", "p99_us", "p999_us")
+    w = 0.8 / len(cols)
+    for i, c in enumerate(cols):
+        ax.bar(np.arange(3) + (i - (len(cols) - 1) / 2) * w, [r["results"][c][q] for q in qs], w,
+               color=color.get(c), label=col_name(c, T), hatch="//" if c in (MEMCPY, RAW) else None)
+    ax.set_xticks(range(3), ["p50", "p99", "p99.9"])
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+        lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
+    ax.set_ylabel("us")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"kvengine bench latency --transport {T}  ({r.get('meta', {}).get('time', '')})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvengine bench latency", description=__doc__.split("\n")[0],
+                                 epilog="Peers: benchmarks/install_peers.sh; see docs/benchmarks.md.")
+    add_common_args(ap, "latency")
+    ap.add_argument("--n", type=int, default=None, help="samples per column (default 50000, --quick 3000)")
+    args = ap.parse_args(argv)
+    resolve_common(ap, args, "latency")
+    args.n = args.n or (3000 if args.quick else 50000)
+    args.loop_name, runner = get_runner(args.loop)
+    busy = busy_processes()
+    if busy:
+        print("warning: the machine is not idle; figures will be depressed and noisier:\n  " + "\n  ".join(busy))
+    t0 = time.perf_counter()
+    r = runner(run(args))
+    r["meta"] = meta(argv)
+    r["meta"]["wall_s"] = time.perf_counter() - t0
+    print()
+    lines = report(r)
+    print("\n".join(lines))
+    print(f"total {r['meta']['wall_s']:.0f} s")
+    r["report"] = lines
+    try:
+        plot(r, args.png_path)
+        wrote = f"{args.json_path} and {args.png_path}"
+    except ImportError:
+        wrote = f"{args.json_path} (pip install 'kvengine[bench]' for the PNG)"
+    r.pop("samples_us")
+    write_json(args.json_path, r)
+    print(f"wrote {wrote}" + (f" (peer engines' logs: {args.peer_log})" if os.path.exists(args.peer_log) else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

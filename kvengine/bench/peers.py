@@ -1,0 +1,344 @@
+"""The peer engines, optional: NIXL (UCX backend) and Mooncake Transfer Engine (TCP).
+
+Each runs as two spawned processes, a target that owns the destination buffer
+and an initiator that owns the source buffer and WRITEs into the target, both
+on 127.0.0.1, both driven from the benchmark over a pipe. Their libraries are
+imported only in those processes (UCX patches memory hooks in the processes
+that load it; kvengine's side never loads it). Their logs go to a file.
+
+Install them with ``benchmarks/install_peers.sh`` (see docs/benchmarks.md);
+when a module is missing the benchmark shows "not installed" and runs the rest.
+
+How each one is driven (PEERS_HOWTO of this project: measured on these CPU-only VMs):
+
+- NIXL 1.5.1: ``nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
+  backends=["UCX"]))`` on both sides (the progress thread spins on both vCPUs and
+  halves bandwidth here), DRAM registered once, ``initialize_xfer("WRITE", ...)``
+  once per transfer shape with one descriptor per tensor, then per transfer
+  ``transfer(h)`` and ``check_xfer_state(h)`` polled until DONE (the handle is
+  re-posted). The target must keep calling ``get_new_notifs()`` while the
+  initiator transfers (UCX progress: without it the first transfer never
+  completes, and over UCX's TCP transport the target's progress moves the bytes);
+  it does so in a loop with ``sched_yield()`` only while NIXL is being measured,
+  and sleeps in a blocking pipe read otherwise. (Polling with 1 ms sleeps cost
+  1.1 ms per 64 KiB over TCP; a pure spin without yielding gave ~1 GB/s over TCP
+  on 2 vCPUs; spin + yield was the best for both CMA and TCP.) Same host: UCX's
+  default transports (process_vm_writev); the ``tcp`` run sets ``UCX_TLS=tcp``.
+- Mooncake TE 0.3.13 (``mooncake-transfer-engine-non-cuda``):
+  ``initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")``, ``register_memory``,
+  ``batch_transfer_sync_write(peer, srcs, dsts, lens)`` with one entry per tensor
+  (``transfer_sync_write`` for one). Its TCP write completes once the initiator has
+  written the bytes to its socket (the target sends no acknowledgement), which
+  flatters its latency compared with kvengine's and NIXL's remote completion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+NIXL, MOONCAKE = "NIXL", "Mooncake"
+ENGINES = (NIXL, MOONCAKE)
+INSTALL_HINT = "benchmarks/install_peers.sh (see docs/benchmarks.md)"
+
+
+def available() -> dict[str, tuple[bool, str]]:
+    """{engine: (module found, why not)} without importing them here."""
+    out = {}
+    for name, mod in ((NIXL, "nixl"), (MOONCAKE, "mooncake")):
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        out[name] = (found, "" if found else f"no module {mod!r}")
+    return out
+
+
+# ---------------------------------------------------------------- worker side (spawned processes)
+
+def _digest(buf, n: int) -> str:
+    return hashlib.blake2b(memoryview(buf)[:n], digest_size=16).hexdigest()
+
+
+class _Side:
+    """One side of one engine in a worker process: a registered buffer of ``size`` bytes."""
+
+    def __init__(self, engine: str, role: str, size: int, seed: int) -> None:
+        import numpy as np
+        self.engine, self.role, self.size = engine, role, size
+        self.buf = np.zeros(size, np.uint8)            # pre-faulted
+        if role == "initiator":
+            from kvengine._peer import fill_pattern
+            fill_pattern(self.buf, seed, 0)
+        self.addr = self.buf.ctypes.data
+        self.plans: dict[Any, Any] = {}
+
+    def info(self) -> dict:
+        return {"addr": self.addr}
+
+    def op_zero(self, m: dict) -> dict:
+        self.buf[:m["n"]] = 0
+        return {}
+
+    def op_digest(self, m: dict) -> dict:
+        return {"digest": _digest(self.buf, m["n"])}
+
+    def op_run(self, m: dict) -> dict:
+        """m: key (a prepared transfer or a list of them, cycled), n transfers; the seconds of each."""
+        keys = m["key"] if isinstance(m["key"], list) else [m["key"]]
+        plans = [self.plans[tuple(k) if isinstance(k, list) else k] for k in keys]
+        one, clock = self._one, time.perf_counter
+        out = []
+        for i in range(m["n"]):
+            p = plans[i % len(plans)]
+            t0 = clock()
+            one(p)
+            out.append(clock() - t0)
+        if m.get("total"):
+            return {"seconds": sum(out)}
+        return {"seconds": out}
+
+
+class _NixlSide(_Side):
+    def __init__(self, role: str, size: int, seed: int) -> None:
+        super().__init__(NIXL, role, size, seed)
+        from nixl._api import nixl_agent, nixl_agent_config
+        self.agent = nixl_agent(f"kvbench-{role}-{os.getpid()}",
+                                nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.agent.register_memory([(self.addr, size, 0, "")], "DRAM")
+        self.remote = None
+
+    def info(self) -> dict:
+        return {"addr": self.addr, "md": self.agent.get_agent_metadata()}
+
+    def op_connect(self, m: dict) -> dict:
+        self.remote = self.agent.add_remote_agent(m["md"])
+        self.raddr = m["addr"]
+        return {}
+
+    def op_prepare(self, m: dict) -> dict:
+        """m: plans [[key, [[offset, length], ...]], ...]: one WRITE handle each, same offsets both sides."""
+        for key, segs in m["plans"]:
+            local = self.agent.get_xfer_descs([(self.addr + o, n, 0) for o, n in segs], "DRAM")
+            remote = self.agent.get_xfer_descs([(self.raddr + o, n, 0) for o, n in segs], "DRAM")
+            self.plans[tuple(key) if isinstance(key, list) else key] = \
+                self.agent.initialize_xfer("WRITE", local, remote, self.remote)
+        return {}
+
+    def _one(self, h) -> None:
+        a = self.agent
+        st = a.transfer(h)
+        while st == "PROC":
+            st = a.check_xfer_state(h)
+        if st != "DONE":
+            raise RuntimeError(f"NIXL transfer state {st}")
+
+    def serve_poll(self, conn) -> None:
+        """Target: drive UCX progress until the next message arrives."""
+        get, ready, yld = self.agent.get_new_notifs, conn.poll, os.sched_yield
+        while not ready(0):
+            get()
+            yld()
+
+
+class _MooncakeSide(_Side):
+    def __init__(self, role: str, size: int, seed: int) -> None:
+        super().__init__(MOONCAKE, role, size, seed)
+        from mooncake.engine import TransferEngine
+        self.te = TransferEngine()
+        rc = self.te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        if rc != 0:
+            raise RuntimeError(f"Mooncake initialize returned {rc}")
+        rc = self.te.register_memory(self.addr, size)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake register_memory returned {rc}")
+
+    def info(self) -> dict:
+        return {"addr": self.addr, "port": self.te.get_rpc_port()}
+
+    def op_connect(self, m: dict) -> dict:
+        self.remote = f"127.0.0.1:{m['port']}"
+        self.raddr = m["addr"]
+        return {}
+
+    def op_prepare(self, m: dict) -> dict:
+        for key, segs in m["plans"]:
+            self.plans[tuple(key) if isinstance(key, list) else key] = (
+                [self.addr + o for o, _ in segs], [self.raddr + o for o, _ in segs], [n for _, n in segs])
+        return {}
+
+    def _one(self, p) -> None:
+        srcs, dsts, lens = p
+        if len(srcs) == 1:
+            rc = self.te.transfer_sync_write(self.remote, srcs[0], dsts[0], lens[0])
+        else:
+            rc = self.te.batch_transfer_sync_write(self.remote, srcs, dsts, lens)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake write returned {rc}")
+
+    def serve_poll(self, conn) -> None:
+        conn.poll(None)          # its own threads move the bytes
+
+
+def _worker(conn, engine: str, role: str, size: int, seed: int, env: dict, log_path: str | None) -> None:
+    os.environ.update(env)
+    if log_path:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    try:
+        side = (_NixlSide if engine == NIXL else _MooncakeSide)(role, size, seed)
+    except Exception as e:  # report: the column says why
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+        return
+    conn.send({"ok": True, "info": side.info(), "pid": os.getpid()})
+    while True:
+        try:
+            m = conn.recv()
+        except EOFError:
+            return
+        op = m["op"]
+        if op == "exit":
+            conn.send({"ok": True})
+            return
+        try:
+            if op == "poll":
+                conn.send({"ok": True})
+                side.serve_poll(conn)
+                continue
+            if op == "block":
+                reply = {}
+            else:
+                reply = getattr(side, "op_" + op)(m)
+            conn.send(dict(reply, ok=True))
+        except Exception as e:
+            conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+
+# ---------------------------------------------------------------- benchmark side
+
+class PeerError(RuntimeError):
+    pass
+
+
+class _Proc:
+    def __init__(self, engine: str, role: str, size: int, seed: int, env: dict, log_path: str | None,
+                 timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, engine, role, size, seed, env, log_path),
+                                daemon=True, name=f"kvbench-{engine}-{role}")
+        self.proc.start()
+        child.close()
+        self.timeout = timeout
+        hello = self._recv(timeout)
+        if "error" in hello:
+            self.close()
+            raise PeerError(hello["error"])
+        self.info, self.pid = hello["info"], hello["pid"]
+
+    def _recv(self, timeout: float) -> dict:
+        if not self.conn.poll(timeout):
+            raise PeerError(f"no answer within {timeout:.0f} s")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            raise PeerError(f"worker exited (code {self.proc.exitcode})") from None
+
+    def call(self, op: str, timeout: float | None = None, **kw) -> dict:
+        try:
+            self.conn.send(dict(kw, op=op))
+        except (BrokenPipeError, OSError):
+            raise PeerError(f"worker gone (code {self.proc.exitcode})") from None
+        r = self._recv(timeout or self.timeout)
+        if not r.pop("ok", False):
+            raise PeerError(r.get("error", "failed"))
+        return r
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send({"op": "exit"})
+                self.conn.poll(5)
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+        self.conn.close()
+
+
+class PeerPair:
+    """A target and an initiator of one engine; ``run`` returns seconds measured in the initiator."""
+
+    def __init__(self, engine: str, size: int, transport: str, log_path: str | None = None,
+                 seed: int = 99, timeout: float = 120.0) -> None:
+        self.engine, self.size = engine, size
+        env = {"GLOG_minloglevel": "1"}
+        if engine == NIXL:
+            env["NIXL_LOG_LEVEL"] = "WARN"
+            if transport == "tcp":
+                env["UCX_TLS"] = "tcp"
+        # what the workers run with: these, plus any UCX_/MC_/NIXL_ variable of this environment (inherited)
+        self.env = dict({k: v for k, v in os.environ.items() if k.startswith(("UCX_", "MC_", "NIXL_"))}, **env)
+        self.target = self.initiator = None
+        try:
+            self.target = _Proc(engine, "target", size, seed, env, log_path, timeout)
+            self.initiator = _Proc(engine, "initiator", size, seed, env, log_path, timeout)
+            self.initiator.call("connect", **self.target.info)
+        except BaseException:
+            self.close()
+            raise
+        self.pids = [self.target.pid, self.initiator.pid]
+
+    def prepare(self, plans: list) -> None:
+        """plans: [(key, [(offset, length), ...]), ...]: the transfers ``run`` may name."""
+        self.initiator.call("prepare", plans=[[k, [list(s) for s in segs]] for k, segs in plans])
+
+    def run(self, key, n: int, total: bool = False, timeout: float | None = None):
+        """n transfers of plan ``key`` (or cycling over a list of keys): per-transfer seconds, or their sum."""
+        self.target.call("poll")
+        try:
+            r = self.initiator.call("run", key=key, n=n, total=total, timeout=timeout)
+        finally:
+            self.target.call("block")
+        return r["seconds"]
+
+    def verify(self, key, nbytes: int) -> bool:
+        """Zero the target's first nbytes, run ``key`` once, compare digests of the first nbytes."""
+        self.target.call("zero", n=nbytes)
+        self.run(key, 1)
+        a = self.initiator.call("digest", n=nbytes)["digest"]
+        b = self.target.call("digest", n=nbytes)["digest"]
+        return a == b
+
+    def close(self) -> None:
+        for p in (self.initiator, self.target):
+            if p is not None:
+                p.close()
+
+
+def start_peers(names: list[str], size: int, transport: str, log_path: str | None,
+                say=print) -> tuple[dict[str, PeerPair], dict[str, str]]:
+    """Start the pairs that can start: ({name: pair}, {name: why not} for the others)."""
+    have = available()
+    pairs, missing = {}, {}
+    if log_path and any(have[n][0] for n in names):
+        open(log_path, "w").close()
+    for name in names:
+        ok, why = have[name]
+        if not ok:
+            missing[name] = "not installed"
+            continue
+        try:
+            pairs[name] = PeerPair(name, size, transport, log_path)
+        except PeerError as e:
+            missing[name] = f"failed to start: {e}"
+            say(f"  {name}: failed to start ({e}); its column is left out (log: {log_path})")
+    return pairs, missing
