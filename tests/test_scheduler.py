@@ -39,7 +39,7 @@ async def test_urgent_small_push_overtakes_a_running_large_one(spair):
     big_src, big_dst = await caches(p, d, kv.CacheDesc(2, (1, 128 << 20), np.uint8))   # 256 MiB
     small_src, small_dst = await caches(p, d, kv.CacheDesc(2, (1, 32 << 10), np.uint8))  # 64 KiB
     big = p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst.cache_id, 0), timeout=30)
-    assert not big.done() and p._core.stats()["jobs_live"] >= 1   # its first pieces are in the core
+    assert not big.done()   # 256 MiB: under way (its first pieces may already have landed)
     t0 = asyncio.get_running_loop().time()
     small = p.submit_push_kv_cache(small_src, kv.CacheIndex(2, small_dst.cache_id, 0), timeout=1)
     assert await small == S.LLM_SUCCESS

@@ -146,7 +146,7 @@ typedef struct kv_net {
     kv_conn *conns;
     int npending;
     uint8_t *scratch;
-    uint64_t sent, received, bad, refused, failed; /* flushed into c->st */
+    uint64_t sent, received; /* payload bytes, flushed into c->st once per round */
     /* under c->mu */
     kv_cmd *cmd_head, *cmd_tail;
     kv_job *in_head, *in_tail;
@@ -362,7 +362,7 @@ static int link_fail(kv_net *n, kv_link *l, uint32_t status, int post_down) {
     if (!l->dead) {
         l->dead = 1;
         if (post_down)
-            n->failed++;
+            n->c->st.tcp_links_failed++; /* counters: at once, under the lock (tests read them) */
         /* Only here: a dead link's streams were killed when it died and reap()
          * freed them at the end of that round, so a later link_fail of the same
          * link (kv_core_close, link_close or conn_add after a failure) must not
@@ -397,12 +397,12 @@ static int fail_conn(kv_net *n, kv_conn *k, int bad) {
     if (k->dead)
         return 0;
     if (!k->link) {
-        n->refused++;
+        n->c->st.tcp_refused++;
         conn_kill(n, k);
         return 0;
     }
     if (bad)
-        n->bad++;
+        n->c->st.tcp_bad_frames++;
     return link_fail(n, k->link, KV_LLM_LINK_FAILED, 1);
 }
 
@@ -1035,7 +1035,9 @@ static int accept_conns(kv_net *n) {
             return sig;
         if (n->npending >= KV_MAX_PENDING) {
             close(fd);
-            n->refused++;
+            pthread_mutex_lock(&n->c->mu);
+            n->c->st.tcp_refused++;
+            pthread_mutex_unlock(&n->c->mu);
             continue;
         }
         if (conn_new(n, fd, C_HELLO_WAIT))
@@ -1148,10 +1150,7 @@ static void *io_main(void *arg) {
         pthread_mutex_lock(&c->mu);
         c->st.tcp_bytes_sent += n->sent;
         c->st.tcp_bytes_received += n->received;
-        c->st.tcp_bad_frames += n->bad;
-        c->st.tcp_refused += n->refused;
-        c->st.tcp_links_failed += n->failed;
-        n->sent = n->received = n->bad = n->refused = n->failed = 0;
+        n->sent = n->received = 0;
         uint64_t open = 0;
         for (kv_conn *k = n->conns; k; k = k->next)
             open += !k->dead;
