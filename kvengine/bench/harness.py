@@ -96,6 +96,19 @@ def odd_stats(name: str, s: dict) -> str | None:
     return f"note: {name}: {odd}" if odd else None
 
 
+def footer(r: dict) -> list[str]:
+    """The lines after a report's table: the machine's load, odd engine counters."""
+    from .common import load_line
+    lines = []
+    if r.get("load"):
+        lines.append(load_line(r["load"]))
+    for n, st in (r.get("engine_stats") or {}).items():
+        o = odd_stats(f"kvengine {n}", st)
+        if o:
+            lines.append(o)
+    return lines
+
+
 def summary(samples_s: list[float]) -> dict:
     us = sorted(x * 1e6 for x in samples_s)
     return {"n": len(us), "p50_us": pct(us, 0.5), "p90_us": pct(us, 0.9), "p99_us": pct(us, 0.99),

@@ -32,8 +32,8 @@ import numpy as np
 
 from . import peers as P
 from .baselines import RawSocket, Streams
-from .common import KiB, Progress, busy_processes, cpu_snapshot, foreign_load, get_runner, load_line, meta, write_json
-from .harness import KvSide, odd_stats, ratio, summary, table, us
+from .common import KiB, Progress, busy_processes, cpu_snapshot, foreign_load, get_runner, meta, write_json
+from .harness import KvSide, footer, ratio, summary, table, us
 from .throughput import KV, MEMCPY, RAW, STREAMS, add_common_args, col_name, resolve_common
 
 LAYERS = 32
@@ -179,14 +179,9 @@ def report(r: dict) -> list[str]:
             rows.append([col_name(n, T), "-", "-", "-", "-", "", "", "", r["peers"].get(n, "")])
     lines.append(table(rows, ["column", "p50 us", "p99 us", "p99.9 us", "max us", "x kv p50", "x kv p99",
                               "x kv p99.9", "what"], align="lrrrrrrrl"))
-    ld = r.get("load")
-    if ld:
+    if r.get("load"):
         lines.append("")
-        lines.append(load_line(ld))
-    for n, s in (r.get("engine_stats") or {}).items():
-        o = odd_stats(f"kvengine {n}", s)
-        if o:
-            lines.append(o)
+    lines.extend(footer(r))
     return lines
 
 

@@ -41,8 +41,8 @@ import numpy as np
 from . import peers as P
 from .baselines import ParallelMemcpy, RawSocket, Streams, memcpy_seconds
 from .common import (KiB, MiB, Progress, busy_processes, cpu_snapshot, fmt_bytes, foreign_load, get_runner,
-                     load_line, meta, out_paths, parse_bytes, short_bytes, write_json)
-from .harness import MODEL, TRANSPORTS, KvSide, gbps, model_label, odd_stats, ratio, table
+                     meta, out_paths, parse_bytes, short_bytes, write_json)
+from .harness import MODEL, TRANSPORTS, KvSide, footer, gbps, model_label, ratio, table
 
 KV = "kvengine"
 MEMCPY, MEMCPY2, RAW, STREAMS = "memcpy", "memcpy 2 threads", "raw socket", "uvloop streams"
@@ -253,13 +253,7 @@ def report(r: dict, reps: int) -> list[str]:
     lines.append("")
     for g in goals(r):
         lines.append(f"goal: {g['what']}: " + (f"{g['ratio']:.2f}x, {g['status']}" if "ratio" in g else g["status"]))
-    ld = r.get("load")
-    if ld:
-        lines.append(load_line(ld))
-    for n, s in (r.get("engine_stats") or {}).items():
-        o = odd_stats(f"kvengine {n}", s)
-        if o:
-            lines.append(o)
+    lines.extend(footer(r))
     return lines
 
 
