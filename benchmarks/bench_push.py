@@ -31,6 +31,7 @@ import numpy as np
 import kvengine as kv
 from kvengine._peer import PeerProcess, fill_pattern
 from kvengine.bench.baselines import memcpy_seconds   # shared with `kvengine bench throughput`
+from kvengine.bench.common import save_outputs
 
 S = kv.LLMStatusCode
 MiB = 1 << 20
@@ -216,13 +217,8 @@ def main() -> int:
     for r in slim.values():
         if "latency" in r:
             r["latency"].pop("samples_us")
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "results": slim}, f, indent=1)
-    try:
-        plot(all_results, args.out + ".png")
-        print(f"wrote {args.out}.json and {args.out}.png")
-    except ImportError:
-        print(f"wrote {args.out}.json (install matplotlib for the PNG: pip install -e '.[bench]')")
+    print(save_outputs(args.out + ".json", args.out + ".png", {"meta": meta, "results": slim}, plot,
+                       all_results))
     return 0
 
 

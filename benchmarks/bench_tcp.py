@@ -52,6 +52,7 @@ import numpy as np
 import kvengine as kv
 from kvengine._peer import PeerProcess, fill_pattern, row_digests
 # the baselines' peer processes and senders, and the load check, are shared with `kvengine bench`
+from kvengine.bench.common import save_outputs
 from kvengine.bench.baselines import HDR, STOCK_LIMIT, raw_peer, raw_send, start_peer, streams_peer, streams_send
 from kvengine.bench.common import cpu_snapshot, foreign_load, git_rev, pct
 
@@ -504,13 +505,8 @@ def main() -> int:
     slim = json.loads(json.dumps(r, default=str))
     for la in slim["latency"].values():
         la.pop("samples_us")
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "summary": summary, "results": slim}, f, indent=1)
-    try:
-        plot(r, args.out + ".png")
-        print(f"wrote {args.out}.json and {args.out}.png")
-    except ImportError:
-        print(f"wrote {args.out}.json (install matplotlib for the PNG: pip install -e '.[bench]')")
+    print(save_outputs(args.out + ".json", args.out + ".png", {"meta": meta, "summary": summary, "results": slim},
+                       plot, r))
     return 0
 
 

@@ -44,10 +44,6 @@ _LOCAL_FLAGS = _native.F_EXPORT | _native.F_NOTIFY  # this engine's caches: TCP 
 _MAX_NOTIFY = 4096                                    # bytes of one push notification
 
 
-def _now_error(status: S, message: str) -> LLMError:
-    return error_for(status, message)
-
-
 class _LocalState:
     """Engine-side bookkeeping of one local cache."""
 
@@ -154,7 +150,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
                 self.address = f"[{h}]:{sockname[1]}" if ":" in h else f"{h}:{sockname[1]}"
                 st, self._data_port = self._core.tcp_listen(h, 0)   # the TCP data plane
                 if st:
-                    raise _now_error(S(st), f"cannot listen for data connections on {h}")
+                    raise error_for(S(st), f"cannot listen for data connections on {h}")
         except BaseException:
             await self.close()
             raise
@@ -207,9 +203,9 @@ class KvEngine(_Links, _Scheduler, _Notifications):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise _now_error(S.LLM_ENGINE_FINALIZED, "the engine is closed")
+            raise error_for(S.LLM_ENGINE_FINALIZED, "the engine is closed")
         if not self._started:
-            raise _now_error(S.LLM_FAILED, "the engine is not started: use `async with` or `await engine.start()`")
+            raise error_for(S.LLM_FAILED, "the engine is not started: use `async with` or `await engine.start()`")
 
     def _spawn(self, coro) -> asyncio.Task:
         task = self._loop.create_task(coro)
@@ -277,7 +273,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         st, rid = self._core.region_add(_native.REGION_LOCAL, 0, addr, length, _LOCAL_FLAGS)
         if st:
             os.close(fd)
-            raise _now_error(S(st), "cannot register the allocated cache")
+            raise error_for(S(st), "cannot register the allocated cache")
         cache_id = next(self._cache_ids)
         cache = Cache(cache_id, desc, tensors, [addr + t * stride for t in range(desc.num_tensors)],
                       [(rid, t * stride) for t in range(desc.num_tensors)], keep=(mm, base),
@@ -307,7 +303,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
             if st:
                 for r in rids:
                     self._core.region_remove(r)
-                raise _now_error(S(st), "cannot register the buffers")
+                raise error_for(S(st), "cannot register the buffers")
             rids.append(rid)
         npd = desc.dtype.numpy_dtype
         views = [a.view(npd).reshape(desc.shape) if a.dtype.itemsize and a.nbytes == desc.size else a
@@ -321,7 +317,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         if not isinstance(desc, CacheDesc):
             raise param_invalid(f"desc must be a CacheDesc, got {type(desc).__name__}")
         if desc.placement != Placement.HOST:
-            raise _now_error(S.LLM_FEATURE_NOT_ENABLED, "only Placement.HOST caches exist on this machine")
+            raise error_for(S.LLM_FEATURE_NOT_ENABLED, "only Placement.HOST caches exist on this machine")
         return desc
 
     @staticmethod
@@ -419,7 +415,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
             raise param_invalid(f"expected a Cache from this engine, got {type(cache).__name__}")
         state = self._caches.get(cache.cache_id)
         if state is None or state.cache is not cache:
-            raise _now_error(S.LLM_KV_CACHE_NOT_EXIST,
+            raise error_for(S.LLM_KV_CACHE_NOT_EXIST,
                              f"cache {cache.cache_id} is not registered with this engine")
         return state
 
@@ -428,10 +424,10 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         if link is None:
             if cluster_id == self.cluster_id:
                 raise param_invalid(f"cluster {cluster_id} is this engine: transfers need a peer")
-            raise _now_error(S.LLM_NOT_YET_LINK, f"cluster {cluster_id!r} is not linked")
+            raise error_for(S.LLM_NOT_YET_LINK, f"cluster {cluster_id!r} is not linked")
         rc = link.remote.get(cache_id)
         if rc is None:
-            raise _now_error(S.LLM_KV_CACHE_NOT_EXIST, f"cluster {cluster_id} has no cache {cache_id!r}")
+            raise error_for(S.LLM_KV_CACHE_NOT_EXIST, f"cluster {cluster_id} has no cache {cache_id!r}")
         return link, rc
 
     def _deadline(self, timeout: Any) -> float:
@@ -661,7 +657,7 @@ def _allocate_memory(desc: CacheDesc, cluster_id: int) -> tuple[int, mmap.mmap, 
                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:
         os.close(fd)
-        raise _now_error(S.LLM_OUT_OF_MEMORY, f"cannot allocate {length} bytes of shared memory: {e}")
+        raise error_for(S.LLM_OUT_OF_MEMORY, f"cannot allocate {length} bytes of shared memory: {e}")
     return fd, mm, length, stride
 
 

@@ -98,17 +98,9 @@ class _Scheduler:
             # below a thread hand-off's cost: copy now, on this thread (local and shm only)
             t._link, t._notify = link, notify
             t._t_queued = t._t_started = perf_counter()   # latency: a fine clock (uvloop's ticks in ms)
-            job = next(self._jobs)
-            st, done, nbytes = self._core.submit(job, segs, opts.inline_threshold)
-            if done or st:
-                t._finish(st, nbytes)
-                return t
-            t._link = None   # not expected: the core handed it to the movers after all
-            t._queue(link, (local, remote), segs, total, timeout, priority, notify, now)
-            t._left = 0
-            t._jobs[job] = total
-            self._pending[job] = t
-            link.inflight_bytes += total
+            st, done, nbytes = self._core.submit(next(self._jobs), segs, opts.inline_threshold)
+            assert done or st, "kv_core_submit copies a local job of at most inline_max bytes inline"
+            t._finish(st, nbytes)
             return t
         if self._queued >= opts.max_queued:
             t._finish(S.LLM_OUT_OF_MEMORY, 0,

@@ -197,6 +197,16 @@ def write_json(path: str, obj: dict) -> None:
         json.dump(obj, f, indent=1, default=str)
 
 
+def save_outputs(json_path: str, png_path: str, data: dict, plot, plot_data: dict | None = None) -> str:
+    """Write ``data`` as JSON and ``plot(plot_data or data, png_path)``; the "wrote ..." line."""
+    write_json(json_path, data)
+    try:
+        plot(data if plot_data is None else plot_data, png_path)
+        return f"wrote {json_path} and {png_path}"
+    except ImportError:
+        return f"wrote {json_path} (pip install 'kvengine[bench]' for the PNG)"
+
+
 def out_paths(out: str, json_path: str | None) -> tuple[str, str]:
     """(json path, png path) from --out PREFIX and --json PATH."""
     d = os.path.dirname(out)

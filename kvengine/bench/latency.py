@@ -32,7 +32,7 @@ import numpy as np
 
 from . import peers as P
 from .baselines import RawSocket, Streams
-from .common import KiB, Progress, busy_processes, cpu_snapshot, foreign_load, get_runner, meta, write_json
+from .common import KiB, Progress, busy_processes, cpu_snapshot, foreign_load, get_runner, meta, save_outputs
 from .harness import KvSide, footer, ratio, summary, table, us
 from .throughput import KV, MEMCPY, RAW, STREAMS, add_common_args, col_name, resolve_common
 
@@ -250,14 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     print(f"total {r['meta']['wall_s']:.0f} s")
     r["report"] = lines
-    try:
-        plot(r, args.png_path)
-        wrote = f"{args.json_path} and {args.png_path}"
-    except ImportError:
-        wrote = f"{args.json_path} (pip install 'kvengine[bench]' for the PNG)"
-    r.pop("samples_us")
-    write_json(args.json_path, r)
-    print(f"wrote {wrote}" + (f" (peer engines' logs: {args.peer_log})" if os.path.exists(args.peer_log) else ""))
+    slim = {k: v for k, v in r.items() if k != "samples_us"}   # the plot needs them, the JSON not
+    wrote = save_outputs(args.json_path, args.png_path, slim, plot, r)
+    print(wrote + (f" (peer engines' logs: {args.peer_log})" if os.path.exists(args.peer_log) else ""))
     return 0
 
 

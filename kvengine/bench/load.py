@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -31,6 +30,7 @@ import numpy as np
 
 import kvengine as kv
 from kvengine._peer import PeerProcess
+from .common import save_outputs
 
 S = kv.LLMStatusCode
 LAYER_HALF = 32 << 10          # K and V of one layer: 2 x 32 KiB
@@ -225,13 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     results["meta"] = {"argv": sys.argv[1:], "time": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
                        "layer_bytes": 2 * LAYER_HALF, "big_bytes": 2 * BIG_ROW, "big_share": BIG_SHARE,
                        "layer_deadline_s": LAYER_DEADLINE, "big_deadline_s": BIG_DEADLINE}
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    try:
-        plot(results, args.out + ".png")
-        print(f"wrote {args.out}.json and {args.out}.png")
-    except ImportError:
-        print(f"wrote {args.out}.json (pip install matplotlib for the PNG)")
+    print(save_outputs(args.out + ".json", args.out + ".png", results, plot))
     return 0
 
 

@@ -41,7 +41,7 @@ import numpy as np
 from . import peers as P
 from .baselines import ParallelMemcpy, RawSocket, Streams, memcpy_seconds
 from .common import (KiB, MiB, Progress, busy_processes, cpu_snapshot, fmt_bytes, foreign_load, get_runner,
-                     meta, out_paths, parse_bytes, short_bytes, write_json)
+                     meta, out_paths, parse_bytes, save_outputs, short_bytes)
 from .harness import MODEL, TRANSPORTS, KvSide, footer, gbps, model_label, ratio, table
 
 KV = "kvengine"
@@ -385,13 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in r["sizes"]:
         for c in s["results"].values():
             c.pop("s_per_transfer", None)
-    write_json(args.json_path, r)
-    try:
-        plot(r, args.png_path)
-        wrote = f"{args.json_path} and {args.png_path}"
-    except ImportError:
-        wrote = f"{args.json_path} (pip install 'kvengine[bench]' for the PNG)"
-    print(f"wrote {wrote}" + (f" (peer engines' logs: {args.peer_log})" if os.path.exists(args.peer_log) else ""))
+    wrote = save_outputs(args.json_path, args.png_path, r, plot)
+    print(wrote + (f" (peer engines' logs: {args.peer_log})" if os.path.exists(args.peer_log) else ""))
     return 0
 
 
