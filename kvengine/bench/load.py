@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import os
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -47,8 +48,9 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def setup(mode: str, peer: PeerProcess, cluster: int, streams: int, budget: int, piece: int):
-    opts = kv.EngineOptions(transport="tcp", scheduling=mode, secret=None, tcp_streams=streams,
+async def setup(mode: str, peer: PeerProcess, cluster: int, streams: int, budget: int, piece: int,
+                secret: bytes):
+    opts = kv.EngineOptions(transport="tcp", scheduling=mode, secret=secret, tcp_streams=streams,
                             max_inflight_bytes=budget, piece_bytes=piece)
     e = await kv.KvEngine(cluster, kv.Role.PROMPT, None, opts).start()
     st, _ = await e.link_clusters([kv.ClusterInfo(2, peer.address)])
@@ -133,14 +135,15 @@ def make_arrivals(rate_bytes: float, seconds: float, seed: int) -> list[tuple[fl
 
 
 async def main_async(args) -> dict:
-    peer = await PeerProcess.start(cluster_id=2, transport="tcp", tcp_streams=args.streams)
+    secret = secrets.token_hex(16).encode()   # authenticated links, as in production (and no warning)
+    peer = await PeerProcess.start(cluster_id=2, transport="tcp", tcp_streams=args.streams, secret=secret)
     try:
         layer_dst = (await peer.call("alloc", n=64, shape=[1, LAYER_HALF], dtype="uint8"))["cache_id"]
         big_dsts = [(await peer.call("alloc", n=2, shape=[1, BIG_ROW], dtype="uint8"))["cache_id"]
                     for _ in range(4)]
         engines = {}
         for cluster, mode in ((11, "edf"), (12, "fifo")):
-            engines[mode] = await setup(mode, peer, cluster, args.streams, args.budget, args.piece)
+            engines[mode] = await setup(mode, peer, cluster, args.streams, args.budget, args.piece, secret)
             for cid in [layer_dst] + big_dsts:
                 await engines[mode][0].wait_remote_cache(2, cid)
         cap = statistics.median([await capacity(engines["edf"][0], engines["edf"][2], big_dsts[0], args.cap_reps)
