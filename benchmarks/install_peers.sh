@@ -9,7 +9,7 @@
 # Usage:   benchmarks/install_peers.sh [PYTHON]     (default: .venv/bin/python, else python3)
 #          SKIP_APT=1 benchmarks/install_peers.sh    (libibverbs1 already there, or no root)
 #
-# Why a script and not a `pip install kvengine[peers]` extra: `pip install nixl`
+# The lean alternative to `pip install kvengine[peers]` (which pins a CPU torch for NIXL): `pip install nixl`
 # resolves nixl-cu12 AND nixl-cu13, whose metadata require an unpinned `torch`,
 # which on Linux resolves to a CUDA build of torch with its nvidia-* wheels
 # (~5.9 GB here), and an extra cannot say --no-deps. Mooncake's non-CUDA wheel

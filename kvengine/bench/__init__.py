@@ -6,6 +6,6 @@
 
 Each prints its figures beside baselines measured in the same run (and, for
 throughput and latency, beside NIXL and Mooncake when installed: see
-``benchmarks/install_peers.sh``) and writes JSON and a PNG (matplotlib,
+``pip install kvengine[peers]`` or ``benchmarks/install_peers.sh``) and writes JSON and a PNG (matplotlib,
 ``pip install kvengine[bench]``, which also brings uvloop and tqdm).
 """

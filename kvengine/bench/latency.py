@@ -231,7 +231,7 @@ def plot(r: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvengine bench latency", description=__doc__.split("\n")[0],
-                                 epilog="Peers: benchmarks/install_peers.sh; see docs/benchmarks.md.")
+                                 epilog="Peers: pip install -e '.[peers]' or benchmarks/install_peers.sh; see docs/benchmarks.md.")
     add_common_args(ap, "latency")
     ap.add_argument("--n", type=int, default=None, help="samples per column (default 50000, --quick 3000)")
     args = ap.parse_args(argv)

@@ -6,7 +6,7 @@ on 127.0.0.1, both driven from the benchmark over a pipe. Their libraries are
 imported only in those processes (UCX patches memory hooks in the processes
 that load it; kvengine's side never loads it). Their logs go to a file.
 
-Install them with ``benchmarks/install_peers.sh`` (see docs/benchmarks.md);
+Install them with ``pip install -e ".[peers]"`` or ``benchmarks/install_peers.sh`` (see docs/benchmarks.md);
 when a module is missing the benchmark shows "not installed" and runs the rest.
 
 How each one is driven (PEERS_HOWTO of this project: measured on these CPU-only VMs):
@@ -43,7 +43,7 @@ from typing import Any
 
 NIXL, MOONCAKE = "NIXL", "Mooncake"
 ENGINES = (NIXL, MOONCAKE)
-INSTALL_HINT = "benchmarks/install_peers.sh (see docs/benchmarks.md)"
+INSTALL_HINT = "pip install -e '.[peers]' or benchmarks/install_peers.sh (see docs/benchmarks.md)"
 
 
 def available() -> dict[str, tuple[bool, str]]:

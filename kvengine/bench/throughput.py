@@ -18,7 +18,7 @@ run, interleaved repetition by repetition (the order rotates every time):
 - NIXL 1.5.1 (UCX, two agents in two processes, DRAM WRITE of one descriptor per
   tensor, progress thread off; ``UCX_TLS=tcp`` for tcp) and Mooncake Transfer
   Engine (TCP, P2PHANDSHAKE on 127.0.0.1, one batch entry per tensor), when
-  installed (``benchmarks/install_peers.sh``); otherwise their columns say so.
+  installed (``.[peers]`` or ``benchmarks/install_peers.sh``); otherwise their columns say so.
 
 Every figure is end to end, one transfer awaited at a time (small sizes: a burst
 of back-to-back transfers per measurement). Reported: median GB/s (1e9 B/s) per
@@ -358,7 +358,7 @@ def resolve_common(ap: argparse.ArgumentParser, args, what: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvengine bench throughput", description=__doc__.split("\n")[0],
-                                 epilog="Peers: benchmarks/install_peers.sh; see docs/benchmarks.md.")
+                                 epilog="Peers: pip install -e '.[peers]' or benchmarks/install_peers.sh; see docs/benchmarks.md.")
     add_common_args(ap, "throughput")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 41, --quick 5)")
     ap.add_argument("--sizes", default=None,
