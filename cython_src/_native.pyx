@@ -23,6 +23,7 @@ SEG_WORDS = kvc.KV_SEG_WORDS
 F_UNMAP = kvc.KV_REGION_F_UNMAP
 F_EXPORT = kvc.KV_REGION_F_EXPORT
 F_NOTIFY = kvc.KV_REGION_F_NOTIFY
+DONE_UNSTARTED = kvc.KV_DONE_UNSTARTED
 EVENT = kvc.KV_EVENT
 EVENT_LINK_READY = kvc.KV_EVENT_LINK_READY
 EVENT_LINK_DOWN = kvc.KV_EVENT_LINK_DOWN
@@ -87,8 +88,8 @@ cdef class Core:
     def region_remove(self, uint32_t region_id):
         return kvc.kv_region_remove(self.c, region_id)
 
-    def submit(self, uint64_t job_id, const uint64_t[::1] segs, uint64_t inline_max):
-        """Start a job. Returns ``(status, done_inline, nbytes)``."""
+    def submit(self, uint64_t job_id, const uint64_t[::1] segs, uint64_t inline_max, uint64_t rank=0):
+        """Start a job (TCP links send lower ``rank`` first). Returns ``(status, done_inline, nbytes)``."""
         cdef size_t nsegs = segs.shape[0] // kvc.KV_SEG_WORDS
         cdef int done = 0
         cdef uint64_t nbytes = 0
@@ -96,7 +97,7 @@ cdef class Core:
         if segs.shape[0] == 0 or segs.shape[0] % kvc.KV_SEG_WORDS:
             return 0x5010B005, True, 0
         with nogil:  # may copy up to inline_max bytes on this thread
-            st = kvc.kv_core_submit(self.c, job_id, &segs[0], nsegs, inline_max, &done, &nbytes)
+            st = kvc.kv_core_submit_ranked(self.c, job_id, &segs[0], nsegs, inline_max, rank, &done, &nbytes)
         return st, done != 0, nbytes
 
     def abort(self, uint64_t job_id, uint32_t status):
@@ -104,13 +105,13 @@ cdef class Core:
         return kvc.kv_core_abort(self.c, job_id, status)
 
     def poll(self):
-        """Reset the eventfd and return ready completions as ``[(job_id, status, nbytes), ...]``."""
+        """Reset the eventfd and return ready completions as ``[(job_id, status, nbytes, flags), ...]``."""
         cdef size_t n, i
         out = []
         while True:
             n = kvc.kv_core_poll(self.c, self.buf, POLL_BATCH)
             for i in range(n):
-                out.append((self.buf[i].job_id, self.buf[i].status, self.buf[i].nbytes))
+                out.append((self.buf[i].job_id, self.buf[i].status, self.buf[i].nbytes, self.buf[i].flags))
             if n < POLL_BATCH:
                 return out
 
@@ -128,10 +129,10 @@ cdef class Core:
         cdef uint32_t st = kvc.kv_tcp_listen(self.c, b, port, &bound)
         return st, bound
 
-    def tcp_link_add(self, uint32_t link_id, bytes token, int nstreams):
+    def tcp_link_add(self, uint32_t link_id, bytes token, int nstreams, uint64_t window=0):
         if len(token) != kvc.KV_TOKEN_BYTES:
             return 0x5010B005
-        return kvc.kv_tcp_link_add(self.c, link_id, <const unsigned char *>token, nstreams)
+        return kvc.kv_tcp_link_add(self.c, link_id, <const unsigned char *>token, nstreams, window)
 
     def tcp_conn_add(self, int fd, uint32_t link_id):
         """Hand a connected socket to the core (it owns ``fd`` from now on, also on failure)."""

@@ -8,6 +8,7 @@ cdef extern from "kv_core.h" nogil:
     int KV_SEG_WORDS
     unsigned KV_REGION_F_UNMAP
     unsigned KV_REGION_F_EXPORT
+    unsigned KV_DONE_UNSTARTED
     unsigned KV_REGION_F_NOTIFY
     unsigned long long KV_EVENT
     unsigned long long KV_EVENT_LINK_READY
@@ -25,6 +26,7 @@ cdef extern from "kv_core.h" nogil:
         uint64_t job_id
         uint64_t nbytes
         uint32_t status
+        uint32_t flags
 
     ctypedef struct kv_stats:
         uint64_t jobs_submitted
@@ -54,8 +56,11 @@ cdef extern from "kv_core.h" nogil:
     uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr)
     uint32_t kv_core_submit(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                             uint64_t inline_max, int *done, uint64_t *nbytes)
+    uint32_t kv_core_submit_ranked(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
+                                   uint64_t inline_max, uint64_t rank, int *done, uint64_t *nbytes)
     uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status)
     uint32_t kv_tcp_listen(kv_core *core, const char *ip, uint16_t port, uint16_t *bound_port)
-    uint32_t kv_tcp_link_add(kv_core *core, uint32_t link_id, const unsigned char *token, int nstreams)
+    uint32_t kv_tcp_link_add(kv_core *core, uint32_t link_id, const unsigned char *token, int nstreams,
+                             uint64_t window)
     uint32_t kv_tcp_conn_add(kv_core *core, int fd, uint32_t link_id)
     uint32_t kv_tcp_link_close(kv_core *core, uint32_t link_id, uint32_t status)

@@ -220,7 +220,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         done = self._core.poll()
         jobs = [c for c in done if not c[0] & _native.EVENT] if done else done
         if len(jobs) != len(done):
-            for job_id, status, _ in done:
+            for job_id, status, _, _ in done:
                 if job_id & _native.EVENT:
                     self._on_event(job_id & _native.EVENT_KIND_MASK, job_id & _native.EVENT_ID_MASK, status)
         if jobs:

@@ -212,7 +212,8 @@ class _Links:
                     if not 1 <= streams <= _native.MAX_STREAMS:
                         raise ProtocolError(f"bad stream count {streams}")
                     link.tcp_id = next(self._tcp_ids)   # before the table: its regions name the link
-                    st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(str(w["data_token"])), streams)
+                    st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(str(w["data_token"])), streams,
+                                                 self.options.tcp_window_bytes)
                     if st:
                         raise ProtocolError(f"cannot add the data link (status {st:#x})")
                     connect = lambda: self._connect_streams(link, host, int(w["data_port"]), streams)
@@ -803,7 +804,8 @@ class _Links:
             link = Link(cid, ch, transport, int(hello["pid"]), str(hello["token"]), "")
             if transport == "tcp":   # data streams presenting this token are bound to the link
                 link.tcp_id = next(self._tcp_ids)
-                st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(data_token), streams)
+                st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(data_token), streams,
+                                             self.options.tcp_window_bytes)
                 if st:
                     raise ProtocolError(f"cannot add the data link (status {st:#x})")
             if await self._establish(link, False) == S.LLM_SUCCESS:

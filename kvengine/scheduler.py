@@ -8,8 +8,16 @@ piece (at most ``piece_bytes``) of the transfer at the head of the queue at a
 time, while the link's bytes in flight stay under ``max_inflight_bytes``; so a
 small urgent push waits for at most one budget's worth of bytes, never for the
 rest of a 1 GiB push that started before it. A transfer whose deadline passes
-while queued resolves ``LLM_TIMEOUT`` without a byte moved. Cost per transfer:
-one heap push and pop, one timer; no task per transfer.
+before any of it went out resolves ``LLM_TIMEOUT`` without a byte moved. Cost
+per transfer: one heap push and pop, one timer; no task per transfer.
+
+The order is kept natively too: every job carries a rank (the same key packed
+in 64 bits); the movers claim chunks, and a tcp link's I/O thread sends frames,
+of the lowest rank first, so an urgent transfer overtakes a running one at the
+next chunk or frame (``chunk_bytes``); tcp's wire is paced by
+``tcp_window_bytes``. So by default (no ``max_inflight_bytes`` or
+``piece_bytes``) a transfer is handed over whole, at once: a Python wake-up per
+piece costs CPU the movers and I/O threads need (decisions.md #14).
 
 Links are independent: each has its own queue and budget, so a slow or dead
 peer never holds another link's work.
@@ -24,16 +32,25 @@ import math
 from time import perf_counter
 from typing import Any
 
+from .native import _native
 from .status import LLMStatusCode as S
 from .transfer import Transfer
 
 __all__ = ["Histogram"]
 
 _seq = itertools.count()
-# Defaults by transport (docs/benchmarks.md, load test): on tcp, 4 MiB in flight keeps
-# 4 streams busy while an urgent push waits ~1 ms of wire; shm copies are ~3x faster.
-_TCP_BUDGET, _TCP_PIECE = 4 << 20, 1 << 20
-_SHM_BUDGET, _SHM_PIECE = 16 << 20, 2 << 20
+_NO_LIMIT = 1 << 62   # default budget and piece: the native queues keep the order
+_UNSTARTED = _native.DONE_UNSTARTED
+_RANK_DEADLINE = (1 << 52) - 1   # deadline in microseconds of the loop clock (142 years)
+
+
+def rank(key: tuple) -> int:
+    """A queue key packed for the native queue: FIFO keys (seq,) rank 0 (submission
+    order); EDF keys (-priority, deadline, seq) rank by priority, then deadline (1 us)."""
+    if len(key) == 1:
+        return 0
+    us = int(key[1] * 1e6)
+    return ((key[0] + 1000) << 52) | (us if 0 <= us < _RANK_DEADLINE else _RANK_DEADLINE)
 
 
 class Histogram:
@@ -111,6 +128,7 @@ class _Scheduler:
         self._queued += 1
         seq = next(_seq)
         t._key = (seq,) if opts.scheduling == "fifo" else (-priority, t.deadline, seq)
+        t._rank = rank(t._key)
         heapq.heappush(link.heap, (t._key, t))
         self._dispatch(link)
         return t
@@ -118,9 +136,8 @@ class _Scheduler:
     def _dispatch(self, link: Any) -> None:
         """Feed the core from the head of the link's queue while the budget allows."""
         heap = link.heap
-        tcp = link.transport == "tcp"
-        budget = self.options.max_inflight_bytes or (_TCP_BUDGET if tcp else _SHM_BUDGET)
-        piece = self.options.piece_bytes or (_TCP_PIECE if tcp else _SHM_PIECE)
+        budget = self.options.max_inflight_bytes or _NO_LIMIT
+        piece = self.options.piece_bytes or _NO_LIMIT
         core, pending, jobs = self._core, self._pending, self._jobs
         while heap and link.inflight_bytes < budget and link.up:
             t = heap[0][1]
@@ -129,7 +146,7 @@ class _Scheduler:
                 continue
             segs, n = t._next_piece(piece)
             job = next(jobs)
-            st, _, _ = core.submit(job, segs, 0)
+            st, _, _ = core.submit(job, segs, 0, t._rank)
             if not t._t_started:
                 t._t_started = perf_counter()
             if st:
@@ -145,11 +162,11 @@ class _Scheduler:
     def _on_completions(self, done: list) -> None:
         links = set()
         pending = self._pending
-        for job_id, status, nbytes in done:
+        for job_id, status, nbytes, flags in done:
             t = pending.pop(job_id, None)
             if t is not None:
                 link = t._link
-                t._piece_done(job_id, status, nbytes)
+                t._piece_done(job_id, status, nbytes, not flags & _UNSTARTED)
                 if link is not None:
                     links.add(link)
         for link in links:

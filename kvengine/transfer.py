@@ -36,7 +36,7 @@ class Transfer:
     __slots__ = ("_engine", "_what", "_status", "_fut", "_timer", "_link", "_refs", "_timeout",
                  "_message", "nbytes", "_segs", "_cur", "_off", "_left", "_jobs", "_fail", "_key",
                  "_notify", "_t_queued", "_t_started", "_total", "_inq", "_on_done", "priority", "deadline",
-                 "__weakref__")
+                 "_rank", "_ran", "__weakref__")
 
     def __init__(self, engine: Any, what: str) -> None:
         self._engine = engine
@@ -64,6 +64,8 @@ class Transfer:
         self._on_done = None   # callable(status), e.g. a layer stream's bookkeeping
         self.priority = 0
         self.deadline = 0.0
+        self._rank = 0         # the native queue's order (scheduler.rank)
+        self._ran = False      # some piece went out (not aborted unstarted)
 
     # ------------------------------------------------------------- scheduler side
 
@@ -121,8 +123,11 @@ class Transfer:
         for job in self._jobs:
             core.abort(job, int(status))
 
-    def _piece_done(self, job: int, status: int, nbytes: int) -> None:
+    def _piece_done(self, job: int, status: int, nbytes: int, ran: bool = True) -> None:
+        """A piece finished; ``ran``: some of it went out (False: aborted before it started)."""
         size = self._jobs.pop(job, 0)
+        if ran:
+            self._ran = True
         link = self._link
         if link is not None:
             link.inflight_bytes -= size
@@ -201,7 +206,7 @@ class Transfer:
         if self._message:
             return self._message
         if self._status == S.LLM_TIMEOUT:
-            started = "it had not started" if not self._t_started else \
+            started = "it had not started" if not self._ran else \
                 f"it was aborted and no byte of it lands after this status ({self.nbytes} bytes had landed)"
             return f"{self._what} did not finish within {self._timeout:g} s; {started}"
         if self._status == S.LLM_CANCELLED:

@@ -276,14 +276,18 @@ class EngineOptions:
     chunk_bytes: the unit a mover copies before it checks for an abort (fence granularity),
       and the payload of one TCP data frame.
     tcp_streams: TCP data connections per link (large transfers are striped over them).
+    tcp_window_bytes: per TCP link, push bytes sent but not yet consumed by the receiver
+      (it CREDITs every data frame it took off the socket); 0: no limit. Paces large
+      pushes in the I/O thread, without a Python round trip (default 4 MiB, see
+      docs/tuning.md).
     heartbeat_interval / heartbeat_timeout: a peer silent for heartbeat_timeout is lost
       (``LLM_LINK_FAILED``); pings go out every heartbeat_interval.
     scheduling: ``"edf"`` (priority, then earliest deadline first) or ``"fifo"`` (arrival order).
     max_inflight_bytes: per link, bytes handed to the native core at once; the rest waits
-      in the link's queue, in scheduling order (default: 4 MiB on tcp links, 16 MiB on
-      local/shm links; chosen by the load benchmark, docs/benchmarks.md).
-    piece_bytes: transfers are handed over in pieces of at most this many bytes, so an
-      urgent one overtakes a large one at the next piece (default: 1 MiB tcp, 2 MiB shm).
+      in the link's queue, in scheduling order (default None: no limit; the core's queues
+      keep the scheduling order chunk by chunk, docs/tuning.md).
+    piece_bytes: transfers are handed over in pieces of at most this many bytes
+      (default None: whole).
     max_queued: transfers queued or in flight at once; more fail ``LLM_OUT_OF_MEMORY``.
     max_notifications: received notifications kept until read (oldest dropped beyond).
     """
@@ -295,6 +299,7 @@ class EngineOptions:
     inline_threshold: int = 256 * 1024
     chunk_bytes: int = 1 << 20
     tcp_streams: int = 4
+    tcp_window_bytes: int = 4 << 20
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 2.0
     scheduling: str = "edf"
@@ -312,6 +317,8 @@ class EngineOptions:
             raise param_invalid(
                 f"EngineOptions.transport must be 'auto', 'local', 'shm' or 'tcp', got {self.transport!r}")
         _check_int("EngineOptions.tcp_streams", self.tcp_streams, 1, 16)
+        if isinstance(self.tcp_window_bytes, bool) or self.tcp_window_bytes != 0:
+            _check_int("EngineOptions.tcp_window_bytes", self.tcp_window_bytes, 64 << 10, 1 << 40)
         if self.scheduling not in ("edf", "fifo"):
             raise param_invalid(f"EngineOptions.scheduling must be 'edf' or 'fifo', got {self.scheduling!r}")
         if self.max_inflight_bytes is not None:

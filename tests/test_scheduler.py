@@ -91,6 +91,69 @@ async def test_priority_orders_the_queue(sched_transport):
         await d.close()
 
 
+async def test_native_queue_moves_by_priority_then_deadline(sched_transport):
+    """Default options: whole transfers go to the core at once, and the movers (shm) or the
+    link's I/O thread (tcp) take the most urgent first (priority, then deadline), and a
+    more urgent transfer overtakes a running one at the next chunk. A 128 MiB blocker runs
+    while the others are submitted (a few hundred microseconds), so their order is the
+    native queue's alone. One mover (one stream): with two, a mover preempted while it
+    copies a job's last chunk lets the other finish the next job first."""
+    p, d = await make_pair(sched_transport, tcp_streams=1, movers=1)
+    try:
+        await link(p, d)
+        block_src, block_dst = await caches(p, d, kv.CacheDesc(1, (1, 128 << 20), np.uint8))
+        big_src, big_dst = await caches(p, d, kv.CacheDesc(1, (1, 32 << 20), np.uint8), seed=2)
+        src, dst = await caches(p, d, kv.CacheDesc(1, (9, 8 << 20), np.uint8), seed=3)
+        order = []
+
+        def push(tag, s, dc, row, prio, tmo):
+            t = p.submit_push_kv_cache(s, kv.CacheIndex(2, dc.cache_id, row), row, timeout=tmo, priority=prio)
+            t._on_done = lambda st: order.append(tag)
+            return t
+
+        ts = [push("blocker", block_src, block_dst, 0, 100, 60)]
+        assert not ts[0].done()
+        ts.append(push("big", big_src, big_dst, 0, -1, 60))
+        plan = [(0, 30), (2, 20), (1, 10), (2, 10), (0, 5), (1, 30), (3, 40), (0, 20)]   # (priority, timeout)
+        ts += [push(r, src, dst, r, prio, tmo) for r, (prio, tmo) in enumerate(plan)]
+        ts.append(push("urgent", src, dst, 8, 200, 60))
+        assert await asyncio.gather(*ts) == [S.LLM_SUCCESS] * len(ts)
+        rows = sorted(range(8), key=lambda r: (-plan[r][0], plan[r][1]))
+        assert order == ["urgent", "blocker"] + rows + ["big"], order
+        assert np.array_equal(src.tensors[0], dst.tensors[0])
+        assert np.array_equal(big_src.tensors[0], big_dst.tensors[0])
+        assert np.array_equal(block_src.tensors[0], block_dst.tensors[0])
+    finally:
+        await p.close()
+        await d.close()
+
+
+@pytest.mark.parametrize("window", [64 << 10, 0], ids=["64KiB", "unlimited"])
+async def test_tcp_window_moves_every_byte(window):
+    """The receiver CREDITs each data frame; with a window of 4 frames a push pauses every
+    4 frames until the credits come back. Pushes, a pull and small pushes at once, byte-exact."""
+    p, d = await make_pair("tcp", tcp_window_bytes=window, chunk_bytes=16 << 10)
+    try:
+        await link(p, d)
+        desc = kv.CacheDesc(2, (1, 4 << 20), np.uint8)   # 8 MiB: 512 frames
+        src, dst = await caches(p, d, desc)
+        small_src, small_dst = await caches(p, d, kv.CacheDesc(1, (16, 4096), np.uint8), seed=3)
+        remote = filled(d.allocate_cache(desc), 7)   # pulled while the pushes run
+        await p.wait_remote_cache(2, remote.cache_id)
+        back = p.allocate_cache(desc)
+        ts = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), timeout=30)]
+        ts += [p.submit_push_kv_cache(small_src, kv.CacheIndex(2, small_dst.cache_id, r), r, timeout=30)
+               for r in range(16)]
+        ts.append(p.submit_pull_kv_cache(kv.CacheIndex(2, remote.cache_id, 0), back, timeout=30))
+        assert await asyncio.gather(*ts) == [S.LLM_SUCCESS] * len(ts)
+        assert all(np.array_equal(a, b) for a, b in zip(src.tensors, dst.tensors))
+        assert np.array_equal(small_src.tensors[0], small_dst.tensors[0])
+        assert all(np.array_equal(a, b) for a, b in zip(remote.tensors, back.tensors))
+    finally:
+        await p.close()
+        await d.close()
+
+
 async def test_fifo_scheduling_option(sched_transport):
     p, d = await make_pair(sched_transport, scheduling="fifo", max_inflight_bytes=1 << 20,
                            piece_bytes=1 << 20, inline_threshold=0)

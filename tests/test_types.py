@@ -322,6 +322,8 @@ def test_engine_options_defaults(monkeypatch):
     assert o.movers == 2
     assert o.inline_threshold == 256 * 1024
     assert o.chunk_bytes == 1 << 20
+    assert o.tcp_window_bytes == 4 << 20
+    assert o.max_inflight_bytes is None and o.piece_bytes is None   # per transport (scheduler.py)
 
 
 def test_engine_options_secret_from_env(monkeypatch):
@@ -339,6 +341,7 @@ def test_engine_options_secret_from_env(monkeypatch):
     dict(movers=1), dict(movers=64), dict(movers=np.int32(4)),
     dict(inline_threshold=0), dict(inline_threshold=1 << 30),
     dict(chunk_bytes=4096), dict(chunk_bytes=64 << 20),
+    dict(tcp_window_bytes=0), dict(tcp_window_bytes=64 << 10), dict(tcp_window_bytes=1 << 40),
     dict(secret=b"k"), dict(secret=bytearray(b"k")), dict(secret=None),
 ], ids=repr)
 def test_engine_options_valid(kwargs):
@@ -362,6 +365,8 @@ def test_engine_options_timeouts_invalid(field, bad):
     ("inline_threshold", -1), ("inline_threshold", (1 << 30) + 1), ("inline_threshold", 1.0),
     ("chunk_bytes", 4095), ("chunk_bytes", (64 << 20) + 1), ("chunk_bytes", (1 << 30) + 1), ("chunk_bytes", 0), ("chunk_bytes", None),
     ("secret", "text"), ("secret", 123),
+    ("tcp_window_bytes", (64 << 10) - 1), ("tcp_window_bytes", -1), ("tcp_window_bytes", (1 << 40) + 1),
+    ("tcp_window_bytes", None), ("tcp_window_bytes", False), ("tcp_window_bytes", 1.5),
 ], ids=repr)
 def test_engine_options_invalid(field, bad):
     with pytest.raises(ParamInvalid, match=field):

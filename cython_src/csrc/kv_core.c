@@ -237,6 +237,25 @@ static void queue_remove(kv_core *c, kv_job *j) {
     j->queued = 0;
 }
 
+/* Into the movers' queue by rank, after the jobs of equal rank (FIFO among
+ * them); movers claim chunks of the head job. Usually at the tail. */
+static void queue_insert(kv_core *c, kv_job *j) {
+    kv_job *after = c->qtail;
+    while (after && after->rank > j->rank)
+        after = after->qprev;
+    j->qprev = after;
+    j->qnext = after ? after->qnext : c->qhead;
+    if (j->qnext)
+        j->qnext->qprev = j;
+    else
+        c->qtail = j;
+    if (after)
+        after->qnext = j;
+    else
+        c->qhead = j;
+    j->queued = 1;
+}
+
 static int job_release_refs(kv_core *c, kv_job *j, size_t nrefs) {
     int sig = 0;
     for (size_t i = 0; i < nrefs; i++)
@@ -403,6 +422,11 @@ static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_rseg 
 
 uint32_t kv_core_submit(kv_core *c, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                         uint64_t inline_max, int *done, uint64_t *nbytes) {
+    return kv_core_submit_ranked(c, job_id, segs, nsegs, inline_max, 0, done, nbytes);
+}
+
+uint32_t kv_core_submit_ranked(kv_core *c, uint64_t job_id, const uint64_t *segs, size_t nsegs,
+                               uint64_t inline_max, uint64_t rank, int *done, uint64_t *nbytes) {
     *done = 0;
     *nbytes = 0;
     if (nsegs == 0 || nsegs > SIZE_MAX / (2 * sizeof(uint32_t)) / KV_SEG_WORDS)
@@ -436,6 +460,7 @@ uint32_t kv_core_submit(kv_core *c, uint64_t job_id, const uint64_t *segs, size_
     j->nsegs = nsegs;
     j->regions = refs;
     j->total = total;
+    j->rank = rank;
     if (rs[0].src_kind == KV_REGION_TCP || rs[0].dst_kind == KV_REGION_TCP) {
         j->tcp = 1;
         j->is_pull = rs[0].src_kind == KV_REGION_TCP;
@@ -471,13 +496,7 @@ uint32_t kv_core_submit(kv_core *c, uint64_t job_id, const uint64_t *segs, size_
     unsigned b = bucket(job_id);
     j->hnext = c->hash[b];
     c->hash[b] = j;
-    j->queued = 1;
-    j->qprev = c->qtail;
-    if (c->qtail)
-        c->qtail->qnext = j;
-    else
-        c->qhead = j;
-    c->qtail = j;
+    queue_insert(c, j);
     c->st.jobs_submitted++;
     c->st.jobs_live++;
     pthread_cond_broadcast(&c->cv);
@@ -570,6 +589,8 @@ size_t kv_core_poll(kv_core *c, kv_completion *out, size_t max) {
         out[n].job_id = j->id;
         out[n].status = j->status;
         out[n].nbytes = j->done_bytes;
+        /* nothing of it went out: a TCP job with no frame started, a mover job with no chunk claimed */
+        out[n].flags = (j->tcp ? j->frames == 0 : j->cur_seg == 0 && j->cur_off == 0) ? KV_DONE_UNSTARTED : 0;
         n++;
         free(j);
     }

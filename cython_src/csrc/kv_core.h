@@ -48,10 +48,14 @@
 
 typedef struct kv_core kv_core;
 
+/* kv_completion flags */
+#define KV_DONE_UNSTARTED 1u /* aborted before any of its bytes was copied or sent */
+
 typedef struct {
     uint64_t job_id;
     uint64_t nbytes; /* bytes written into the destination */
     uint32_t status;
+    uint32_t flags;  /* KV_DONE_* */
 } kv_completion;
 
 typedef struct {
@@ -104,6 +108,12 @@ uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr);
  * get memmove semantics per segment). */
 uint32_t kv_core_submit(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                         uint64_t inline_max, int *done, uint64_t *nbytes);
+/* The same, with a rank: movers claim chunks, and a TCP link sends frames, of
+ * the lowest-rank job first (equal ranks in submission order), so an urgent job
+ * overtakes a large one at the next chunk or frame. kv_core_submit is rank 0.
+ * Movers serve every local/process job in one queue; each TCP link has its own. */
+uint32_t kv_core_submit_ranked(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
+                               uint64_t inline_max, uint64_t rank, int *done, uint64_t *nbytes);
 
 /* Abort a queued or running job: its completion carries `status` (unless it
  * already failed) and is posted once no mover writes for it any more.
@@ -118,8 +128,10 @@ uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status);
 /* Listen for data connections on ip:port (port 0 picks one). */
 uint32_t kv_tcp_listen(kv_core *core, const char *ip, uint16_t port, uint16_t *bound_port);
 /* Declare link `link_id`: data connections presenting `token` are bound to it,
- * at most `nstreams` of them. */
-uint32_t kv_tcp_link_add(kv_core *core, uint32_t link_id, const uint8_t *token, int nstreams);
+ * at most `nstreams` of them. Pushes keep at most `window` bytes (0: no limit)
+ * sent but not yet CREDITed by the receiver (one chunk more at most). */
+uint32_t kv_tcp_link_add(kv_core *core, uint32_t link_id, const uint8_t *token, int nstreams,
+                         uint64_t window);
 /* Hand a connected TCP socket to the core as a stream of `link_id` (client
  * side). The core owns `fd` from here on, also on failure. When every stream
  * of the link is acknowledged, KV_EVENT_LINK_READY|link_id is posted. */

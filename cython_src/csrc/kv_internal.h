@@ -41,6 +41,7 @@ struct kv_job {
     uint64_t cur_off;
     uint64_t done_bytes;
     uint64_t total;
+    uint64_t rank;     /* TCP send order: lowest first */
     int active;        /* movers copying a chunk of this job */
     int claimed_all;   /* no more chunks to hand out (done, failed or aborted) */
     int queued;
@@ -50,7 +51,7 @@ struct kv_job {
     int tcp, is_pull;
     int abort_req;     /* set under the lock by kv_core_abort */
     int abort_done;    /* the I/O thread has acted on it */
-    int frames;        /* frames (DATA or READ) started on the wire */
+    uint64_t frames;   /* frames (DATA or READ) started on the wire */
     int acks_left;     /* ABORT_ACKs still awaited */
     int event;         /* an event record, not a job */
     struct kv_job *qnext, *qprev; /* mover queue, or the link's send queue */

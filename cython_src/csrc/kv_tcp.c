@@ -33,7 +33,8 @@
 #endif
 
 #define KV_MAGIC 0x3145564Bu /* "KVE1" */
-enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_RDATA, F_RERR, F_LAST = F_RERR };
+enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_RDATA, F_RERR, F_CREDIT,
+       F_LAST = F_CREDIT };
 #define F_FLAG_PULL 1u
 
 #define KV_MAX_FRAME (64ull << 20)   /* payload bytes of one frame */
@@ -43,7 +44,8 @@ enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_
 #define KV_MAX_CTRL 65536            /* queued control frames per connection */
 #define KV_MAX_SERVE 4096            /* queued READs per connection */
 #define KV_MAX_RX 65536              /* open incoming transfers per link */
-#define KV_RX_BUCKETS 256u
+#define KV_RX_BUCKETS 4096u          /* open incoming transfers per link: hash buckets */
+#define KV_CTRL_BATCH 64             /* control frames written by one sendmsg */
 #define KV_READ_WINDOW 4             /* chunks of READ outstanding per connection */
 #define KV_SCRATCH (1u << 20)
 #define KV_RECV_BUDGET (16u << 20)   /* bytes read from one connection per wake-up */
@@ -59,7 +61,8 @@ typedef struct {
     uint32_t region;  /* DATA/READ: region id on the frame's receiver; RDATA: segment index */
     uint64_t xfer;    /* the initiator's job id */
     uint64_t offset;  /* DATA/READ: offset in that region; RDATA: offset in the segment */
-    uint64_t length;  /* payload bytes (DATA/RDATA/HELLO), bytes asked (READ), bytes dropped (ABORT_ACK) */
+    uint64_t length;  /* payload bytes (DATA/RDATA/HELLO), bytes asked (READ), bytes dropped (ABORT_ACK),
+                         bytes of one DATA frame consumed (CREDIT) */
     uint64_t total;   /* bytes of the whole transfer */
     uint32_t region2; /* READ: the requester's segment index, echoed in RDATA */
     uint32_t pad;
@@ -121,7 +124,10 @@ typedef struct kv_link {
     int nstreams, nup, dead;
     kv_conn *conns[KV_MAX_STREAMS];
     int nconns;
-    kv_job *sq_head, *sq_tail; /* jobs with chunks left to claim */
+    kv_job *sq_head, *sq_tail; /* jobs with chunks left to claim, by rank */
+    size_t sq_pulls;           /* pull jobs among them */
+    uint64_t window;           /* push bytes on the wire (sent, not yet CREDITed) allowed; 0: no limit */
+    uint64_t wire;             /* push bytes on the wire now */
     kv_rx *rx[KV_RX_BUCKETS];
     size_t nrx;
     kv_job *ev_ready, *ev_down;
@@ -132,6 +138,7 @@ enum { CMD_LINK_ADD = 1, CMD_CONN_ADD, CMD_LINK_CLOSE, CMD_LISTEN };
 
 typedef struct kv_cmd {
     int type, fd, nstreams;
+    uint64_t window;
     uint32_t link_id, status;
     uint8_t token[KV_TOKEN_BYTES];
     kv_job *ev_ready, *ev_down;
@@ -218,7 +225,7 @@ static kv_link *link_find(kv_net *n, uint32_t id) {
     return NULL;
 }
 
-static unsigned rx_bucket(uint64_t x) { return (unsigned)((x * 0x9E3779B97F4A7C15ull) >> 56) & (KV_RX_BUCKETS - 1); }
+static unsigned rx_bucket(uint64_t x) { return (unsigned)((x * 0x9E3779B97F4A7C15ull) >> 52) & (KV_RX_BUCKETS - 1); }
 
 static kv_rx *rx_find(kv_link *l, uint64_t xfer, int pull) {
     for (kv_rx *r = l->rx[rx_bucket(xfer)]; r; r = r->next)
@@ -264,6 +271,27 @@ static void sq_remove(kv_link *l, kv_job *j) {
         l->sq_tail = j->qprev;
     j->qnext = j->qprev = NULL;
     j->queued = 0;
+    l->sq_pulls -= j->is_pull;
+}
+
+/* Into the link's send queue by rank, after the jobs of equal rank (FIFO among
+ * them). Usually at the tail: ranks mostly arrive in order. */
+static void sq_insert(kv_link *l, kv_job *j) {
+    kv_job *after = l->sq_tail;
+    while (after && after->rank > j->rank)
+        after = after->qprev;
+    j->qprev = after;
+    j->qnext = after ? after->qnext : l->sq_head;
+    if (j->qnext)
+        j->qnext->qprev = j;
+    else
+        l->sq_tail = j;
+    if (after)
+        after->qnext = j;
+    else
+        l->sq_head = j;
+    j->queued = 1;
+    l->sq_pulls += j->is_pull;
 }
 
 static void abort_unlist(kv_net *n, kv_job *j) {
@@ -439,8 +467,15 @@ static int next_frame(kv_net *n, kv_conn *k) {
     }
     kv_link *l = k->link;
     uint64_t chunk = n->c->chunk;
+    /* pushes wait while the window is full (the receiver has not consumed enough:
+     * its CREDITs reopen it); then only pulls can go, if any are queued */
+    int push_ok = !l->window || l->wire < l->window;
+    if (!push_ok && !l->sq_pulls)
+        return 0;
     for (kv_job *j = l->sq_head; j; j = j->qnext) {
         if (j->is_pull && k->reads_out >= KV_READ_WINDOW * chunk)
+            continue;
+        if (!j->is_pull && !push_ok)
             continue;
         const kv_rseg *s = &j->segs[j->cur_seg];
         uint64_t off = j->cur_off, len = s->len - off;
@@ -468,6 +503,7 @@ static int next_frame(kv_net *n, kv_conn *k) {
             k->cur_len = 0;
             k->reads_out += len;
         } else {
+            l->wire += len;
             k->cur = frame(F_DATA, 0, j->id);
             k->cur.region = s->rrid;
             k->cur.offset = s->dst + off;
@@ -486,9 +522,63 @@ start:
     return 1;
 }
 
+/* Write queued payload-less control frames (CREDIT, ACK, ABORT, ...) in one
+ * sendmsg, when no frame is half-sent on this connection. A frame cut short
+ * becomes the connection's current frame. Returns 1 if the loop must be
+ * signalled; arms EPOLLOUT when the socket is full. */
+static int send_ctrl(kv_net *n, kv_conn *k) {
+    if (k->dead || k->cur_on || k->cn == 0)
+        return 0;
+    struct iovec iov[KV_CTRL_BATCH];
+    int cnt = 0;
+    while (cnt < KV_CTRL_BATCH && (size_t)cnt < k->cn) {
+        kv_frame *f = &k->ctrl[(k->ch + (size_t)cnt) % k->ccap];
+        if (f->type == F_HELLO)
+            break; /* has a payload: conn_send sends it */
+        iov[cnt].iov_base = f;
+        iov[cnt++].iov_len = sizeof *f;
+    }
+    if (cnt == 0)
+        return 0;
+    struct msghdr m;
+    memset(&m, 0, sizeof m);
+    m.msg_iov = iov;
+    m.msg_iovlen = (size_t)cnt;
+    ssize_t r;
+    do
+        r = sendmsg(k->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (r < 0 && errno == EINTR);
+    if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            arm(n, k, 1);
+            return 0;
+        }
+        pthread_mutex_lock(&n->c->mu);
+        int sig = fail_conn(n, k, 0);
+        pthread_mutex_unlock(&n->c->mu);
+        return sig;
+    }
+    size_t whole = (size_t)r / sizeof(kv_frame), part = (size_t)r % sizeof(kv_frame);
+    k->ch = (k->ch + whole) % k->ccap;
+    k->cn -= whole;
+    if (part) { /* the rest of this frame goes out first, through conn_send */
+        k->cur = k->ctrl[k->ch];
+        k->ch = (k->ch + 1) % k->ccap;
+        k->cn--;
+        k->cur_pay = NULL;
+        k->cur_len = 0;
+        k->cur_psent = 0;
+        k->cur_hsent = part;
+        k->cur_on = 1;
+    }
+    if (k->cn || k->cur_on)
+        arm(n, k, 1);
+    return 0;
+}
+
 static int conn_send(kv_net *n, kv_conn *k) {
     kv_core *c = n->c;
-    int sig = 0;
+    int sig = send_ctrl(n, k);
     for (int budget = 0; budget < 256 && !k->dead; budget++) {
         if (!k->cur_on) {
             pthread_mutex_lock(&c->mu);
@@ -792,6 +882,11 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
         k->sn++;
         return 1;
     }
+    case F_CREDIT: /* the receiver consumed one of our DATA frames: the window moves */
+        if (h->length > KV_MAX_FRAME)
+            return *sig |= fail_conn(n, k, 1), 0;
+        l->wire -= h->length < l->wire ? h->length : l->wire;
+        return 1;
     case F_RERR: {
         k->reads_out -= h->length < k->reads_out ? h->length : k->reads_out;
         kv_job *j = kv__job_find(c, h->xfer);
@@ -844,6 +939,13 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
     }
     kv_link *l = k->link;
     if (k->ptype == F_DATA) {
+        /* every DATA frame consumed, written or discarded, is CREDITed on its
+         * stream: the sender keeps at most its window on the wire (small enough
+         * to stay in cache, and no Python round trip needed to pace it) */
+        kv_frame cr = frame(F_CREDIT, 0, k->pxfer);
+        cr.length = k->plen;
+        if (ctrl_push(k, &cr) < 0)
+            return *sig |= fail_conn(n, k, 1), 0;
         kv_rx *x = rx_find(l, k->pxfer, 0);
         if (!k->pdiscard)
             n->received += k->plen;
@@ -922,6 +1024,8 @@ static int conn_recv(kv_net *n, kv_conn *k) {
                 pthread_mutex_unlock(&c->mu);
                 if (!ok)
                     break;
+                if (k->cn) /* CREDIT/ACK: out now, not after the read budget */
+                    sig |= send_ctrl(n, k);
             }
         }
     }
@@ -974,6 +1078,7 @@ static int run_cmd(kv_net *n, kv_cmd *m) {
         l->id = m->link_id;
         memcpy(l->token, m->token, KV_TOKEN_BYTES);
         l->nstreams = m->nstreams;
+        l->window = m->window;
         l->ev_ready = m->ev_ready;
         l->ev_down = m->ev_down;
         l->next = n->links;
@@ -1093,13 +1198,7 @@ static void *io_main(void *arg) {
                 sig |= tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
                 continue;
             }
-            j->queued = 1;
-            j->qprev = l->sq_tail;
-            if (l->sq_tail)
-                l->sq_tail->qnext = j;
-            else
-                l->sq_head = j;
-            l->sq_tail = j;
+            sq_insert(l, j);
         }
         /* aborts requested since the last round; a job still in the inbox waits a round.
          * handle_abort may complete other listed jobs, so restart from the head. */
@@ -1144,6 +1243,10 @@ static void *io_main(void *arg) {
             if (!k->dead && k->state == C_HELLO_WAIT && t - k->born > KV_HELLO_NS)
                 sig |= fail_conn(n, k, 0);
         pthread_mutex_unlock(&c->mu);
+        if (sig) { /* completions first: the loop refills the queue while this thread sends */
+            kv__signal_loop(c);
+            sig = 0;
+        }
         for (kv_conn *k = n->conns; k; k = k->next) /* start whatever became sendable */
             if (!k->dead && !k->out_armed)
                 sig |= conn_send(n, k);
@@ -1225,7 +1328,7 @@ uint32_t kv_tcp_listen(kv_core *c, const char *ip, uint16_t port, uint16_t *boun
     return st;
 }
 
-uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int nstreams) {
+uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int nstreams, uint64_t window) {
     if (link_id == 0 || nstreams < 1 || nstreams > KV_MAX_STREAMS)
         return KV_LLM_PARAM_INVALID;
     kv_cmd *m = calloc(1, sizeof *m);
@@ -1242,6 +1345,7 @@ uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int
     m->type = CMD_LINK_ADD;
     m->link_id = link_id;
     m->nstreams = nstreams;
+    m->window = window;
     memcpy(m->token, token, KV_TOKEN_BYTES);
     m->ev_ready = r;
     m->ev_down = d;

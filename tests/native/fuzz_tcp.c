@@ -9,16 +9,17 @@
  *
  * Sessions, one per iteration, picked at random:
  *   preauth  connections that never authenticate: random bytes, frames before
- *            HELLO, HELLO with a wrong token / wrong length / a dead link's
- *            token, truncated HELLOs, byte-at-a-time sends. Each must end as
- *            exactly one tcp_refused and bind nothing.
+ *            HELLO (CREDIT among them), HELLO with a wrong token / wrong
+ *            length / a dead link's token, truncated HELLOs, byte-at-a-time
+ *            sends. Each must end as exactly one tcp_refused and bind nothing.
  *   server   a correct HELLO, then a sequence of frames built from valid
  *            templates and mutated (fields set to edge values, bit flips,
  *            oversized lengths, UINT64_MAX-ish offsets, region ids that are
  *            unknown, removed, not exported or a peer's, totals that disagree
- *            with the open transfer, ACK/ABORT/ABORT_ACK/READ/RDATA/RERR for
- *            unknown transfers, READs of regions not exported, HELLO again,
- *            raw random headers, headers and payloads in small pieces), then a
+ *            with the open transfer, ACK/ABORT/ABORT_ACK/READ/RDATA/RERR/CREDIT
+ *            for unknown transfers, CREDITs over 64 MiB (a bad frame), READs of
+ *            regions not exported, HELLO again, raw random headers, headers
+ *            and payloads in small pieces), then a
  *            cut mid-header or mid-payload, a half-close, a close or a reset; a
  *            second HELLO for the (full) link is refused meanwhile.
  *   multi    the same on two streams of one link, the test ordering the core's
@@ -35,10 +36,26 @@
  *            ACK / ABORT_ACK / RDATA / RERR, valid and hostile (RDATA outside
  *            the job, answers to nothing, a READ answered twice while another
  *            answer is in flight, an ACK or ABORT_ACK while a DATA frame is
- *            still half-sent); source and destination buffers are freed as soon
- *            as their job completes, so ASan reports any later access. Links
- *            end by a peer's close or by kv_tcp_link_close; dead links get
- *            kv_tcp_conn_add / kv_tcp_link_close once more.
+ *            still half-sent, a CREDIT over 64 MiB); source and destination
+ *            buffers are freed as soon as their job completes, so ASan reports
+ *            any later access. Some push links have a window: the test CREDITs
+ *            the DATA it received (late, in bulk, in parts, naming other
+ *            transfers, in excess when it knows the core's count) and checks
+ *            that no more than the window plus one chunk is ever unCREDITed, or
+ *            withholds its CREDITs until the core stalls and aborts the job
+ *            (fenced all the same); a never-CREDITed window holds no READ back.
+ *            Links end by a peer's close or by kv_tcp_link_close; dead links
+ *            get kv_tcp_conn_add / kv_tcp_link_close once more.
+ *   window   (once a run, and now and then) a push window on one stream, where
+ *            the test's count of unCREDITed bytes is the core's: a push stops
+ *            at exactly the frames the window allows; pushes of lower rank
+ *            submitted then go first once CREDITed (equal ranks in submission
+ *            order) and complete before it; a push that cannot start (window
+ *            full) completes at once on abort with KV_DONE_UNSTARTED while a
+ *            pull behind it goes through; the window reopens.
+ *   rank     (once a run, and now and then) rank order with no window: a core
+ *            with a small send buffer, a big push of rank 100 under way, small
+ *            ones of rank 1 overtake it at its next frame.
  *   client   streams handed to the core whose peer answers HELLO wrongly.
  * Once per run: a flood of unauthenticated connections (the 256 pending
  * limit), and the per-link limits (65536 open transfers, 4096 unread READs,
@@ -55,15 +72,17 @@
  *     (where the core may stop anywhere) it equals the model after some prefix
  *     of the stream;
  *   - every control frame and READ answer the core sends is the one the model
- *     expects, in order, with the exported bytes as payload;
+ *     expects, in order, with the exported bytes as payload (a CREDIT for
+ *     every DATA payload consumed, written or discarded, before the ACK it may
+ *     complete);
  *   - tcp_refused, tcp_bad_frames, tcp_links_failed move exactly as the model
  *     says, tcp_bytes_received within its bounds, tcp_conns returns to 0;
  *   - every link with a stream gets exactly one KV_EVENT_LINK_DOWN (none after
  *     kv_tcp_link_close), client links one KV_EVENT_LINK_READY;
- *   - every job completes exactly once, with the status and byte count its
- *     answers call for; an aborted push only after its last ABORT_ACK; no
- *     frame of a job follows its completion; a job's destination does not
- *     change after its completion.
+ *   - every job completes exactly once, with the status, byte count and flags
+ *     (KV_DONE_UNSTARTED) its answers call for; an aborted push only after its
+ *     last ABORT_ACK; no frame of a job follows its completion; a job's
+ *     destination does not change after its completion.
  * At the end a fresh link and the decoy link (declared first, offered only bad
  * HELLOs) each take a valid DATA push that is ACKed and lands exactly; then
  * kv_core_close + kv_core_free (LeakSanitizer checks the rest at exit).
@@ -77,6 +96,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -94,7 +114,8 @@
 /* ------------------------------------------------- the wire format (kv_tcp.c) */
 
 #define MAGIC 0x3145564Bu
-enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_RDATA, F_RERR, F_LAST = F_RERR };
+enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_RDATA, F_RERR, F_CREDIT,
+       F_LAST = F_CREDIT };
 #define F_PULL 1u
 #define MAX_FRAME (64ull << 20) /* payload bytes of one frame */
 #define MAX_TOTAL (1ull << 48)  /* bytes of one transfer */
@@ -269,6 +290,7 @@ typedef struct {
     int done;
     uint32_t status;
     uint64_t nbytes;
+    uint32_t flags; /* KV_DONE_* */
 } jobrec;
 
 #define MAX_JOBS 64
@@ -312,6 +334,8 @@ static void on_completion(const kv_completion *cp) {
             g_jobs[i].done = 1;
             g_jobs[i].status = cp->status;
             g_jobs[i].nbytes = cp->nbytes;
+            g_jobs[i].flags = cp->flags;
+            CHECK((cp->flags & ~KV_DONE_UNSTARTED) == 0);
             return;
         }
     }
@@ -334,15 +358,23 @@ static void pump_events(int timeout_ms) {
             on_completion(&cp[i]);
 }
 
-static linkrec *link_new(int nstreams) {
+/* A link with a push window of `window` bytes (0: none). */
+static linkrec *link_new_w(int nstreams, uint64_t window) {
     CHECK(g_nlinks < g_links_cap);
     linkrec *l = &g_links[g_nlinks];
     memset(l, 0, sizeof *l);
     l->id = LINK_BASE + (uint32_t)g_nlinks++;
     l->nstreams = nstreams;
     rnd_bytes(l->tok, sizeof l->tok);
-    CHECK_EQ(kv_tcp_link_add(g_core, l->id, l->tok, nstreams), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_tcp_link_add(g_core, l->id, l->tok, nstreams, window), KV_LLM_SUCCESS);
     return l;
+}
+
+/* Mostly no window; sometimes one (it only paces the core's pushes: as a
+ * receiver the core's behaviour must not change). */
+static linkrec *link_new(int nstreams) {
+    static const uint64_t w[] = {1, 4096, 16384, 1ull << 20, UINT64_MAX};
+    return link_new_w(nstreams, chance(90) ? 0 : w[below(sizeof w / sizeof w[0])]);
 }
 
 static void wait_link_down(linkrec *l) {
@@ -923,6 +955,10 @@ static uint64_t m_header(msess *s, mconn *k, const fr *h) {
     case F_ABORT_ACK:
     case F_RERR:
         return 0; /* about no job of this core: ignored */
+    case F_CREDIT: /* moves the link's push window (nothing pushed here: clamped at 0), any xfer */
+        if (h->length > MAX_FRAME)
+            return m_bad(s), 0;
+        return 0;
     case F_ABORT: {
         fr ack = mkf(F_ABORT_ACK, h->flags & F_PULL, h->xfer);
         if (!(h->flags & F_PULL)) {
@@ -1000,6 +1036,11 @@ static void m_payload(msess *s, mconn *k, const uint8_t *p, uint64_t n) {
     k->in_pay = 0;
     if (!k->pay_discard)
         s->rx_all += k->pay_len;
+    /* every DATA payload consumed, written or discarded, is CREDITed on its
+     * stream (before the transfer's ACK, if it completes it) */
+    fr cr = mkf(F_CREDIT, 0, k->pay_xfer);
+    cr.length = k->pay_len;
+    m_expect(k, cr);
     /* As kv_tcp.c does: the transfer is looked up again when the payload ends
      * and the payload counts towards it even if it was discarded. (So if the
      * transfer was aborted on every stream and a new one with the same id was
@@ -1298,7 +1339,8 @@ static uint64_t pick_xfer(msess *s, mconn *k) {
 }
 
 static fr gen_misc(msess *s, mconn *k) {
-    static const uint16_t types[] = {F_ACK, F_ABORT_ACK, F_RERR, F_RDATA, F_HELLO, F_HELLO_ACK, F_ABORT, F_READ};
+    static const uint16_t types[] = {F_ACK,       F_ABORT_ACK, F_RERR, F_RDATA, F_HELLO,
+                                     F_HELLO_ACK, F_ABORT,     F_READ, F_CREDIT};
     fr f = mkf(types[below(sizeof types / sizeof types[0])], (uint16_t)below(4), pick_xfer(s, k));
     f.status = chance(50) ? 0 : (uint32_t)rnd();
     f.length = chance(50) ? below(64) : special64();
@@ -1382,9 +1424,10 @@ static void wait_landed(const volatile uint8_t *at, uint8_t v) {
 /* ------------------------------------------------------------ sessions */
 
 static long g_stuck, g_stuck_refused, g_tolerant, g_bad_sessions, g_dup_rdata;
-enum { K_PREAUTH, K_SERVER, K_MULTI, K_NOTIFY, K_PEER, K_CLIENT, K_FLOOD, K_LIMITS, K_FINAL };
-static const char *const g_kind_names[] = {"preauth", "server", "multi",  "notify", "peer",
-                                           "client",  "flood",  "limits", "final"};
+static uint64_t g_rank_ahead; /* peer-rank: most frames of the big push before the small ones */
+enum { K_PREAUTH, K_SERVER, K_MULTI, K_NOTIFY, K_PEER, K_CLIENT, K_WINDOW, K_RANK, K_FLOOD, K_LIMITS, K_FINAL };
+static const char *const g_kind_names[] = {"preauth", "server", "multi", "notify", "peer",  "client",
+                                           "window",  "rank",   "flood", "limits", "final"};
 static long g_counts[K_FINAL + 1];
 
 /* Connections that never authenticate: each ends as exactly one refusal. */
@@ -1418,8 +1461,10 @@ static void sess_preauth(void) {
                 complete_bad = n >= 96;
         }
         break;
-    case 2: /* a frame other than HELLO */
+    case 2: /* a frame other than HELLO (a CREDIT often: it has no payload, any length) */
         h.type = (uint16_t)(chance(80) ? 2 + below(F_LAST - 1) : (chance(50) ? 0 : F_LAST + 1 + below(60000)));
+        if (chance(20))
+            h.type = F_CREDIT;
         h.length = chance(50) ? 32 : special64();
         h.xfer = rnd();
         h.region = special_rid();
@@ -1833,11 +1878,13 @@ typedef struct {
     int seg;
     uint64_t off, len;
     int seen, conn, answered;
+    uint64_t seq; /* push: its place among the link's DATA frames, in arrival order */
 } pchunk;
 
 #define MAX_CHUNKS 1024
+#define MAX_VIEWS 2
 
-typedef struct {
+typedef struct peer {
     linkrec *l;
     pconn c[MAXC];
     int nc;
@@ -1860,6 +1907,17 @@ typedef struct {
     int want_seen;
     int link_failed; /* frames sent before the failure may still be read after the completion */
     int late_ok;     /* DATA the core handed to the kernel before the completion may be read after it */
+    /* the link's push window, and our CREDITs (in the peer holding the streams) */
+    uint64_t win;    /* kv_tcp_link_add's window (0: none) */
+    uint64_t rcvd;   /* payload bytes of the core's DATA frames received on the link, every job */
+    uint64_t cred;   /* of them, CREDITed as far as the core can tell (see peer_credit) */
+    uint64_t last_len, last_xfer; /* the last DATA frame received */
+    uint64_t nframes; /* DATA frames received */
+    int credit;      /* 0: no CREDITs; 1: CREDITs as a receiver sends them (peer_credit); 2: withheld */
+    /* more jobs at once on the link: views sharing its streams (only j, sg, ch, src are theirs) */
+    struct peer *owner;             /* a view's: the peer holding the streams */
+    struct peer *views[MAX_VIEWS];  /* the owner's */
+    int cdup[MAXC]; /* our dup of the core's end of a stream with a small send buffer (0: none) */
 } peer;
 
 static void peer_chunks(peer *p) {
@@ -1893,11 +1951,18 @@ static fr chunk_frame(const peer *p, const pchunk *c) {
 }
 
 static void peer_on_frame(peer *p, int i, const fr *h) {
-    pconn *c = &p->c[i];
-    if (h->type == F_ABORT_ACK && p->ping[i] && h->xfer == p->ping[i]) {
-        fr want = mkf(F_ABORT_ACK, F_PULL, p->ping[i]);
+    for (int v = 0; v < MAX_VIEWS && !p->owner; v++) /* a frame of another job on the link */
+        if (p->views[v] && p->views[v]->j && h->xfer == p->views[v]->j->id &&
+            (h->type == F_DATA || h->type == F_READ || h->type == F_ABORT)) {
+            peer_on_frame(p->views[v], i, h);
+            return;
+        }
+    peer *o = p->owner ? p->owner : p; /* its streams and the link's window */
+    pconn *c = &o->c[i];
+    if (h->type == F_ABORT_ACK && o->ping[i] && h->xfer == o->ping[i]) {
+        fr want = mkf(F_ABORT_ACK, F_PULL, o->ping[i]);
         CHECK(fr_eq(h, &want));
-        p->ping[i] = 0;
+        o->ping[i] = 0;
         return;
     }
     if (p->j && (h->type == F_DATA || h->type == F_READ) && h->xfer == p->j->id) {
@@ -1915,6 +1980,26 @@ static void peer_on_frame(peer *p, int i, const fr *h) {
                 p->ch[k].conn = i;
                 p->nseen++;
                 g_checks++;
+                if (!p->pull) {
+                    p->ch[k].seq = o->nframes++;
+                    o->last_len = h->length;
+                    o->last_xfer = h->xfer;
+                    uint64_t before = o->rcvd - o->cred; /* unCREDITed before this frame */
+                    o->rcvd += h->length;
+                    /* The core starts a push frame only while less than its window
+                     * is unCREDITed. One stream: frames arrive in the order claimed,
+                     * so before this one less than the window was unCREDITed (our
+                     * CREDITs are at least what the core had applied). Two: the
+                     * last-claimed frame received may be another one, so this bound
+                     * holds with one chunk more. */
+                    if (o->win && (o->nc == 1 ? before >= o->win : o->rcvd - o->cred >= o->win + CHUNK)) {
+                        fr_print("got", h);
+                        FAILED_AT("push window exceeded: %" PRIu64 " bytes unCREDITed before this frame, "
+                                  "window %" PRIu64 ", %d stream(s)",
+                                  before, o->win, o->nc);
+                        die();
+                    }
+                }
                 return;
             }
         }
@@ -1937,6 +2022,58 @@ static void peer_on_frame(peer *p, int i, const fr *h) {
     die();
 }
 
+/* A CREDIT of n bytes on stream i (any stream: the window is the link's). */
+static void credit_send(peer *p, int i, uint64_t n) {
+    fr f = mkf(F_CREDIT, 0, p->last_xfer);
+    if (chance(15)) /* naming another transfer, or none: counted all the same */
+        f.xfer = chance(50) ? rnd() : 0;
+    f.length = n;
+    if (chance(10)) { /* only the type and the length matter */
+        f.flags = (uint16_t)rnd();
+        f.status = (uint32_t)rnd();
+        f.region = (uint32_t)rnd();
+        f.offset = rnd();
+        f.total = rnd();
+        f.offset2 = rnd();
+    }
+    if (p->c[i].fd < 0 || !pc_send(&p->c[i], &f, sizeof f))
+        CHECK(p->link_failed);
+}
+
+/* Our CREDITs when p->credit == 1, as a receiver may send them: now or later
+ * (then several frames in one), one frame's worth or any part of what is
+ * unCREDITed, on any stream. With the window unCREDITed the core must be
+ * stalled: something is always CREDITed then. On one stream the core then has
+ * nothing under way (any frame it started would have come first), so our count
+ * is exactly its own: an excess CREDIT (up to 64 MiB, clamped by the core to
+ * what is on the wire) sets both to zero. */
+static void peer_credit(peer *p) {
+    if (p->credit != 1 || p->rcvd == p->cred)
+        return;
+    uint64_t un = p->rcvd - p->cred, n;
+    int stalled = p->win && un >= p->win;
+    if (!stalled && !chance(30))
+        return; /* later */
+    switch (below(3)) {
+    case 0:
+        n = un;
+        break;
+    case 1:
+        n = p->last_len < un ? p->last_len : un;
+        break;
+    default:
+        n = 1 + below(un);
+        break;
+    }
+    if (stalled && p->nc == 1 && chance(25)) {
+        n = chance(50) ? un + 1 + below(4 * CHUNK) : MAX_FRAME;
+        p->cred = p->rcvd;
+    } else {
+        p->cred += n;
+    }
+    credit_send(p, (int)below((uint64_t)p->nc), n);
+}
+
 /* Handle frames from the core until done(p) or the timeout. skip: a stream not to read. */
 static int peer_wait(peer *p, int (*done)(peer *), int skip, int timeout_ms) {
     double end = now_ms() + timeout_ms;
@@ -1945,7 +2082,7 @@ static int peer_wait(peer *p, int (*done)(peer *), int skip, int timeout_ms) {
         if (done(p))
             return 1;
         int got = 0;
-        struct pollfd pf[MAXC];
+        struct pollfd pf[MAXC + 1]; /* and the core's eventfd: a completion ends the wait at once */
         for (int i = 0; i < p->nc; i++) {
             pf[i].fd = i == skip ? -1 : p->c[i].fd;
             pf[i].events = POLLIN;
@@ -1960,12 +2097,16 @@ static int peer_wait(peer *p, int (*done)(peer *), int skip, int timeout_ms) {
             if (p->c[i].eof)
                 pf[i].fd = -1;
         }
+        peer_credit(p);
         if (got)
             continue;
         double left = end - now_ms();
         if (left <= 0)
             return 0;
-        poll(pf, (nfds_t)p->nc, left < 10 ? (int)left + 1 : 10);
+        pf[p->nc].fd = kv_core_fileno(g_core);
+        pf[p->nc].events = POLLIN;
+        pf[p->nc].revents = 0;
+        poll(pf, (nfds_t)p->nc + 1, left < 10 ? (int)left + 1 : 10);
         for (int i = 0; i < p->nc; i++)
             if (pf[i].fd >= 0 && pf[i].revents)
                 pc_fill(&p->c[i], 0);
@@ -2003,10 +2144,11 @@ static void peer_ping(peer *p, int i) {
 /* A link whose nc streams are ours. client: the core is the client (streams
  * handed over with kv_tcp_conn_add; it sends HELLO, the test answers HELLO_ACK,
  * LINK_READY follows); else it accepted them. */
-static peer *peer_open(int nc, int small_rcvbuf, int client) {
+static peer *peer_open2(int nc, int small_rcvbuf, int client, uint64_t win, int small_sndbuf) {
     peer *p = calloc(1, sizeof *p);
     CHECK(p != NULL);
-    p->l = link_new(nc);
+    p->l = link_new_w(nc, win);
+    p->win = win;
     p->nc = nc;
     if (!client) {
         for (int i = 0; i < nc; i++) {
@@ -2021,6 +2163,12 @@ static peer *peer_open(int nc, int small_rcvbuf, int client) {
         for (int i = 0; i < nc; i++) {
             int cfd = -1;
             pc_pair(&p->c[i], &cfd);
+            if (small_sndbuf) { /* the core's end sends into a small buffer (until sndbuf_restore) */
+                int b = 4096;
+                CHECK(setsockopt(cfd, SOL_SOCKET, SO_SNDBUF, &b, sizeof b) == 0);
+                p->cdup[i] = fcntl(cfd, F_DUPFD_CLOEXEC, 3);
+                CHECK(p->cdup[i] >= 3);
+            }
             CHECK_EQ(kv_tcp_conn_add(g_core, cfd, p->l->id), KV_LLM_SUCCESS);
         }
         for (int i = 0; i < nc; i++) {
@@ -2050,6 +2198,32 @@ static peer *peer_open(int nc, int small_rcvbuf, int client) {
     return p;
 }
 
+static peer *peer_open(int nc, int small_rcvbuf, int client) { return peer_open2(nc, small_rcvbuf, client, 0, 0); }
+
+/* The core's end of stream i gets a large send buffer again (slow transfers
+ * otherwise); our dup of its socket goes. */
+static void sndbuf_restore(peer *p, int i) {
+    int b = 1 << 20;
+    CHECK(p->cdup[i] > 0);
+    CHECK(setsockopt(p->cdup[i], SOL_SOCKET, SO_SNDBUF, &b, sizeof b) == 0);
+    close(p->cdup[i]);
+    p->cdup[i] = 0;
+}
+
+/* A second job on p's link: a view sharing its streams and remote region. */
+static peer *peer_view(peer *p, int v) {
+    CHECK(v < MAX_VIEWS && !p->views[v]);
+    peer *q = calloc(1, sizeof *q);
+    CHECK(q != NULL);
+    q->owner = p;
+    q->l = p->l;
+    q->nc = p->nc;
+    q->prid = p->prid;
+    q->tid = p->tid;
+    p->views[v] = q;
+    return q;
+}
+
 /* After a link failed: a new stream for it is refused (the core closes it), and
  * closing it is harmless. Both touch the dead link's state in the core. */
 static void poke_dead_link(linkrec *l) {
@@ -2068,7 +2242,7 @@ static void poke_dead_link(linkrec *l) {
     }
 }
 
-static void submit_job(peer *p, uint32_t local_rid) {
+static void submit_job_ranked(peer *p, uint32_t local_rid, uint64_t rank) {
     p->j = job_new();
     uint64_t w[4 * KV_SEG_WORDS];
     for (int i = 0; i < p->nsegs; i++) {
@@ -2081,13 +2255,22 @@ static void submit_job(peer *p, uint32_t local_rid) {
     }
     int done = -1;
     uint64_t nb = 99;
-    CHECK_EQ(kv_core_submit(g_core, p->j->id, w, (size_t)p->nsegs, 1ull << 40, &done, &nb), KV_LLM_SUCCESS);
+    if (rank || chance(20))
+        CHECK_EQ(kv_core_submit_ranked(g_core, p->j->id, w, (size_t)p->nsegs, 1ull << 40, rank, &done, &nb),
+                 KV_LLM_SUCCESS);
+    else
+        CHECK_EQ(kv_core_submit(g_core, p->j->id, w, (size_t)p->nsegs, 1ull << 40, &done, &nb), KV_LLM_SUCCESS);
     CHECK_EQ(done, 0); /* a TCP job is never inline */
 }
+
+static void submit_job(peer *p, uint32_t local_rid) { submit_job_ranked(p, local_rid, 0); }
 
 /* The end of a peer session: the link goes down (if it is not already), or is
  * closed with kv_tcp_link_close (no LINK_DOWN, not counted as failed). */
 static void peer_close(peer *p) {
+    for (int i = 0; i < p->nc; i++)
+        if (p->cdup[i] > 0)
+            close(p->cdup[i]);
     int via_close = !p->l->down && chance(25);
     if (via_close) {
         CHECK_EQ(kv_tcp_link_close(g_core, p->l->id, chance(50) ? 0 : KV_LLM_CANCELLED), KV_LLM_SUCCESS);
@@ -2177,7 +2360,12 @@ static void sess_client_bad(void) {
 /* A frame the core must reject as malformed, whatever state the link is in. */
 static fr bad_frame(void) {
     fr f = mkf(F_HELLO, 0, 0);
-    switch (below(4)) {
+    switch (below(5)) {
+    case 4: /* a CREDIT for more than a frame can carry */
+        f.type = F_CREDIT;
+        f.xfer = rnd();
+        f.length = chance(50) ? MAX_FRAME + 1 + below(1000) : UINT64_MAX - below(1000);
+        break;
     case 0:
         f.length = 32;
         break;
@@ -2237,10 +2425,30 @@ static void peer_drain_eof(peer *p) {
     }
 }
 
-/* The core pushes; the test receives and answers. */
+/* A push window: tiny, about one chunk, a few chunks (not always a multiple). */
+static uint64_t pick_window(void) {
+    switch (below(4)) {
+    case 0:
+        return 1 + below(64);
+    case 1:
+        return CHUNK - 1 + below(3);
+    case 2:
+        return (2 + below(2)) * CHUNK;
+    default:
+        return 1 + below(3 * CHUNK);
+    }
+}
+
+static int win_stalled(peer *p) { return p->rcvd - p->cred >= p->win || all_seen(p); }
+
+/* The core pushes; the test receives and answers. Some links have a push
+ * window: the test CREDITs what it received (see peer_credit), or withholds
+ * its CREDITs until the core stalls, then aborts the job. */
 static void sess_push(void) {
     g_what = "peer-push";
-    peer *p = peer_open(1 + (int)below(2), 0, chance(30));
+    uint64_t win = chance(30) ? pick_window() : 0;
+    peer *p = peer_open2(1 + (int)below(2), 0, chance(30), win, 0);
+    p->credit = win || chance(50); /* with no window CREDITs change nothing */
     uint64_t slen = 4 * KiB + below(60 * KiB);
     uint8_t *sb = xmalloc((size_t)slen);
     rnd_bytes(sb, (size_t)slen);
@@ -2278,14 +2486,26 @@ static void sess_push(void) {
         want_status = ack.status;
         want_bytes = ack.status ? 0 : p->total;
         CHECK(peer_wait(p, job_done, -1, WAIT_MS));
+        CHECK_EQ(p->j->flags, 0);
     } else {
         p->want_seen = (int)below((uint64_t)p->nch + 1);
-        CHECK(peer_wait(p, seen_enough, -1, WAIT_MS));
+        if (v == 3 && win && chance(50)) { /* the window fills up and stays full: the core stalls */
+            p->credit = 2;
+            CHECK(peer_wait(p, win_stalled, -1, WAIT_MS));
+        } else {
+            CHECK(peer_wait(p, seen_enough, -1, WAIT_MS));
+        }
         if (v == 3) { /* abort: ABORT on every stream that carried anything, then the fence */
             CHECK_EQ(kv_core_abort(g_core, p->j->id, KV_LLM_CANCELLED), KV_LLM_SUCCESS);
             p->aborted = 1;
             CHECK(peer_wait(p, push_abort_progress, -1, WAIT_MS));
             want_status = KV_LLM_CANCELLED;
+            /* nothing started: no ABORT, completed at once, flagged; else flags 0 */
+            int any = 0;
+            for (int k = 0; k < p->nc; k++)
+                any |= p->aborts[k];
+            CHECK_EQ(p->j->flags, p->nseen ? 0 : KV_DONE_UNSTARTED);
+            CHECK_EQ(any, p->nseen != 0);
         } else { /* the stream breaks, or carries a bad frame: the link fails */
             p->link_failed = 1;
             if (v == 4) {
@@ -2415,7 +2635,8 @@ static int send_rdata(peer *p, int i, int seg, uint64_t off, uint64_t len, uint8
 static void sess_pull(void) {
     g_what = "peer-pull";
     int nc = 1 + (int)below(2);
-    peer *p = peer_open(nc, 0, chance(30));
+    /* a push window, never CREDITed, must not hold READs back */
+    peer *p = peer_open2(nc, 0, chance(30), chance(20) ? pick_window() : 0, 0);
     p->pull = 1;
     int v = (int)below(nc == 2 ? 5 : 4);
     uint64_t seg_max = v == 0 ? 96 * KiB : 20 * KiB; /* v 0: past the READ window, answered as READs come */
@@ -2665,6 +2886,7 @@ static void sess_pull_unasked(void) {
     CHECK(peer_wait(p, job_done, -1, WAIT_MS));
     CHECK_EQ(j2->status, KV_LLM_CANCELLED);
     CHECK_EQ(j2->nbytes, 0);
+    CHECK_EQ(j2->flags, KV_DONE_UNSTARTED); /* no READ of it ever went out */
     CHECK(memcmp(dst, dsh, (size_t)dlen) == 0);
     CHECK(pc_send(&p->c[0], pay + part, (size_t)(l2 - part)));
     free(pay);
@@ -2690,6 +2912,7 @@ static void sess_pull_unasked(void) {
     CHECK(peer_wait(p, job_done, -1, WAIT_MS));
     CHECK_EQ(j1->status, KV_LLM_SUCCESS);
     CHECK_EQ(j1->nbytes, l1);
+    CHECK_EQ(j1->flags, 0);
     p->rx_sure += l1;
     CHECK(memcmp(dst, dsh, (size_t)dlen) == 0);
     for (uint64_t q = 0; q < margin; q++)
@@ -2702,6 +2925,322 @@ static void sess_pull_unasked(void) {
     peer_close(p);
 }
 
+/* ------------------------------------- push window and rank order, exactly */
+
+static int views_seen(peer *p) {
+    for (int v = 0; v < MAX_VIEWS; v++)
+        if (p->views[v] && !all_seen(p->views[v]))
+            return 0;
+    return 1;
+}
+
+static int views_done(peer *p) {
+    for (int v = 0; v < MAX_VIEWS; v++)
+        if (p->views[v] && !p->views[v]->j->done)
+            return 0;
+    return 1;
+}
+
+/* Segments of a push of `len` bytes (1..3 of them; full: every chunk CHUNK bytes)
+ * from a source of slen bytes. */
+static void push_segs(peer *p, const uint8_t *sb, uint64_t slen, uint64_t len, int full) {
+    p->src = sb;
+    p->nsegs = 0;
+    while (len) {
+        uint64_t l = p->nsegs == 2 || chance(50) ? len : 1 + below(len);
+        if (full)
+            l = l < CHUNK ? CHUNK : l / CHUNK * CHUNK;
+        if (l > len)
+            l = len;
+        pseg *g = &p->sg[p->nsegs++];
+        g->len = l;
+        g->src = below(slen - l + 1);
+        g->dst = below(PEER_LEN - l + 1);
+        len -= l;
+    }
+    peer_chunks(p);
+}
+
+static void push_ack(peer *p) {
+    fr ack = mkf(F_ACK, 0, p->j->id);
+    peer *o = p->owner ? p->owner : p;
+    CHECK(pc_send(&o->c[0], &ack, sizeof ack));
+}
+
+/* A job done with every byte ACKed, and something of it started. */
+static void check_pushed(peer *p) {
+    CHECK_EQ(p->j->status, KV_LLM_SUCCESS);
+    CHECK_EQ(p->j->nbytes, p->total);
+    CHECK_EQ(p->j->flags, 0);
+}
+
+/* The jobs of views 0 and 1 (ranks 1, then 1 or 50: after it either way) of the
+ * owner's job (rank 100) on a link of one stream: view 0's frames are the next
+ * ones from `base` on, all together, then view 1's, all together (strict: right
+ * after view 0's; else some of the owner's may come between if view 1 joined
+ * the queue once view 0's were all under way). Returns the place of the last. */
+static uint64_t check_overtook(peer *p, uint64_t base, int strict) {
+    peer *a = p->views[0], *b = p->views[1];
+    for (int k = 0; k < a->nch; k++)
+        CHECK_EQ(a->ch[k].seq, base + (uint64_t)k);
+    uint64_t last = base + (uint64_t)a->nch - 1;
+    if (b) {
+        uint64_t b0 = b->ch[0].seq;
+        CHECK(b0 > last);
+        if (strict)
+            CHECK_EQ(b0, last + 1);
+        for (int k = 0; k < b->nch; k++)
+            CHECK_EQ(b->ch[k].seq, b0 + (uint64_t)k);
+        last = b0 + (uint64_t)b->nch - 1;
+    }
+    if (strict) /* none of the owner's among them */
+        for (int k = 0; k < p->nch; k++)
+            CHECK(!p->ch[k].seen || p->ch[k].seq < base || p->ch[k].seq > last);
+    return last;
+}
+
+/* Views 0 and 1 of p: small pushes of ranks 1, and 1 or 50. */
+static void submit_small_views(peer *p, const uint8_t *sb, uint64_t slen, uint32_t sid) {
+    peer *a = peer_view(p, 0);
+    push_segs(a, sb, slen, 1 + below(2 * CHUNK), 0);
+    submit_job_ranked(a, sid, 1);
+    if (chance(60)) {
+        peer *b = peer_view(p, 1);
+        push_segs(b, sb, slen, 1 + below(CHUNK), 0);
+        submit_job_ranked(b, sid, chance(50) ? 1 : 50);
+    }
+}
+
+/* ACK the views' jobs: they complete while the owner's job (never ACKed yet) goes on. */
+static void finish_views(peer *p) {
+    for (int v = 0; v < MAX_VIEWS; v++)
+        if (p->views[v])
+            push_ack(p->views[v]);
+    CHECK(peer_wait(p, views_done, -1, WAIT_MS));
+    CHECK(!p->j->done);
+    for (int v = 0; v < MAX_VIEWS; v++) {
+        peer *q = p->views[v];
+        if (!q)
+            continue;
+        check_pushed(q);
+        job_forget(q->j);
+        p->views[v] = NULL;
+        free(q);
+    }
+}
+
+/* A pull (rank 200) on p's link, answered: its READs go out even behind a push
+ * held back by a full window. */
+static void pull_through(peer *p) {
+    uint64_t len = 1 + below(3 * CHUNK); /* within one READ window */
+    uint8_t *d = xmalloc((size_t)len);
+    memset(d, 0, (size_t)len);
+    uint32_t did = 0;
+    CHECK_EQ(kv_region_add(g_core, KV_REGION_LOCAL, 0, A(d), len, 0, &did), KV_LLM_SUCCESS);
+    peer *q = peer_view(p, 0);
+    q->pull = 1;
+    q->nsegs = 1;
+    q->sg[0].src = below(PEER_LEN - len + 1);
+    q->sg[0].dst = 0;
+    q->sg[0].len = len;
+    peer_chunks(q);
+    submit_job_ranked(q, did, 200);
+    CHECK(peer_wait(p, views_seen, -1, WAIT_MS));
+    for (int k = 0; k < q->nch; k++) {
+        pchunk *t = &q->ch[k];
+        fr f = mkf(F_RDATA, 0, q->j->id);
+        f.offset = t->off;
+        f.length = t->len;
+        f.total = q->total;
+        uint8_t *b = xmalloc((size_t)(sizeof f + t->len));
+        memcpy(b, &f, sizeof f);
+        for (uint64_t i = 0; i < t->len; i++)
+            b[sizeof f + i] = content(q->j->id, 0, t->off + i);
+        CHECK(pc_send(&p->c[0], b, (size_t)(sizeof f + t->len)));
+        free(b);
+    }
+    CHECK(peer_wait(p, views_done, -1, WAIT_MS));
+    CHECK_EQ(q->j->status, KV_LLM_SUCCESS);
+    CHECK_EQ(q->j->nbytes, len);
+    CHECK_EQ(q->j->flags, 0);
+    for (uint64_t i = 0; i < len; i++)
+        CHECK(d[i] == content(q->j->id, 0, i));
+    p->rx_sure += len;
+    job_forget(q->j);
+    p->views[0] = NULL;
+    free(q);
+    CHECK_EQ(kv_region_remove(g_core, did), KV_LLM_SUCCESS);
+    free(d);
+}
+
+static void peer_next_job(peer *p) {
+    job_forget(p->j);
+    p->j = NULL;
+    p->aborted = 0;
+    memset(p->aborts, 0, sizeof p->aborts);
+    memset(p->acked, 0, sizeof p->acked);
+}
+
+/* The push window on one stream, where the core's frames arrive in the order it
+ * claims them, so that our count of unCREDITed bytes is exactly the core's:
+ *  1. a big push (rank 100) runs into the window: exactly the frames started
+ *     while less than the window was unCREDITed come, then nothing (a ping);
+ *  2. one or two small pushes (rank 1, then 1 or 50) join the send queue; once
+ *     CREDITed (honestly or in excess), their frames go out first, all of them
+ *     before the big push's next; ACKed, they complete while it goes on;
+ *  3. the big push is either CREDITed to the end and ACKed, or stalled again
+ *     and aborted: ABORT, ABORT_ACK, CANCELLED (the fence needs no CREDIT);
+ *  4. if the window is full, a push can start nothing, while a pull queued
+ *     behind it goes through; aborted, the push completes at once with
+ *     KV_DONE_UNSTARTED, no ABORT on the wire;
+ *  5. everything CREDITed (perhaps in excess: clamped at zero), a last push
+ *     goes through. */
+static void sess_window(void) {
+    g_what = "peer-window";
+    uint64_t win = (2 + below(2)) * CHUNK - (chance(50) ? below(CHUNK) : 0);
+    peer *p = peer_open2(1, 0, chance(30), win, 0);
+    uint64_t slen = 32 * CHUNK;
+    uint8_t *sb = xmalloc((size_t)slen);
+    rnd_bytes(sb, (size_t)slen);
+    uint32_t sid = 0;
+    CHECK_EQ(kv_region_add(g_core, KV_REGION_LOCAL, 0, A(sb), slen, 0, &sid), KV_LLM_SUCCESS);
+
+    /* 1 */
+    push_segs(p, sb, slen, (8 + below(17)) * CHUNK, 1);
+    p->credit = 2;
+    submit_job_ranked(p, sid, 100);
+    CHECK(peer_wait(p, win_stalled, -1, WAIT_MS));
+    int at_stall = p->nseen;
+    CHECK_EQ(at_stall, (win + CHUNK - 1) / CHUNK);
+    CHECK(!all_seen(p));
+    peer_ping(p, 0);
+    CHECK_EQ(p->nseen, at_stall);
+
+    /* 2 */
+    submit_small_views(p, sb, slen, sid);
+    peer_ping(p, 0); /* they are in the send queue (taken before the ping is read) */
+    CHECK_EQ(p->views[0]->nseen, 0);
+    uint64_t base = p->nframes, un = p->rcvd - p->cred;
+    CHECK(un >= win);
+    uint64_t n = chance(30) ? MAX_FRAME : un - win + 1 + below(win); /* room for one frame at least */
+    p->cred = n > un ? p->rcvd : p->cred + n;
+    credit_send(p, 0, n);
+    p->credit = 1;
+    CHECK(peer_wait(p, views_seen, -1, WAIT_MS));
+    check_overtook(p, base, 1);
+    finish_views(p);
+
+    /* 3 */
+    int abort = chance(50);
+    if (abort) {
+        p->credit = 2;
+        CHECK(peer_wait(p, win_stalled, -1, WAIT_MS));
+        abort = !all_seen(p);
+    }
+    if (!abort) {
+        p->credit = 1;
+        CHECK(peer_wait(p, all_seen, -1, WAIT_MS));
+        push_ack(p);
+        CHECK(peer_wait(p, job_done, -1, WAIT_MS));
+        check_pushed(p);
+    } else {
+        CHECK_EQ(kv_core_abort(g_core, p->j->id, KV_LLM_CANCELLED), KV_LLM_SUCCESS);
+        p->aborted = 1;
+        CHECK(peer_wait(p, push_abort_progress, -1, WAIT_MS));
+        CHECK(p->aborts[0]);
+        CHECK_EQ(p->j->status, KV_LLM_CANCELLED);
+        CHECK_EQ(p->j->nbytes, 0);
+        CHECK_EQ(p->j->flags, 0);
+    }
+    peer_next_job(p);
+
+    /* 4 */
+    if (p->rcvd - p->cred >= win) {
+        p->credit = 2;
+        push_segs(p, sb, slen, 1 + below(2 * CHUNK), 0);
+        submit_job(p, sid);
+        if (chance(70))
+            pull_through(p);
+        peer_ping(p, 0); /* in the send queue, and stuck there */
+        CHECK_EQ(kv_core_abort(g_core, p->j->id, KV_LLM_TIMEOUT), KV_LLM_SUCCESS);
+        p->aborted = 1;
+        CHECK(peer_wait(p, job_done, -1, WAIT_MS));
+        CHECK_EQ(p->j->status, KV_LLM_TIMEOUT);
+        CHECK_EQ(p->j->nbytes, 0);
+        CHECK_EQ(p->j->flags, KV_DONE_UNSTARTED);
+        peer_ping(p, 0);
+        CHECK_EQ(p->nseen, 0);
+        CHECK(!p->aborts[0]);
+        peer_next_job(p);
+    }
+
+    /* 5: nothing is under way, so our count is the core's and any excess is clamped;
+     * the ping makes the core apply the CREDIT before the next push can claim a frame
+     * (an excess CREDIT read after that would also cancel the new frames: the window
+     * only bounds honest receivers) */
+    un = p->rcvd - p->cred;
+    if (un || chance(50)) {
+        n = chance(50) && un ? un : un + 1 + below(MAX_FRAME - un);
+        p->cred = p->rcvd;
+        credit_send(p, 0, n);
+        peer_ping(p, 0);
+    }
+    p->credit = 1;
+    push_segs(p, sb, slen, 1 + below(4 * CHUNK), 0);
+    submit_job(p, sid);
+    CHECK(peer_wait(p, all_seen, -1, WAIT_MS));
+    push_ack(p);
+    CHECK(peer_wait(p, job_done, -1, WAIT_MS));
+    check_pushed(p);
+    peer_next_job(p);
+    CHECK_EQ(kv_region_remove(g_core, sid), KV_LLM_SUCCESS);
+    free(sb);
+    peer_close(p);
+}
+
+/* Rank order without a window: the core's end of the one stream (a client
+ * stream) has a small send buffer and we read nothing, so a big push (rank 100,
+ * 64 chunks) is only a few frames ahead when one or two small ones are
+ * submitted (rank 1, then 1 or 50). Their frames come next, each job's
+ * together, long before the big push's last; ACKed, they complete while it goes
+ * on. */
+static void sess_rank(void) {
+    g_what = "peer-rank";
+    peer *p = peer_open2(1, 0, 1, 0, 1);
+    p->credit = chance(50);
+    uint64_t slen = 64 * CHUNK;
+    uint8_t *sb = xmalloc((size_t)slen);
+    rnd_bytes(sb, (size_t)slen);
+    uint32_t sid = 0;
+    CHECK_EQ(kv_region_add(g_core, KV_REGION_LOCAL, 0, A(sb), slen, 0, &sid), KV_LLM_SUCCESS);
+    p->src = sb;
+    p->nsegs = 1;
+    p->sg[0].len = slen - below(CHUNK);
+    p->sg[0].src = 0;
+    p->sg[0].dst = below(PEER_LEN - p->sg[0].len + 1);
+    peer_chunks(p);
+    submit_job_ranked(p, sid, 100);
+    struct pollfd pf = {p->c[0].fd, POLLIN, 0}; /* it is under way (and soon blocked) */
+    CHECK_EQ(poll(&pf, 1, WAIT_MS), 1);
+    submit_small_views(p, sb, slen, sid);
+    CHECK(peer_wait(p, views_seen, -1, WAIT_MS));
+    uint64_t base = p->views[0]->ch[0].seq, last = check_overtook(p, base, 0);
+    uint64_t ahead = last + 1 - (uint64_t)p->views[0]->nch - (p->views[1] ? (uint64_t)p->views[1]->nch : 0);
+    g_rank_ahead = ahead > g_rank_ahead ? ahead : g_rank_ahead;
+    /* frames of the big push before the small ones': a few at most (the buffers) */
+    CHECK(ahead + 16 <= (uint64_t)p->nch);
+    sndbuf_restore(p, 0);
+    finish_views(p);
+    CHECK(peer_wait(p, all_seen, -1, WAIT_MS));
+    push_ack(p);
+    CHECK(peer_wait(p, job_done, -1, WAIT_MS));
+    check_pushed(p);
+    peer_next_job(p);
+    CHECK_EQ(kv_region_remove(g_core, sid), KV_LLM_SUCCESS);
+    free(sb);
+    peer_close(p);
+}
+
 /* ------------------------------------------- per-link limits, once a run */
 
 #define MAX_RX 65536     /* open incoming transfers per link (kv_tcp.c KV_MAX_RX) */
@@ -2709,14 +3248,26 @@ static void sess_pull_unasked(void) {
 #define SCRATCH (1u << 20) /* discarded payloads go through a scratch buffer this big */
 
 static void sess_limits(void) {
-    /* 1. MAX_RX transfers left open on a link, then one more (a DATA or an ABORT) */
+    /* 1. MAX_RX transfers left open on a link, then one more (a DATA or an ABORT).
+     * Two streams: some transfers opened by a DATA frame on stream 0 (1 byte of
+     * 2: CREDITed, and open), the others by an ABORT on stream 1 (one of two
+     * streams: the aborted transfer stays). Stream 1 is not read (a small receive
+     * buffer): the core queues its ABORT_ACKs, and takes the one more after them.
+     * (Every DATA frame and ABORT is answered, one sendmsg per control frame,
+     * and a DATA frame's CREDIT ends the core's read round: 65536 DATA frames
+     * read and answered one by one would add about a second under ASan.) */
     g_what = "limits-rx";
-    msess *s = sess_new(NULL, 1);
+    msess *s = sess_new(NULL, 2);
     sess_connect(s, 1);
-    mconn *k = &s->k[0];
-    size_t per = sizeof(fr) + 1, nb = (size_t)MAX_RX * per;
+    mconn *k = &s->k[0], *k1 = &s->k[s->nk++];
+    pc_open(&k1->pc, 4096);
+    CHECK(hello_send(&k1->pc, s->l->tok, 0));
+    expect_hello_ack(&k1->pc);
+    s->nconns++;
+    uint32_t nd = 1024 + (uint32_t)below(2048);
+    size_t per = sizeof(fr) + 1, nb = (size_t)nd * per;
     uint8_t *b = xmalloc(nb);
-    for (uint32_t i = 0; i < MAX_RX; i++) {
+    for (uint32_t i = 0; i < nd; i++) {
         fr f = mkf(F_DATA, 0, 0x4000000000ull + i);
         f.region = g_exp_id;
         f.offset = (i * 7919u) % EXP_LEN;
@@ -2728,15 +3279,56 @@ static void sess_limits(void) {
     }
     CHECK(pc_send(&k->pc, b, nb));
     free(b);
-    s->rx_all += MAX_RX; /* (the model keeps no table this big: the shadow was updated above) */
+    s->rx_all += nd; /* (the model keeps no table this big: the shadow was updated above) */
+    for (uint32_t i = 0; i < nd; i++) { /* one CREDIT per DATA frame, in order */
+        fr h, want = mkf(F_CREDIT, 0, 0x4000000000ull + i);
+        want.length = 1;
+        CHECK_EQ(pc_frame(&k->pc, &h), 1);
+        if (!fr_eq(&h, &want)) {
+            fr_print("got", &h);
+            fr_print("want", &want);
+            CHECK(fr_eq(&h, &want));
+        }
+    }
     m_sync(s, k);
     check_exp_exact();
-    fr f = chance(50) ? mkf(F_ABORT, 0, 0x5000000000ull) : mkf(F_DATA, 0, 0x5000000000ull);
-    f.region = g_exp_id;
-    f.length = f.total = 1;
-    CHECK(pc_send(&k->pc, &f, sizeof f)); /* no room for it: a bad frame */
-    s->dead = s->bad = 1;
+    uint32_t na = MAX_RX - nd;
+    fr *ab = xmalloc(((size_t)na + 1) * sizeof *ab);
+    for (uint32_t i = 0; i < na; i++)
+        ab[i] = mkf(F_ABORT, 0, 0x4100000000ull + i);
+    fr *f = &ab[na];
+    *f = chance(50) ? mkf(F_ABORT, 0, 0x5000000000ull) : mkf(F_DATA, 0, 0x5000000000ull);
+    f->region = g_exp_id;
+    f->length = f->total = 1;
+    { /* without reading meanwhile (pc_send would) */
+        const uint8_t *q = (const uint8_t *)ab;
+        size_t left = ((size_t)na + 1) * sizeof *ab;
+        double end = now_ms() + WAIT_MS;
+        while (left) {
+            ssize_t w = send(k1->pc.fd, q, left, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (w > 0) {
+                q += w;
+                left -= (size_t)w;
+            } else {
+                CHECK(w < 0 && (errno == EAGAIN || errno == EINTR)); /* the core reads all of it */
+                struct pollfd pf = {k1->pc.fd, POLLOUT, 0};
+                CHECK(now_ms() < end);
+                poll(&pf, 1, 10);
+            }
+        }
+    }
+    free(ab);
+    s->dead = s->bad = 1; /* no room for the last one: a bad frame */
     pc_wait_eof(&k->pc, m_on_frame_cb, s);
+    {
+        fr h;
+        uint32_t acks = 0;
+        while (pc_frame(&k1->pc, &h) == 1) { /* the ABORT_ACKs that went out: in order */
+            fr want = mkf(F_ABORT_ACK, 0, 0x4100000000ull + acks++);
+            CHECK(fr_eq(&h, &want));
+        }
+        CHECK(acks <= na);
+    }
     sess_finish(s, 1);
 
     /* 2. READs nobody reads the answers of: at most MAX_SERVE queue, then the link fails */
@@ -2924,7 +3516,7 @@ static void serve_once(linkrec *l) {
     f.offset = below(EXP_LEN - f.length + 1);
     CHECK(send_frame(s, k, &f, 0, 0));
     CHECK(!s->dead);
-    CHECK_EQ(k->ct_n, 1); /* the ACK is expected */
+    CHECK_EQ(k->ct_n, 2); /* its CREDIT, then the ACK are expected */
     m_sync(s, k);
     check_exp_exact();
     fr r = mkf(F_READ, 0, 0x5EEE);
@@ -3000,6 +3592,8 @@ int main(int argc, char **argv) {
     setup();
     long flood_at = iters >= 40 ? (long)below((uint64_t)iters) : -1;
     long limits_at = iters >= 40 ? (long)below((uint64_t)iters) : -1;
+    long window_at = iters >= 40 ? (long)below((uint64_t)iters) : -1;
+    long rank_at = iters >= 40 ? (long)below((uint64_t)iters) : -1;
     for (g_iter = 0; g_iter < iters; g_iter++) {
         if (g_iter == flood_at) {
             sess_flood();
@@ -3009,25 +3603,37 @@ int main(int argc, char **argv) {
             sess_limits();
             g_counts[K_LIMITS]++;
         }
-        int r = (int)below(100), kind;
-        if (r < 22)
+        if (g_iter == window_at) {
+            sess_window();
+            g_counts[K_WINDOW]++;
+        }
+        if (g_iter == rank_at) {
+            sess_rank();
+            g_counts[K_RANK]++;
+        }
+        int r = (int)below(1000), kind;
+        if (r < 220)
             sess_preauth(), kind = K_PREAUTH;
-        else if (r < 70)
+        else if (r < 690)
             sess_server(), kind = K_SERVER;
-        else if (r < 80)
+        else if (r < 790)
             sess_multi(), kind = K_MULTI;
-        else if (r < 84)
+        else if (r < 830)
             sess_notify(), kind = K_NOTIFY;
-        else if (r < 86)
+        else if (r < 850)
             sess_client_bad(), kind = K_CLIENT;
-        else if (r < 92)
+        else if (r < 912)
             sess_push(), kind = K_PEER;
-        else if (r < 98)
+        else if (r < 975)
             sess_pull(), kind = K_PEER;
-        else if (r < 99)
+        else if (r < 985)
             sess_pull_unasked(), kind = K_PEER;
-        else
+        else if (r < 995)
             sess_push_stuck(), kind = K_PEER;
+        else if (r < 998)
+            sess_window(), kind = K_WINDOW;
+        else
+            sess_rank(), kind = K_RANK;
         g_counts[kind]++;
     }
     g_what = "final";
@@ -3048,8 +3654,9 @@ int main(int argc, char **argv) {
            "\n",
            st.tcp_refused, st.tcp_bad_frames, st.tcp_links_failed, st.tcp_bytes_received);
     printf("server sessions ended by a bad frame %ld, by close/reset %ld; pulls completed under an RDATA in "
-           "flight %ld; pushes with a frame stuck %ld (early answer refused %ld)\n",
-           g_bad_sessions, g_tolerant, g_dup_rdata, g_stuck, g_stuck_refused);
+           "flight %ld; pushes with a frame stuck %ld (early answer refused %ld); rank: big push frames "
+           "ahead %" PRIu64 " at most\n",
+           g_bad_sessions, g_tolerant, g_dup_rdata, g_stuck, g_stuck_refused, g_rank_ahead);
     int passed = 0;
     for (int k = 0; k <= K_FINAL; k++) {
         printf("ok %-8s %5ld\n", g_kind_names[k], g_counts[k]);

@@ -598,6 +598,7 @@ static void test_mover(void) {
         CHECK_EQ(out[i].status, KV_LLM_SUCCESS);
         uint64_t want = out[i].job_id == 11 ? t1 : out[i].job_id == 12 ? t2 : N;
         CHECK_EQ(out[i].nbytes, want);
+        CHECK_EQ(out[i].flags, 0);
     }
     CHECK(memcmp(dst, ref, (size_t)N) == 0);
     CHECK(memcmp(dst2, src, (size_t)N) == 0);
@@ -824,6 +825,7 @@ static void test_abort(void) {
         CHECK_EQ(cp.status, abort_st[k]);
         CHECK(cp.nbytes < BIG);
         CHECK_EQ(cp.nbytes % CH, 0);
+        CHECK_EQ(cp.flags, cp.nbytes ? 0 : KV_DONE_UNSTARTED); /* a claimed chunk is copied before the completion */
         /* every claimed chunk finished before the completion: exactly a prefix */
         CHECK(all_eq(dst, cp.nbytes, 0xAB));
         CHECK(all_eq(dst + cp.nbytes, BIG - cp.nbytes, 0));
@@ -866,10 +868,13 @@ static void test_abort(void) {
     for (int i = 0; i < 2; i++) {
         CHECK(out[i].job_id == 3000 || out[i].job_id == 3001);
         CHECK_EQ(out[i].status, KV_LLM_CANCELLED);
-        if (out[i].job_id == 3001)
+        if (out[i].job_id == 3001) {
             CHECK_EQ(out[i].nbytes, 0); /* never started */
-        else
+            CHECK_EQ(out[i].flags, KV_DONE_UNSTARTED);
+        } else {
+            CHECK_EQ(out[i].flags, out[i].nbytes ? 0 : KV_DONE_UNSTARTED);
             memset(dst, 0, (size_t)out[i].nbytes);
+        }
     }
     sleep_us(10000);
     CHECK(all_eq(dst2, Q, 0));
@@ -890,6 +895,96 @@ static void test_abort(void) {
     xunmap(src, BIG);
     xunmap(dst, BIG);
     xunmap(dst2, Q);
+}
+
+/* Wait (bounded) until *p holds v: a mover has copied that byte. */
+static void wait_byte(const volatile uint8_t *p, uint8_t v) {
+    double end = now_ms() + WAIT_MS;
+    while (*p != v) {
+        CHECK(now_ms() < end);
+        sleep_us(100);
+    }
+}
+
+/* Completion flags, and the rank order of mover jobs. One mover, busy with a
+ * long job (rank 100, 2 GiB: it never runs out of chunks here):
+ *  - a job of equal rank queued behind it, aborted, never had a chunk claimed:
+ *    KV_DONE_UNSTARTED, nbytes 0, nothing written;
+ *  - jobs of lower rank overtake it at its next chunk, lowest rank first, equal
+ *    ranks in submission order: ranks 1, 1 complete (in that order) before
+ *    another long job, of rank 50, submitted just before them;
+ *  - jobs that moved bytes, completed or aborted, carry no flag. */
+static void test_done_flags(void) {
+    const uint64_t N = 32 * MiB, CH = 64 * KiB, S = 256 * KiB;
+    enum { LONG_SEGS = 64 };
+    kv_core *c = mk(1, CH);
+    uint8_t *src = xmap(N), *dst = xmap(N), *d3 = xmap(N), *ds = xmap(4 * S);
+    memset(src, 0xC3, (size_t)N);
+    uint32_t rs = add_local(c, src, N), rd = add_local(c, dst, N), r3 = add_local(c, d3, N),
+             rds = add_local(c, ds, 4 * S);
+    static uint64_t wl[LONG_SEGS * KV_SEG_WORDS], w3[LONG_SEGS * KV_SEG_WORDS];
+    for (int k = 0; k < LONG_SEGS; k++) { /* the same bytes again and again */
+        seg(wl + k * KV_SEG_WORDS, rs, 0, rd, 0, N);
+        seg(w3 + k * KV_SEG_WORDS, rs, 0, r3, 0, N);
+    }
+    uint64_t ws[4][KV_SEG_WORDS];
+    for (int k = 0; k < 4; k++)
+        seg(ws[k], rs, 0, rds, (uint64_t)k * S, S);
+    int done = -1;
+    uint64_t nb = 99;
+
+    CHECK_EQ(kv_core_submit_ranked(c, 1, wl, LONG_SEGS, 0, 100, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(done, 0);
+    wait_byte(dst, 0xC3); /* the mover is on it */
+
+    /* equal rank: queued behind it, never claimed */
+    CHECK_EQ(kv_core_submit_ranked(c, 2, ws[0], 1, 0, 100, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_core_abort(c, 2, KV_LLM_CANCELLED), KV_LLM_SUCCESS);
+    kv_completion cp = wait_one(c, 2);
+    CHECK_EQ(cp.status, KV_LLM_CANCELLED);
+    CHECK_EQ(cp.nbytes, 0);
+    CHECK_EQ(cp.flags, KV_DONE_UNSTARTED);
+    CHECK(all_eq(ds, S, 0));
+
+    /* lower ranks overtake */
+    CHECK_EQ(kv_core_submit_ranked(c, 3, w3, LONG_SEGS, 0, 50, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_core_submit_ranked(c, 4, ws[1], 1, 0, 1, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_core_submit_ranked(c, 5, ws[2], 1, 0, 1, &done, &nb), KV_LLM_SUCCESS);
+    kv_completion out[2];
+    CHECK_EQ(drain(c, out, 2, WAIT_MS), 2);
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(out[i].job_id, 4 + i); /* 4 then 5: neither waited for 3 */
+        CHECK_EQ(out[i].status, KV_LLM_SUCCESS);
+        CHECK_EQ(out[i].nbytes, S);
+        CHECK_EQ(out[i].flags, 0);
+    }
+    CHECK(all_eq(ds + S, 2 * S, 0xC3));
+    /* 3 goes on now (rank 50 before 100): aborted, as is 1 */
+    CHECK_EQ(kv_core_abort(c, 3, KV_LLM_CANCELLED), KV_LLM_SUCCESS);
+    cp = wait_one(c, 3);
+    CHECK_EQ(cp.status, KV_LLM_CANCELLED);
+    CHECK_EQ(cp.nbytes % CH, 0);
+    CHECK_EQ(cp.flags, cp.nbytes ? 0 : KV_DONE_UNSTARTED);
+    CHECK_EQ(kv_core_abort(c, 1, KV_LLM_TIMEOUT), KV_LLM_SUCCESS);
+    cp = wait_one(c, 1);
+    CHECK_EQ(cp.status, KV_LLM_TIMEOUT);
+    CHECK(cp.nbytes > 0 && cp.nbytes < LONG_SEGS * N);
+    CHECK_EQ(cp.flags, 0);
+
+    /* a completed job: no flag */
+    submit_async(c, 6, ws[3], 1);
+    cp = wait_one(c, 6);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, S);
+    CHECK_EQ(cp.flags, 0);
+    check_no_more(c);
+    check_quiet_stats(c);
+    CHECK_EQ(stats(c).jobs_aborted, 3);
+    kv_core_free(c);
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(d3, N);
+    xunmap(ds, 4 * S);
 }
 
 static void test_remove_in_use(void) {
@@ -1298,6 +1393,7 @@ int main(int argc, char **argv) {
         {"process_self", test_process_self},
         {"process_child", test_process_child},
         {"abort", test_abort},
+        {"done_flags", test_done_flags},
         {"remove_in_use", test_remove_in_use},
         {"close", test_close},
         {"poll_small_max", test_poll_small_max},
