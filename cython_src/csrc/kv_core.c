@@ -237,22 +237,20 @@ static void queue_remove(kv_core *c, kv_job *j) {
     j->queued = 0;
 }
 
-/* Into the movers' queue by rank, after the jobs of equal rank (FIFO among
- * them); movers claim chunks of the head job. Usually at the tail. */
-static void queue_insert(kv_core *c, kv_job *j) {
-    kv_job *after = c->qtail;
+void kv__rank_insert(kv_job **head, kv_job **tail, kv_job *j) {
+    kv_job *after = *tail;
     while (after && after->rank > j->rank)
         after = after->qprev;
     j->qprev = after;
-    j->qnext = after ? after->qnext : c->qhead;
+    j->qnext = after ? after->qnext : *head;
     if (j->qnext)
         j->qnext->qprev = j;
     else
-        c->qtail = j;
+        *tail = j;
     if (after)
         after->qnext = j;
     else
-        c->qhead = j;
+        *head = j;
     j->queued = 1;
 }
 
@@ -496,7 +494,7 @@ uint32_t kv_core_submit_ranked(kv_core *c, uint64_t job_id, const uint64_t *segs
     unsigned b = bucket(job_id);
     j->hnext = c->hash[b];
     c->hash[b] = j;
-    queue_insert(c, j);
+    kv__rank_insert(&c->qhead, &c->qtail, j); /* movers claim chunks of the head job */
     c->st.jobs_submitted++;
     c->st.jobs_live++;
     pthread_cond_broadcast(&c->cv);

@@ -101,6 +101,9 @@ int kv__job_complete(kv_core *c, kv_job *j, uint32_t status);
 /* Append an event record (preallocated; never freed by poll if it is reused). */
 int kv__post_event(kv_core *c, kv_job *ev);
 void kv__signal_loop(kv_core *c);
+/* Into a qnext/qprev queue by rank, after the jobs of equal rank (FIFO among
+ * them): the movers' queue, a TCP link's send queue. Usually at the tail. */
+void kv__rank_insert(kv_job **head, kv_job **tail, kv_job *j);
 
 /* kv_tcp.c, called by kv_core.c with c->mu held */
 uint32_t kv__tcp_submit(kv_core *c, kv_job *j); /* hand a TCP job to the I/O thread */

@@ -275,23 +275,8 @@ static void sq_remove(kv_link *l, kv_job *j) {
     l->sq_pulls -= j->is_pull;
 }
 
-/* Into the link's send queue by rank, after the jobs of equal rank (FIFO among
- * them). Usually at the tail: ranks mostly arrive in order. */
 static void sq_insert(kv_link *l, kv_job *j) {
-    kv_job *after = l->sq_tail;
-    while (after && after->rank > j->rank)
-        after = after->qprev;
-    j->qprev = after;
-    j->qnext = after ? after->qnext : l->sq_head;
-    if (j->qnext)
-        j->qnext->qprev = j;
-    else
-        l->sq_tail = j;
-    if (after)
-        after->qnext = j;
-    else
-        l->sq_head = j;
-    j->queued = 1;
+    kv__rank_insert(&l->sq_head, &l->sq_tail, j);
     l->sq_pulls += j->is_pull;
 }
 

@@ -2441,6 +2441,14 @@ static uint64_t pick_window(void) {
 
 static int win_stalled(peer *p) { return p->rcvd - p->cred >= p->win || all_seen(p); }
 
+/* slen random bytes registered as a local region (a push source): the buffer; *sid its id. */
+static uint8_t *src_region(uint64_t slen, uint32_t *sid) {
+    uint8_t *sb = xmalloc((size_t)slen);
+    rnd_bytes(sb, (size_t)slen);
+    CHECK_EQ(kv_region_add(g_core, KV_REGION_LOCAL, 0, A(sb), slen, 0, sid), KV_LLM_SUCCESS);
+    return sb;
+}
+
 /* The core pushes; the test receives and answers. Some links have a push
  * window: the test CREDITs what it received (see peer_credit), or withholds
  * its CREDITs until the core stalls, then aborts the job. */
@@ -2450,10 +2458,8 @@ static void sess_push(void) {
     peer *p = peer_open2(1 + (int)below(2), 0, chance(30), win, 0);
     p->credit = win || chance(50); /* with no window CREDITs change nothing */
     uint64_t slen = 4 * KiB + below(60 * KiB);
-    uint8_t *sb = xmalloc((size_t)slen);
-    rnd_bytes(sb, (size_t)slen);
     uint32_t sid = 0;
-    CHECK_EQ(kv_region_add(g_core, KV_REGION_LOCAL, 0, A(sb), slen, 0, &sid), KV_LLM_SUCCESS);
+    uint8_t *sb = src_region(slen, &sid);
     p->src = sb;
     p->nsegs = 1 + (int)below(3);
     for (int i = 0; i < p->nsegs; i++) {
@@ -2547,10 +2553,8 @@ static void sess_push_stuck(void) {
     g_what = "peer-push-stuck";
     peer *p = peer_open(2, 1, 0);
     uint64_t slen = 8 * 1024 * KiB;
-    uint8_t *sb = xmalloc((size_t)slen);
-    rnd_bytes(sb, (size_t)slen);
     uint32_t sid = 0;
-    CHECK_EQ(kv_region_add(g_core, KV_REGION_LOCAL, 0, A(sb), slen, 0, &sid), KV_LLM_SUCCESS);
+    uint8_t *sb = src_region(slen, &sid);
     p->src = sb;
     p->nsegs = 1;
     p->sg[0].len = slen;
@@ -3081,6 +3085,21 @@ static void peer_next_job(peer *p) {
     memset(p->acked, 0, sizeof p->acked);
 }
 
+/* The rest of a push the peer takes honestly: every frame, the ACK, the completion, the bytes. */
+static void push_to_end(peer *p) {
+    CHECK(peer_wait(p, all_seen, -1, WAIT_MS));
+    push_ack(p);
+    CHECK(peer_wait(p, job_done, -1, WAIT_MS));
+    check_pushed(p);
+}
+
+/* End of a window/rank session: the source region, its buffer, the link. */
+static void sess_close(peer *p, uint32_t sid, uint8_t *sb) {
+    CHECK_EQ(kv_region_remove(g_core, sid), KV_LLM_SUCCESS);
+    free(sb);
+    peer_close(p);
+}
+
 /* The push window on one stream, where the core's frames arrive in the order it
  * claims them, so that our count of unCREDITed bytes is exactly the core's:
  *  1. a big push (rank 100) runs into the window: exactly the frames started
@@ -3100,10 +3119,8 @@ static void sess_window(void) {
     uint64_t win = (2 + below(2)) * CHUNK - (chance(50) ? below(CHUNK) : 0);
     peer *p = peer_open2(1, 0, chance(30), win, 0);
     uint64_t slen = 32 * CHUNK;
-    uint8_t *sb = xmalloc((size_t)slen);
-    rnd_bytes(sb, (size_t)slen);
     uint32_t sid = 0;
-    CHECK_EQ(kv_region_add(g_core, KV_REGION_LOCAL, 0, A(sb), slen, 0, &sid), KV_LLM_SUCCESS);
+    uint8_t *sb = src_region(slen, &sid);
 
     /* 1 */
     push_segs(p, sb, slen, (8 + below(17)) * CHUNK, 1);
@@ -3139,10 +3156,7 @@ static void sess_window(void) {
     }
     if (!abort) {
         p->credit = 1;
-        CHECK(peer_wait(p, all_seen, -1, WAIT_MS));
-        push_ack(p);
-        CHECK(peer_wait(p, job_done, -1, WAIT_MS));
-        check_pushed(p);
+        push_to_end(p);
     } else {
         CHECK_EQ(kv_core_abort(g_core, p->j->id, KV_LLM_CANCELLED), KV_LLM_SUCCESS);
         p->aborted = 1;
@@ -3188,14 +3202,9 @@ static void sess_window(void) {
     p->credit = 1;
     push_segs(p, sb, slen, 1 + below(4 * CHUNK), 0);
     submit_job(p, sid);
-    CHECK(peer_wait(p, all_seen, -1, WAIT_MS));
-    push_ack(p);
-    CHECK(peer_wait(p, job_done, -1, WAIT_MS));
-    check_pushed(p);
+    push_to_end(p);
     peer_next_job(p);
-    CHECK_EQ(kv_region_remove(g_core, sid), KV_LLM_SUCCESS);
-    free(sb);
-    peer_close(p);
+    sess_close(p, sid, sb);
 }
 
 /* Rank order without a window: the core's end of the one stream (a client
@@ -3209,10 +3218,8 @@ static void sess_rank(void) {
     peer *p = peer_open2(1, 0, 1, 0, 1);
     p->credit = chance(50);
     uint64_t slen = 64 * CHUNK;
-    uint8_t *sb = xmalloc((size_t)slen);
-    rnd_bytes(sb, (size_t)slen);
     uint32_t sid = 0;
-    CHECK_EQ(kv_region_add(g_core, KV_REGION_LOCAL, 0, A(sb), slen, 0, &sid), KV_LLM_SUCCESS);
+    uint8_t *sb = src_region(slen, &sid);
     p->src = sb;
     p->nsegs = 1;
     p->sg[0].len = slen - below(CHUNK);
@@ -3231,14 +3238,9 @@ static void sess_rank(void) {
     CHECK(ahead + 16 <= (uint64_t)p->nch);
     sndbuf_restore(p, 0);
     finish_views(p);
-    CHECK(peer_wait(p, all_seen, -1, WAIT_MS));
-    push_ack(p);
-    CHECK(peer_wait(p, job_done, -1, WAIT_MS));
-    check_pushed(p);
+    push_to_end(p);
     peer_next_job(p);
-    CHECK_EQ(kv_region_remove(g_core, sid), KV_LLM_SUCCESS);
-    free(sb);
-    peer_close(p);
+    sess_close(p, sid, sb);
 }
 
 /* ------------------------------------------- per-link limits, once a run */
@@ -3590,27 +3592,20 @@ int main(int argc, char **argv) {
     CHECK(g_links != NULL);
     double t0 = now_ms();
     setup();
-    long flood_at = iters >= 40 ? (long)below((uint64_t)iters) : -1;
-    long limits_at = iters >= 40 ? (long)below((uint64_t)iters) : -1;
-    long window_at = iters >= 40 ? (long)below((uint64_t)iters) : -1;
-    long rank_at = iters >= 40 ? (long)below((uint64_t)iters) : -1;
+    /* sessions that run once at a random iteration (and now and then below) */
+    static const struct {
+        void (*run)(void);
+        int kind;
+    } once[] = {{sess_flood, K_FLOOD}, {sess_limits, K_LIMITS}, {sess_window, K_WINDOW}, {sess_rank, K_RANK}};
+    long once_at[sizeof once / sizeof once[0]];
+    for (size_t i = 0; i < sizeof once / sizeof once[0]; i++)
+        once_at[i] = iters >= 40 ? (long)below((uint64_t)iters) : -1;
     for (g_iter = 0; g_iter < iters; g_iter++) {
-        if (g_iter == flood_at) {
-            sess_flood();
-            g_counts[K_FLOOD]++;
-        }
-        if (g_iter == limits_at) {
-            sess_limits();
-            g_counts[K_LIMITS]++;
-        }
-        if (g_iter == window_at) {
-            sess_window();
-            g_counts[K_WINDOW]++;
-        }
-        if (g_iter == rank_at) {
-            sess_rank();
-            g_counts[K_RANK]++;
-        }
+        for (size_t i = 0; i < sizeof once / sizeof once[0]; i++)
+            if (g_iter == once_at[i]) {
+                once[i].run();
+                g_counts[once[i].kind]++;
+            }
         int r = (int)below(1000), kind;
         if (r < 220)
             sess_preauth(), kind = K_PREAUTH;
