@@ -1,26 +1,26 @@
-"""The transfer scheduler: what moves next, under which budget.
+"""The transfer scheduler: what moves next, in which order.
 
 Every push and pull that does not run inline joins its link's queue, a heap
 ordered by ``(-priority, deadline, arrival)`` (earliest deadline first within
 a priority class; ``EngineOptions(scheduling="fifo")`` orders by arrival only,
-the baseline of the load benchmark). The scheduler hands the native core one
-piece (at most ``piece_bytes``) of the transfer at the head of the queue at a
-time, while the link's bytes in flight stay under ``max_inflight_bytes``; so a
-small urgent push waits for at most one budget's worth of bytes, never for the
-rest of a 1 GiB push that started before it. A transfer whose deadline passes
-before any of it went out resolves ``LLM_TIMEOUT`` without a byte moved. Cost
-per transfer: one heap push and pop, one timer; no task per transfer.
+the baseline of the load benchmark), and is handed to the native core from the
+head of it with a rank: the same key packed in 64 bits (``rank()``). The core
+keeps that order: the movers claim chunks, and a tcp link's I/O thread sends
+frames, of the lowest rank first, so an urgent transfer overtakes a running one
+at the next chunk or frame (``chunk_bytes``), never waiting for the rest of a
+1 GiB push that started before it; tcp's wire is paced by ``tcp_window_bytes``.
+So by default a transfer is handed over whole, at once: a Python wake-up per
+piece would cost CPU the movers and I/O threads need (decisions.md #14). With
+``max_inflight_bytes`` / ``piece_bytes`` set, the scheduler hands over pieces
+of at most ``piece_bytes`` while the link's bytes in flight stay under the
+budget. A transfer whose deadline passes before any of it went out resolves
+``LLM_TIMEOUT`` without a byte moved. Cost per transfer: one heap push and pop,
+one timer; no task per transfer.
 
-The order is kept natively too: every job carries a rank (the same key packed
-in 64 bits); the movers claim chunks, and a tcp link's I/O thread sends frames,
-of the lowest rank first, so an urgent transfer overtakes a running one at the
-next chunk or frame (``chunk_bytes``); tcp's wire is paced by
-``tcp_window_bytes``. So by default (no ``max_inflight_bytes`` or
-``piece_bytes``) a transfer is handed over whole, at once: a Python wake-up per
-piece costs CPU the movers and I/O threads need (decisions.md #14).
-
-Links are independent: each has its own queue and budget, so a slow or dead
-peer never holds another link's work.
+Links are independent: each has its own queue (and budget, if set), and each
+tcp link its own send queue and window, so a slow or dead tcp peer never holds
+another link's work; local/shm copies of all links share the movers in rank
+order.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def rank(key: tuple) -> int:
     order); EDF keys (-priority, deadline, seq) rank by priority, then deadline (1 us)."""
     if len(key) == 1:
         return 0
-    us = int(key[1] * 1e6)
-    return ((key[0] + 1000) << 52) | (us if 0 <= us < _RANK_DEADLINE else _RANK_DEADLINE)
+    us = min(max(int(key[1] * 1e6), 0), _RANK_DEADLINE)
+    return ((key[0] + 1000) << 52) | us
 
 
 class Histogram:

@@ -359,3 +359,17 @@ async def test_stats_match_what_happened(spair, sched_transport):
     assert f'kvengine_transfer_seconds_count{{cluster="1",peer="2",transport="{sched_transport}",phase="total"}} 6' in text
     before = snapshot(dst)
     assert all(np.array_equal(a, b) for a, b in zip(before, dst.tensors))
+
+
+def test_rank_packs_the_queue_key_in_order():
+    """The native queues sort by rank(): it must order keys as the Python heap does
+    (priority first, then deadline to the microsecond), and FIFO keys all rank 0."""
+    from kvengine.scheduler import rank
+    keys = [(-p, d, s) for s, (p, d) in enumerate(
+        [(1000, 5.0), (3, 0.0), (3, 0.000002), (3, 1e6), (0, 12.5), (0, 12.500001), (-1000, 0.0), (2, 3.0)])]
+    by_rank = sorted(keys, key=rank)
+    assert [k[:2] for k in by_rank] == [k[:2] for k in sorted(keys)]
+    assert all(0 <= rank(k) < 1 << 63 for k in keys)
+    assert rank((-5, -1.0, 0)) < rank((-5, 0.5, 1))                 # a deadline before the clock's 0 clamps low
+    assert rank((-5, 1e12, 0)) == rank((-5, 1e13, 1)) < rank((-4, 0.0, 2))   # and a far one high, within its class
+    assert rank((17,)) == rank((3,)) == 0
