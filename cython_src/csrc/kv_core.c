@@ -260,6 +260,10 @@ static int job_release_refs(kv_core *c, kv_job *j, size_t nrefs) {
         sig |= region_unref_sig(c, j->regions[i]);
     free(j->regions);
     free(j->segs);
+    free(j->rbase);
+    free(j->rnext);
+    j->rbase = NULL;
+    j->rnext = NULL;
     j->regions = NULL;
     j->segs = NULL;
     return sig;

@@ -52,6 +52,8 @@ struct kv_job {
     int abort_req;     /* set under the lock by kv_core_abort */
     int abort_done;    /* the I/O thread has acted on it */
     uint64_t frames;   /* frames (DATA or READ) started on the wire */
+    uint64_t *rbase;   /* TCP pull: chunks before each segment (nsegs + 1), from the I/O thread */
+    uint32_t *rnext;   /* TCP pull: per chunk, the next byte an RDATA may answer */
     int acks_left;     /* ABORT_ACKs still awaited */
     int event;         /* an event record, not a job */
     struct kv_job *qnext, *qprev; /* mover queue, or the link's send queue */

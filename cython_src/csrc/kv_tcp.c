@@ -275,6 +275,36 @@ static void sq_remove(kv_link *l, kv_job *j) {
     l->sq_pulls -= j->is_pull;
 }
 
+/* A pull's answer tracking: chunk k is the k-th READ sent (segments in order,
+ * each cut at `chunk`); rnext[k] is how much of chunk k has been answered, so
+ * every byte is answered once, in order, and only after its READ went out.
+ * Returns -1 if out of memory. */
+static int pull_track(kv_job *j, uint64_t chunk) {
+    j->rbase = malloc((j->nsegs + 1) * sizeof *j->rbase);
+    if (!j->rbase)
+        return -1;
+    j->rbase[0] = 0;
+    for (size_t i = 0; i < j->nsegs; i++)
+        j->rbase[i + 1] = j->rbase[i] + (j->segs[i].len + chunk - 1) / chunk;
+    uint64_t nch = j->rbase[j->nsegs];
+    j->rnext = nch <= SIZE_MAX / sizeof *j->rnext ? calloc((size_t)nch ? (size_t)nch : 1, sizeof *j->rnext) : NULL;
+    return j->rnext ? 0 : -1;
+}
+
+/* Does RDATA header `h` answer the next bytes of a READ this pull sent? If so,
+ * they are claimed. A repeated, overlapping, out-of-order or unasked answer is
+ * a protocol violation (else a peer could complete a pull with bytes unwritten). */
+static int pull_claim(kv_job *j, const kv_frame *h, uint64_t chunk) {
+    uint64_t k = j->rbase[h->region] + h->offset / chunk, at = h->offset % chunk;
+    uint64_t clen = j->segs[h->region].len - (h->offset - at);
+    if (clen > chunk)
+        clen = chunk;
+    if (k >= j->frames || at != j->rnext[k] || h->length > clen - at)
+        return 0;
+    j->rnext[k] += (uint32_t)h->length;
+    return 1;
+}
+
 static void sq_insert(kv_link *l, kv_job *j) {
     kv__rank_insert(&l->sq_head, &l->sq_tail, j);
     l->sq_pulls += j->is_pull;
@@ -760,7 +790,7 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
         kv_job *j = kv__job_find(c, h->xfer);
         if (j && j->tcp && j->is_pull && j->link_id == l->id && !j->abort_done) {
             if (h->region >= j->nsegs || h->offset > j->segs[h->region].len ||
-                h->length > j->segs[h->region].len - h->offset)
+                h->length > j->segs[h->region].len - h->offset || !pull_claim(j, h, c->chunk))
                 return *sig |= fail_conn(n, k, 1), 0;
             k->pdst = (uint8_t *)(uintptr_t)(j->segs[h->region].dst + h->offset);
             k->pdiscard = 0;
@@ -1186,6 +1216,10 @@ static void *io_main(void *arg) {
             kv_link *l = stop ? NULL : link_find(n, j->link_id);
             if (!l || l->dead) {
                 sig |= tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
+                continue;
+            }
+            if (j->is_pull && pull_track(j, c->chunk) < 0) {
+                sig |= tcp_complete(n, NULL, j, KV_LLM_OUT_OF_MEMORY);
                 continue;
             }
             sq_insert(l, j);

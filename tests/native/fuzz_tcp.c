@@ -2706,7 +2706,10 @@ static void sess_pull(void) {
         CHECK(peer_wait(p, job_done, -1, WAIT_MS));
         answered = p->total;
         p->rx_sure += p->total;
-    } else if (v == 4) { /* a hostile peer: an RDATA in flight on stream 0 while stream 1 completes the job */
+    } else if (v == 4) { /* a hostile peer answers one READ twice: chunk c0's RDATA half-way on
+                          * stream 0, then the chunks before it and c0 again on stream 1. The
+                          * repeat fails the link (else a pull could complete with bytes never
+                          * written); the rest of stream 0's payload never lands. */
         pchunk *t = &p->ch[c0];
         uint64_t part = 1 + below(t->len - 1);
         uint8_t flip = (uint8_t)(1 + below(255));
@@ -2723,24 +2726,22 @@ static void sess_pull(void) {
         pay[part - 1] = other(*at);
         CHECK(pc_send(&p->c[0], pay, (size_t)part));
         wait_landed(at, pay[part - 1]);
-        dsh[at - dst] = pay[part - 1];
-        for (int k = 0; k < p->nch; k++)
+        memcpy(dsh + p->sg[t->seg].dst + t->off, pay, (size_t)part);
+        for (int k = 0; k < c0; k++) {
             CHECK(send_rdata(p, 1, p->ch[k].seg, p->ch[k].off, p->ch[k].len, dsh, 0, p->ch[k].len));
-        CHECK(peer_wait(p, job_done, -1, WAIT_MS));
-        answered = p->total;
-        p->rx_sure += p->total;
-        p->rx_maybe += t->len;
-        CHECK(memcmp(dst, dsh, (size_t)dlen) == 0);
-        g_dup_rdata++;
-        /* the job is complete: the rest of stream 0's payload must not land */
-        CHECK(pc_send(&p->c[0], pay + part, (size_t)(t->len - part)));
-        free(pay);
-        peer_ping(p, 0);
-        if (memcmp(dst, dsh, (size_t)dlen) != 0) {
-            FAILED_AT("%s", "a pull's destination changed after its completion (RDATA in flight on "
-                            "another stream when the job completed)");
-            die();
+            answered += p->ch[k].len;
         }
+        p->rx_sure += answered;
+        f.length = t->len - (chance(50) ? below(t->len) : 0); /* all of c0 again, or its start */
+        CHECK(pc_send(&p->c[1], &f, sizeof f));
+        p->bad = 1;
+        p->link_failed = 1;
+        want_status = KV_LLM_LINK_FAILED;
+        CHECK(peer_wait(p, job_done, -1, WAIT_MS));
+        g_dup_rdata++;
+        pc_send(&p->c[0], pay + part, (size_t)(t->len - part)); /* the connection may be closed */
+        free(pay);
+        wait_link_down(p->l);
     } else { /* some READs answered, then RERR / abort / a bad RDATA */
         int stop = (int)below((uint64_t)p->nch);
         for (int k = 0; k < stop; k++) {
@@ -2792,7 +2793,25 @@ static void sess_pull(void) {
             f.offset = below(slen);
             f.length = 1;
             f.total = p->total;
-            switch (below(6)) {
+            switch (below(8)) {
+            case 6: /* an answered chunk again (every answer counts once) */
+                if (stop > 0) {
+                    pchunk *t = &p->ch[below((uint64_t)stop)];
+                    f.region = (uint32_t)t->seg;
+                    f.offset = t->off;
+                    f.length = 1 + below(t->len);
+                    break;
+                }
+                /* fall through */
+            case 7: /* an unanswered chunk, not from its start (answers come in order) */
+                if (p->ch[stop].len >= 2) {
+                    pchunk *t = &p->ch[stop];
+                    f.region = (uint32_t)t->seg;
+                    f.offset = t->off + 1 + below(t->len - 1);
+                    f.length = 1;
+                    break;
+                }
+                /* fall through */
             case 0:
                 f.region = (uint32_t)p->nsegs + (chance(50) ? (uint32_t)below(4) : UINT32_MAX - (uint32_t)p->nsegs);
                 break;
@@ -2838,8 +2857,8 @@ static void sess_pull(void) {
 
 /* One stream: a first pull fills the stream's READ window (4 chunks, left
  * unanswered), so a second pull sends no READ at all (frames == 0). The peer
- * answers it anyway, and while that RDATA is half-way the second pull is
- * aborted: it completes at once, and the rest of the payload must not land. */
+ * answers it anyway: an answer to nothing asked fails the link at its header;
+ * both pulls complete LINK_FAILED and none of the payload lands. */
 static void sess_pull_unasked(void) {
     g_what = "peer-pull-unasked";
     peer *p = peer_open(1, 0, chance(30));
@@ -2863,10 +2882,7 @@ static void sess_pull_unasked(void) {
     CHECK(peer_wait(p, all_seen, -1, WAIT_MS));
     /* set the first job aside (its jobrec stays put: only the later one is forgotten) */
     jobrec *j1 = p->j;
-    pchunk ch1[4];
     CHECK_EQ(p->nch, 4);
-    memcpy(ch1, p->ch, sizeof ch1);
-    uint64_t total1 = p->total;
     p->sg[0].src = below(PEER_LEN - l2 + 1);
     p->sg[0].dst = l1;
     p->sg[0].len = l2;
@@ -2875,57 +2891,44 @@ static void sess_pull_unasked(void) {
     jobrec *j2 = p->j;
     peer_ping(p, 0); /* no READ of it comes (the window is full) */
     CHECK_EQ(p->nseen, 0);
-    uint64_t part = 1 + below(l2 - 1);
+    /* an answer to a READ never sent: a protocol violation (nothing of it may land, or a
+     * peer could write a pull's destination before it asked, or complete it unasked) */
+    uint64_t part = below(l2);
     fr f = mkf(F_RDATA, 0, j2->id);
     f.length = l2;
     f.total = l2;
     uint8_t *pay = xmalloc((size_t)l2);
     rnd_bytes(pay, (size_t)l2);
-    pay[part - 1] = other(dst[l1 + part - 1]);
     CHECK(pc_send(&p->c[0], &f, sizeof f));
-    CHECK(pc_send(&p->c[0], pay, (size_t)part));
-    wait_landed(dst + l1 + part - 1, pay[part - 1]);
-    memcpy(dsh + l1, pay, (size_t)part);
-    CHECK_EQ(kv_core_abort(g_core, j2->id, KV_LLM_CANCELLED), KV_LLM_SUCCESS);
-    CHECK(peer_wait(p, job_done, -1, WAIT_MS));
-    CHECK_EQ(j2->status, KV_LLM_CANCELLED);
+    if (part)
+        pc_send(&p->c[0], pay, (size_t)part); /* may find the connection closed already */
+    p->bad = 1;
+    p->link_failed = 1;
+    wait_job(j2);
+    wait_job(j1);
+    CHECK_EQ(j2->status, KV_LLM_LINK_FAILED);
     CHECK_EQ(j2->nbytes, 0);
     CHECK_EQ(j2->flags, KV_DONE_UNSTARTED); /* no READ of it ever went out */
-    CHECK(memcmp(dst, dsh, (size_t)dlen) == 0);
-    CHECK(pc_send(&p->c[0], pay + part, (size_t)(l2 - part)));
+    CHECK_EQ(j1->status, KV_LLM_LINK_FAILED);
+    CHECK_EQ(j1->nbytes, 0);
+    CHECK_EQ(j1->flags, 0);
+    pc_send(&p->c[0], pay + part, (size_t)(l2 - part));
     free(pay);
-    peer_ping(p, 0);
+    wait_link_down(p->l);
+    peer_drain_eof(p);
     if (memcmp(dst, dsh, (size_t)dlen) != 0) {
-        FAILED_AT("%s", "an aborted pull's destination changed after its completion (an RDATA in flight "
-                        "before any READ)");
+        FAILED_AT("%s", "an unasked RDATA wrote a pull's destination");
         die();
     }
-    p->rx_maybe += l2; /* discarded: not counted (unless the bytes landed, caught above) */
-    job_forget(j2);
-    /* the first job: answered now, it completes */
-    p->j = j1;
-    p->sg[0].src = 0; /* (unused from here on: the chunks carry what the answers need) */
-    p->sg[0].dst = 0;
-    p->sg[0].len = l1;
-    p->total = total1;
-    memcpy(p->ch, ch1, sizeof ch1);
-    p->nch = 4;
-    p->nseen = 4;
-    for (int k = 0; k < 4; k++)
-        CHECK(send_rdata(p, 0, 0, p->ch[k].off, p->ch[k].len, dsh, 0, p->ch[k].len));
-    CHECK(peer_wait(p, job_done, -1, WAIT_MS));
-    CHECK_EQ(j1->status, KV_LLM_SUCCESS);
-    CHECK_EQ(j1->nbytes, l1);
-    CHECK_EQ(j1->flags, 0);
-    p->rx_sure += l1;
-    CHECK(memcmp(dst, dsh, (size_t)dlen) == 0);
     for (uint64_t q = 0; q < margin; q++)
         CHECK(db[q] == GUARD_BYTE(q) && dst[dlen + q] == GUARD_BYTE(q));
+    job_forget(j2);
+    p->j = j1;
+    job_forget(j1);
+    p->j = NULL;
     CHECK_EQ(kv_region_remove(g_core, did), KV_LLM_SUCCESS);
     free(db);
     free(dsh);
-    job_forget(j1);
-    p->j = NULL;
     peer_close(p);
 }
 
