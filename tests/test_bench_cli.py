@@ -1,0 +1,61 @@
+"""`kvengine bench` from the command line, as a user runs it after a fresh install:
+progress while it runs, a table with ratios to the baselines measured in the same
+run, JSON, and a PNG when matplotlib is there. Tiny sizes and few repetitions: this
+checks that the tool works and reports what it measured, not speed (the figures are
+in docs/benchmarks.md)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+BASELINES = {"shm": ["memcpy", "memcpy 2 threads"], "tcp": ["raw socket"]}
+
+
+def bench(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "kvengine", "bench", *args], capture_output=True, text=True,
+                       timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    return out
+
+
+def check_png(prefix, out: str) -> None:
+    png = prefix.parent / (prefix.name + ".png")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.stat().st_size > 1000, "no plot written"
+    else:   # the run says how to get it
+        assert not png.exists() and "kvengine[bench]' for the PNG" in out
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_bench_throughput_reports_ratios_json_and_plot(transport, tmp_path):
+    prefix = tmp_path / f"throughput-{transport}"
+    out = bench("throughput", "--transport", transport, "--quick", "--sizes", "2x32K,4x256K", "--reps", "2",
+                "--peers", "none", "--out", str(prefix))
+    assert f"throughput {transport}" in out                       # the progress bar (or its plain lines)
+    for name in BASELINES[transport]:
+        assert f"x {name}" in out                                  # a ratio column per baseline
+    assert "NIXL" in out and "not run (--peers)" in out            # peers are named even when not run
+    r = json.loads((tmp_path / f"throughput-{transport}.json").read_text())
+    assert r["transport"] == transport
+    assert [s["bytes"] for s in r["sizes"]] == [64 << 10, 1 << 20]
+    assert r["verify"]["kvengine"] == [True, True]                 # every size checked byte for byte
+    for s in r["sizes"]:
+        assert s["results"]["kvengine"]["GBps"] > 0
+        assert sorted(s["kv_over"]) == sorted(BASELINES[transport] + (["uvloop streams"] if transport == "tcp" else []))
+        assert all(v > 0 for v in s["kv_over"].values())
+    check_png(prefix, out)
+
+
+def test_bench_latency_reports_percentiles(tmp_path):
+    prefix = tmp_path / "latency-tcp"
+    out = bench("latency", "--transport", "tcp", "--quick", "--n", "300", "--peers", "none", "--out", str(prefix))
+    assert "p99" in out and "x kv p50" in out
+    r = json.loads((tmp_path / "latency-tcp.json").read_text())
+    kv = r["results"]["kvengine"]
+    assert kv["n"] == 300 and 0 < kv["p50_us"] <= kv["p99_us"] <= kv["max_us"]
+    assert set(r["kv_over"]) == {"raw socket", "uvloop streams"}
+    check_png(prefix, out)
