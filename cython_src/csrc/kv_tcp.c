@@ -956,8 +956,9 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
     kv_link *l = k->link;
     if (k->ptype == F_DATA) {
         /* every DATA frame consumed, written or discarded, is CREDITed on its
-         * stream: the sender keeps at most its window on the wire (small enough
-         * to stay in cache, and no Python round trip needed to pace it) */
+         * stream: the sender keeps at most its window on the wire, paced here
+         * with no Python round trip (unbounded, a large push ran ~8% slower:
+         * docs/tuning.md, tcp_window_bytes) */
         kv_frame cr = frame(F_CREDIT, 0, k->pxfer);
         cr.length = k->plen;
         if (ctrl_push(k, &cr) < 0)
