@@ -222,20 +222,23 @@ static void job_unhash(kv_core *c, kv_job *j) {
     *p = j->hnext;
 }
 
-static void queue_remove(kv_core *c, kv_job *j) {
+int kv__queue_remove(kv_job **head, kv_job **tail, kv_job *j) {
     if (!j->queued)
-        return;
+        return 0;
     if (j->qprev)
         j->qprev->qnext = j->qnext;
     else
-        c->qhead = j->qnext;
+        *head = j->qnext;
     if (j->qnext)
         j->qnext->qprev = j->qprev;
     else
-        c->qtail = j->qprev;
+        *tail = j->qprev;
     j->qnext = j->qprev = NULL;
     j->queued = 0;
+    return 1;
 }
+
+static void queue_remove(kv_core *c, kv_job *j) { kv__queue_remove(&c->qhead, &c->qtail, j); }
 
 void kv__rank_insert(kv_job **head, kv_job **tail, kv_job *j) {
     kv_job *after = *tail;

@@ -106,6 +106,8 @@ void kv__signal_loop(kv_core *c);
 /* Into a qnext/qprev queue by rank, after the jobs of equal rank (FIFO among
  * them): the movers' queue, a TCP link's send queue. Usually at the tail. */
 void kv__rank_insert(kv_job **head, kv_job **tail, kv_job *j);
+/* Out of such a queue; returns 0 if `j` was not queued. */
+int kv__queue_remove(kv_job **head, kv_job **tail, kv_job *j);
 
 /* kv_tcp.c, called by kv_core.c with c->mu held */
 uint32_t kv__tcp_submit(kv_core *c, kv_job *j); /* hand a TCP job to the I/O thread */

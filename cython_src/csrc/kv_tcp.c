@@ -260,19 +260,8 @@ static void rx_del(kv_link *l, kv_rx *r) {
 }
 
 static void sq_remove(kv_link *l, kv_job *j) {
-    if (!j->queued)
-        return;
-    if (j->qprev)
-        j->qprev->qnext = j->qnext;
-    else
-        l->sq_head = j->qnext;
-    if (j->qnext)
-        j->qnext->qprev = j->qprev;
-    else
-        l->sq_tail = j->qprev;
-    j->qnext = j->qprev = NULL;
-    j->queued = 0;
-    l->sq_pulls -= j->is_pull;
+    if (kv__queue_remove(&l->sq_head, &l->sq_tail, j))
+        l->sq_pulls -= j->is_pull;
 }
 
 /* A pull's answer tracking: chunk k is the k-th READ sent (segments in order,
@@ -1310,6 +1299,24 @@ static uint32_t post_cmd(kv_core *c, kv_cmd *m) {
     return st;
 }
 
+/* Hand `fd` to the I/O thread with a command; the core owns it from here on, also on failure. */
+static uint32_t post_fd(kv_core *c, int type, int fd, uint32_t link_id) {
+    kv_cmd *m = calloc(1, sizeof *m);
+    if (!m) {
+        close(fd);
+        return KV_LLM_OUT_OF_MEMORY;
+    }
+    m->type = type;
+    m->fd = fd;
+    m->link_id = link_id;
+    uint32_t st = post_cmd(c, m);
+    if (st != KV_LLM_SUCCESS) {
+        close(fd);
+        free(m);
+    }
+    return st;
+}
+
 uint32_t kv_tcp_listen(kv_core *c, const char *ip, uint16_t port, uint16_t *bound) {
     struct sockaddr_storage ss;
     socklen_t sl;
@@ -1338,19 +1345,7 @@ uint32_t kv_tcp_listen(kv_core *c, const char *ip, uint16_t port, uint16_t *boun
         return KV_LLM_FAILED;
     }
     *bound = ntohs(ss.ss_family == AF_INET ? a4->sin_port : a6->sin6_port);
-    kv_cmd *m = calloc(1, sizeof *m);
-    if (!m) {
-        close(fd);
-        return KV_LLM_OUT_OF_MEMORY;
-    }
-    m->type = CMD_LISTEN;
-    m->fd = fd;
-    uint32_t st = post_cmd(c, m);
-    if (st != KV_LLM_SUCCESS) {
-        close(fd);
-        free(m);
-    }
-    return st;
+    return post_fd(c, CMD_LISTEN, fd, 0);
 }
 
 uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int nstreams, uint64_t window) {
@@ -1383,22 +1378,7 @@ uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int
     return st;
 }
 
-uint32_t kv_tcp_conn_add(kv_core *c, int fd, uint32_t link_id) {
-    kv_cmd *m = calloc(1, sizeof *m);
-    if (!m) {
-        close(fd);
-        return KV_LLM_OUT_OF_MEMORY;
-    }
-    m->type = CMD_CONN_ADD;
-    m->fd = fd;
-    m->link_id = link_id;
-    uint32_t st = post_cmd(c, m);
-    if (st != KV_LLM_SUCCESS) {
-        close(fd);
-        free(m);
-    }
-    return st;
-}
+uint32_t kv_tcp_conn_add(kv_core *c, int fd, uint32_t link_id) { return post_fd(c, CMD_CONN_ADD, fd, link_id); }
 
 uint32_t kv_tcp_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
     kv_cmd *m = calloc(1, sizeof *m);
