@@ -150,59 +150,20 @@ typedef char fr_is_64_bytes[sizeof(fr) == 64 ? 1 : -1];
 #define CHUNK (16 * KiB)     /* the core's chunk: a push or pull frame's size */
 #define PEER_LEN (64 * 1024 * KiB) /* the remote region of peer jobs (never memory here) */
 
-static unsigned long g_checks;
 static uint64_t g_seed;
 static long g_iter = -1;
 static const char *g_what = "setup";
 
-static void die(void) {
-    fflush(stdout);
-    fflush(stderr);
-    _exit(1);
-}
-
 #define FAILED_AT(fmt, ...)                                                                       \
     fprintf(stderr, "%s:%d: [seed %" PRIu64 " iteration %ld %s] " fmt "\n", __FILE__, __LINE__, \
             g_seed, g_iter, g_what, __VA_ARGS__)
-
-#define CHECK(cond)                                                                               \
-    do {                                                                                          \
-        g_checks++;                                                                               \
-        if (!(cond)) {                                                                            \
-            FAILED_AT("CHECK failed: %s", #cond);                                                 \
-            die();                                                                                \
-        }                                                                                         \
-    } while (0)
-
-#define CHECK_EQ(a, b)                                                                            \
-    do {                                                                                          \
-        uint64_t a_ = (uint64_t)(a), b_ = (uint64_t)(b);                                          \
-        g_checks++;                                                                               \
-        if (a_ != b_) {                                                                           \
-            FAILED_AT("CHECK failed: %s == %s (0x%" PRIx64 " != 0x%" PRIx64 ")", #a, #b, a_, b_); \
-            die();                                                                                \
-        }                                                                                         \
-    } while (0)
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
-
-static void sleep_us(long us) {
-    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
-}
+#include "check.h"
 
 static void *xmalloc(size_t n) {
     void *p = malloc(n ? n : 1);
     CHECK(p != NULL);
     return p;
 }
-
-static uint64_t A(const void *p) { return (uint64_t)(uintptr_t)p; }
 
 /* splitmix64: the only source of randomness, so a seed replays a run. */
 static uint64_t g_rng;
@@ -3595,11 +3556,19 @@ int main(int argc, char **argv) {
     CHECK(g_links != NULL);
     double t0 = now_ms();
     setup();
-    /* sessions that run once at a random iteration (and now and then below) */
-    static const struct {
+    typedef struct {
         void (*run)(void);
         int kind;
-    } once[] = {{sess_flood, K_FLOOD}, {sess_limits, K_LIMITS}, {sess_window, K_WINDOW}, {sess_rank, K_RANK}};
+        int upto; /* mix: the session of an iteration whose draw in [0, 1000) is below this */
+    } session;
+    /* sessions that run once at a random iteration (and now and then in the mix) */
+    static const session once[] = {
+        {sess_flood, K_FLOOD, 0}, {sess_limits, K_LIMITS, 0}, {sess_window, K_WINDOW, 0}, {sess_rank, K_RANK, 0}};
+    static const session mix[] = {
+        {sess_preauth, K_PREAUTH, 220}, {sess_server, K_SERVER, 690},      {sess_multi, K_MULTI, 790},
+        {sess_notify, K_NOTIFY, 830},   {sess_client_bad, K_CLIENT, 850},  {sess_push, K_PEER, 912},
+        {sess_pull, K_PEER, 975},       {sess_pull_unasked, K_PEER, 985}, {sess_push_stuck, K_PEER, 995},
+        {sess_window, K_WINDOW, 998},   {sess_rank, K_RANK, 1000}};
     long once_at[sizeof once / sizeof once[0]];
     for (size_t i = 0; i < sizeof once / sizeof once[0]; i++)
         once_at[i] = iters >= 40 ? (long)below((uint64_t)iters) : -1;
@@ -3609,30 +3578,12 @@ int main(int argc, char **argv) {
                 once[i].run();
                 g_counts[once[i].kind]++;
             }
-        int r = (int)below(1000), kind;
-        if (r < 220)
-            sess_preauth(), kind = K_PREAUTH;
-        else if (r < 690)
-            sess_server(), kind = K_SERVER;
-        else if (r < 790)
-            sess_multi(), kind = K_MULTI;
-        else if (r < 830)
-            sess_notify(), kind = K_NOTIFY;
-        else if (r < 850)
-            sess_client_bad(), kind = K_CLIENT;
-        else if (r < 912)
-            sess_push(), kind = K_PEER;
-        else if (r < 975)
-            sess_pull(), kind = K_PEER;
-        else if (r < 985)
-            sess_pull_unasked(), kind = K_PEER;
-        else if (r < 995)
-            sess_push_stuck(), kind = K_PEER;
-        else if (r < 998)
-            sess_window(), kind = K_WINDOW;
-        else
-            sess_rank(), kind = K_RANK;
-        g_counts[kind]++;
+        int r = (int)below(1000);
+        const session *m = mix;
+        while (r >= m->upto)
+            m++;
+        m->run();
+        g_counts[m->kind]++;
     }
     g_what = "final";
     serve_once(link_new(1)); /* a fresh link */

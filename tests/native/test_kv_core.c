@@ -36,48 +36,10 @@
 #define WATCHDOG_SECONDS 90
 #define WAIT_MS 10000 /* the most any single wait for completions may take */
 
-static unsigned long g_checks;
 static const char *g_test = "?";
 
-static void die(void) {
-    fflush(stdout);
-    fflush(stderr);
-    _exit(1);
-}
-
-#define CHECK(cond)                                                                          \
-    do {                                                                                     \
-        __sync_fetch_and_add(&g_checks, 1); /* CHECK runs on several threads */            \
-        if (!(cond)) {                                                                       \
-            fprintf(stderr, "%s:%d: [%s] CHECK failed: %s\n", __FILE__, __LINE__, g_test,    \
-                    #cond);                                                                  \
-            die();                                                                           \
-        }                                                                                    \
-    } while (0)
-
-#define CHECK_EQ(a, b)                                                                       \
-    do {                                                                                     \
-        uint64_t a_ = (uint64_t)(a), b_ = (uint64_t)(b);                                     \
-        __sync_fetch_and_add(&g_checks, 1);                                                  \
-        if (a_ != b_) {                                                                      \
-            fprintf(stderr,                                                                  \
-                    "%s:%d: [%s] CHECK failed: %s == %s (0x%" PRIx64 " != 0x%" PRIx64 ")\n", \
-                    __FILE__, __LINE__, g_test, #a, #b, a_, b_);                             \
-            die();                                                                           \
-        }                                                                                    \
-    } while (0)
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
-
-static void sleep_us(long us) {
-    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
-}
+#define FAILED_AT(fmt, ...) fprintf(stderr, "%s:%d: [%s] " fmt "\n", __FILE__, __LINE__, g_test, __VA_ARGS__)
+#include "check.h"
 
 static uint8_t *xmap(uint64_t n) {
     void *p = mmap(NULL, (size_t)n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -86,8 +48,6 @@ static uint8_t *xmap(uint64_t n) {
 }
 
 static void xunmap(void *p, uint64_t n) { CHECK(munmap(p, (size_t)n) == 0); }
-
-static uint64_t A(const void *p) { return (uint64_t)(uintptr_t)p; }
 
 /* Deterministic, seed-dependent bytes (no two seeds alike). */
 static void fill(uint8_t *p, uint64_t n, uint64_t seed) {
