@@ -3602,8 +3602,8 @@ int main(int argc, char **argv) {
     printf("stats: refused %" PRIu64 ", bad frames %" PRIu64 ", links failed %" PRIu64 ", bytes received %" PRIu64
            "\n",
            st.tcp_refused, st.tcp_bad_frames, st.tcp_links_failed, st.tcp_bytes_received);
-    printf("server sessions ended by a bad frame %ld, by close/reset %ld; pulls completed under an RDATA in "
-           "flight %ld; pushes with a frame stuck %ld (early answer refused %ld); rank: big push frames "
+    printf("server sessions ended by a bad frame %ld, by close/reset %ld; pulls failed by a READ answered "
+           "twice %ld; pushes with a frame stuck %ld (early answer refused %ld); rank: big push frames "
            "ahead %" PRIu64 " at most\n",
            g_bad_sessions, g_tolerant, g_dup_rdata, g_stuck, g_stuck_refused, g_rank_ahead);
     int passed = 0;
