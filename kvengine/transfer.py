@@ -123,7 +123,7 @@ class Transfer:
         for job in self._jobs:
             core.abort(job, int(status))
 
-    def _piece_done(self, job: int, status: int, nbytes: int, ran: bool = True) -> None:
+    def _piece_done(self, job: int, status: int, nbytes: int, ran: bool) -> None:
         """A piece finished; ``ran``: some of it went out (False: aborted before it started)."""
         size = self._jobs.pop(job, 0)
         if ran:

@@ -85,6 +85,17 @@ class KvSide:
             await self.peer.close()
 
 
+async def close_all(kvs: KvSide, pairs: dict, *baselines) -> None:
+    """End a run: kvengine's side first (the others' closing blocks: it joins processes),
+    then the peer engines' pairs, then the baselines that were started (None: not started)."""
+    await kvs.close()
+    for p in pairs.values():
+        p.close()
+    for b in baselines:
+        if b is not None:
+            b.close()
+
+
 def odd_stats(name: str, s: dict) -> str | None:
     """Anything an engine owner should see: failed or aborted transfers, refused connections."""
     odd = {k: v for k, v in s.get("by_status", {}).items() if str(k) not in ("LLM_SUCCESS", "0")}

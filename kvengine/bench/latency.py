@@ -33,7 +33,7 @@ import numpy as np
 from . import peers as P
 from .baselines import RawSocket, Streams
 from .common import KiB, Progress, busy_processes, cpu_snapshot, foreign_load, get_runner, meta, save_outputs
-from .harness import KvSide, footer, ratio, summary, table, us
+from .harness import KvSide, close_all, footer, ratio, summary, table, us
 from .throughput import KV, MEMCPY, RAW, STREAMS, add_common_args, col_name, resolve_common
 
 LAYERS = 32
@@ -148,13 +148,7 @@ async def run(args) -> dict:
         out["engine_stats"] = {"prefill": here, "decode": there}
         out["peer_env"] = {n: p.env for n, p in pairs.items()}
     finally:
-        await kvs.close()
-        for p in pairs.values():
-            p.close()
-        if raw is not None:
-            raw.close()
-        if streams is not None:
-            streams.close()
+        await close_all(kvs, pairs, raw, streams)
     return out
 
 

@@ -42,7 +42,7 @@ from . import peers as P
 from .baselines import ParallelMemcpy, RawSocket, Streams, memcpy_seconds
 from .common import (KiB, MiB, Progress, busy_processes, cpu_snapshot, fmt_bytes, foreign_load, get_runner,
                      meta, out_paths, parse_bytes, save_outputs, short_bytes)
-from .harness import MODEL, TRANSPORTS, KvSide, footer, gbps, model_label, ratio, table
+from .harness import MODEL, TRANSPORTS, KvSide, close_all, footer, gbps, model_label, ratio, table
 
 KV = "kvengine"
 MEMCPY, MEMCPY2, RAW, STREAMS = "memcpy", "memcpy 2 threads", "raw socket", "uvloop streams"
@@ -200,15 +200,7 @@ async def run(args) -> dict:
         out["engine_options"] = {k: getattr(eo, k) for k in eo.__slots__ if k != "secret"}
         out["peer_env"] = {n: p.env for n, p in pairs.items()}
     finally:
-        await kvs.close()            # first: the others' closing blocks (joins processes)
-        for p in pairs.values():
-            p.close()
-        if raw is not None:
-            raw.close()
-        if streams is not None:
-            streams.close()
-        if pmemcpy is not None:
-            pmemcpy.close()
+        await close_all(kvs, pairs, raw, streams, pmemcpy)
     return out
 
 
@@ -268,6 +260,19 @@ def plot(r: dict, path: str) -> None:
     times = mt.FuncFormatter(lambda v, _: f"{v:g}x")
     sizes = r["sizes"]
     x = [s["bytes"] for s in sizes]
+
+    def axis(ax, fmt, ylabel: str, title: str) -> None:
+        """Both panels: log-log over the sizes, labelled by shape."""
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(x, [model_label(s["tensors"], s["row_bytes"]).replace(" (", "\n(") for s in sizes], fontsize=7)
+        ax.yaxis.set_major_formatter(fmt)
+        ax.yaxis.set_minor_formatter(fmt if ax.get_ylim()[1] / ax.get_ylim()[0] < 20 else mt.NullFormatter())
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     ax = axes[0]
     style = {KV: dict(color="tab:blue", lw=2.4, marker="o"), MEMCPY: dict(color="grey", ls=":", marker="s"),
@@ -280,15 +285,7 @@ def plot(r: dict, path: str) -> None:
         hi = [s["results"][c]["max_GBps"] for s in sizes]
         ax.plot(x, y, label=col_name(c, T), **style.get(c, {}))
         ax.fill_between(x, lo, hi, color=style.get(c, {}).get("color"), alpha=0.12)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(x, [model_label(s["tensors"], s["row_bytes"]).replace(" (", "\n(") for s in sizes], fontsize=7)
-    ax.yaxis.set_major_formatter(num)
-    ax.yaxis.set_minor_formatter(num if ax.get_ylim()[1] / ax.get_ylim()[0] < 20 else mt.NullFormatter())
-    ax.set_ylabel("GB/s (median; band: min..max)")
-    ax.set_title(f"push into another process, {T}: kvengine vs baselines and peers", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    axis(ax, num, "GB/s (median; band: min..max)", f"push into another process, {T}: kvengine vs baselines and peers")
     ax = axes[1]
     for c in cols:
         if c == KV:
@@ -302,15 +299,7 @@ def plot(r: dict, path: str) -> None:
             ax.annotate(f"goal >= {g['goal']}x {g['peer']}", (MODEL[0] * MODEL[1], g["goal"]),
                         textcoords="offset points", xytext=(-120, -12), fontsize=7,
                         color=style[g["peer"]]["color"])
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(x, [model_label(s["tensors"], s["row_bytes"]).replace(" (", "\n(") for s in sizes], fontsize=7)
-    ax.yaxis.set_major_formatter(times)
-    ax.yaxis.set_minor_formatter(times if ax.get_ylim()[1] / ax.get_ylim()[0] < 20 else mt.NullFormatter())
-    ax.set_ylabel("kvengine / column (same repetition, median)")
-    ax.set_title("ratios (> 1: kvengine faster)", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    axis(ax, times, "kvengine / column (same repetition, median)", "ratios (> 1: kvengine faster)")
     fig.suptitle(f"kvengine bench throughput --transport {T}  ({r.get('meta', {}).get('time', '')})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
