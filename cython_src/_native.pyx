@@ -88,8 +88,15 @@ cdef class Core:
     def region_remove(self, uint32_t region_id):
         return kvc.kv_region_remove(self.c, region_id)
 
-    def submit(self, uint64_t job_id, const uint64_t[::1] segs, uint64_t inline_max, uint64_t rank=0):
-        """Start a job (TCP links send lower ``rank`` first). Returns ``(status, done_inline, nbytes)``."""
+    def region_pidfd(self, uint32_t region_id, int pidfd):
+        """Attach a pidfd of a REGION_PROCESS region's process (the core keeps a dup): once that
+        process has exited, CMA through its pid fails LLM_LINK_FAILED instead. Returns a status."""
+        return kvc.kv_region_pidfd(self.c, region_id, pidfd)
+
+    def submit(self, uint64_t job_id, const uint64_t[::1] segs, uint64_t inline_max, uint64_t rank=0,
+               uint32_t lease=0):
+        """Start a job (TCP links send lower ``rank`` first; movers claim no chunk once ``lease``,
+        from lease_add, has run out). Returns ``(status, done_inline, nbytes)``."""
         cdef size_t nsegs = segs.shape[0] // kvc.KV_SEG_WORDS
         cdef int done = 0
         cdef uint64_t nbytes = 0
@@ -97,8 +104,22 @@ cdef class Core:
         if segs.shape[0] == 0 or segs.shape[0] % kvc.KV_SEG_WORDS:
             return 0x5010B005, True, 0
         with nogil:  # may copy up to inline_max bytes on this thread
-            st = kvc.kv_core_submit_ranked(self.c, job_id, &segs[0], nsegs, inline_max, rank, &done, &nbytes)
+            st = kvc.kv_core_submit_leased(self.c, job_id, &segs[0], nsegs, inline_max, rank, lease, &done,
+                                           &nbytes)
         return st, done != 0, nbytes
+
+    def lease_add(self, uint64_t until_ns):
+        """A mover lease until ``until_ns`` (``time.clock_gettime_ns(time.CLOCK_BOOTTIME)``): returns ``(status, lease_id)``."""
+        cdef uint32_t lid = 0
+        cdef uint32_t st = kvc.kv_lease_add(self.c, until_ns, &lid)
+        return st, lid
+
+    def lease_renew(self, uint32_t lease_id, uint64_t until_ns):
+        return kvc.kv_lease_renew(self.c, lease_id, until_ns)
+
+    def lease_remove(self, uint32_t lease_id):
+        """Jobs under the lease claim no more chunks (they fail LLM_LINK_FAILED)."""
+        return kvc.kv_lease_remove(self.c, lease_id)
 
     def abort(self, uint64_t job_id, uint32_t status):
         """Fenced abort: the job's completion (with ``status``) follows once no byte can land."""
@@ -129,10 +150,14 @@ cdef class Core:
         cdef uint32_t st = kvc.kv_tcp_listen(self.c, b, port, &bound)
         return st, bound
 
-    def tcp_link_add(self, uint32_t link_id, bytes token, int nstreams, uint64_t window=0):
-        if len(token) != kvc.KV_TOKEN_BYTES:
+    def tcp_link_add(self, uint32_t link_id, bytes token, int nstreams, uint64_t window=0,
+                     double lease=0.8, double fence=1.0, double margin=0.1):
+        """Declare a TCP link. ``lease``, ``fence``, ``margin`` in seconds (kvengine passes
+        0.4, 0.5 and 0.05 * heartbeat_timeout; the defaults are those of the default 2 s)."""
+        if len(token) != kvc.KV_TOKEN_BYTES or not (0 <= lease <= 3600 and 0 <= fence <= 3600 and 0 <= margin <= 3600):
             return 0x5010B005
-        return kvc.kv_tcp_link_add(self.c, link_id, <const unsigned char *>token, nstreams, window)
+        return kvc.kv_tcp_link_add(self.c, link_id, <const unsigned char *>token, nstreams, window,
+                                   <uint64_t>(lease * 1e9), <uint64_t>(fence * 1e9), <uint64_t>(margin * 1e9))
 
     def tcp_conn_add(self, int fd, uint32_t link_id):
         """Hand a connected socket to the core (it owns ``fd`` from now on, also on failure)."""
@@ -152,4 +177,6 @@ cdef class Core:
             "tcp_conns": s.tcp_conns, "tcp_bytes_sent": s.tcp_bytes_sent,
             "tcp_bytes_received": s.tcp_bytes_received, "tcp_bad_frames": s.tcp_bad_frames,
             "tcp_refused": s.tcp_refused, "tcp_links_failed": s.tcp_links_failed,
+            "tcp_lease_expired": s.tcp_lease_expired, "tcp_fence_expired": s.tcp_fence_expired,
+            "tcp_stalled": s.tcp_stalled, "tcp_accept_paused": s.tcp_accept_paused,
         }

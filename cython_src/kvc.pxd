@@ -43,6 +43,10 @@ cdef extern from "kv_core.h" nogil:
         uint64_t tcp_bad_frames
         uint64_t tcp_refused
         uint64_t tcp_links_failed
+        uint64_t tcp_lease_expired
+        uint64_t tcp_fence_expired
+        uint64_t tcp_stalled
+        uint64_t tcp_accept_paused
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)
@@ -53,14 +57,21 @@ cdef extern from "kv_core.h" nogil:
     uint32_t kv_region_add(kv_core *core, int kind, int32_t pid, uint64_t addr, uint64_t len,
                            unsigned flags, uint32_t *region_id)
     uint32_t kv_region_remove(kv_core *core, uint32_t region_id)
+    uint32_t kv_region_pidfd(kv_core *core, uint32_t region_id, int pidfd)
     uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr)
     uint32_t kv_core_submit(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                             uint64_t inline_max, int *done, uint64_t *nbytes)
     uint32_t kv_core_submit_ranked(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                                    uint64_t inline_max, uint64_t rank, int *done, uint64_t *nbytes)
     uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status)
+    uint32_t kv_lease_add(kv_core *core, uint64_t until_ns, uint32_t *lease_id)
+    uint32_t kv_lease_renew(kv_core *core, uint32_t lease_id, uint64_t until_ns)
+    uint32_t kv_lease_remove(kv_core *core, uint32_t lease_id)
+    uint32_t kv_core_submit_leased(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
+                                   uint64_t inline_max, uint64_t rank, uint32_t lease_id, int *done,
+                                   uint64_t *nbytes)
     uint32_t kv_tcp_listen(kv_core *core, const char *ip, uint16_t port, uint16_t *bound_port)
     uint32_t kv_tcp_link_add(kv_core *core, uint32_t link_id, const unsigned char *token, int nstreams,
-                             uint64_t window)
+                             uint64_t window, uint64_t lease_ns, uint64_t fence_ns, uint64_t margin_ns)
     uint32_t kv_tcp_conn_add(kv_core *core, int fd, uint32_t link_id)
     uint32_t kv_tcp_link_close(kv_core *core, uint32_t link_id, uint32_t status)

@@ -89,7 +89,10 @@ def test_tcp_fuzz_asan_ubsan(tmp_path):
     """Random and mutated frames through the real TCP receive path, under ASan +
     UBSan: canaries intact, exported bytes exactly as the receiver's checks
     allow, counters and events exact, no access to a job's memory after its
-    completion, the core still serving at the end, leak-free close (~4 s)."""
+    completion, the lease (no write without one, none after it ran out; an
+    unfenced push completes at the release, not before), answers naming a job
+    before its first frame refused, the idle bound, the core still serving at
+    the end, leak-free close (~7 s)."""
     exe = _build(tmp_path, "fuzz_tcp_asan", SANITIZE, FUZZ_C)
     # A fixed seed by default, so CI is reproducible; KV_FUZZ_SEED=random explores.
     seed = os.environ.get("KV_FUZZ_SEED", "20261130")

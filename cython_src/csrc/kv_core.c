@@ -7,6 +7,7 @@
 #include "kv_internal.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -14,6 +15,8 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/uio.h>
+#include <time.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 /* ------------------------------------------------------------------ regions */
@@ -29,6 +32,8 @@ static int region_release(kv_core *c, uint32_t id) {
     int sig = 0;
     if (r->flags & KV_REGION_F_UNMAP)
         munmap((void *)(uintptr_t)r->addr, (size_t)r->len); /* nothing to do on failure */
+    if (r->pidfd >= 0)
+        close(r->pidfd);
     if (r->notify) {
         sig = kv__post_event(c, r->notify);
         r->notify = NULL;
@@ -85,6 +90,7 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
     r->kind = kind;
     r->flags = flags;
     r->notify = ev;
+    r->pidfd = -1;
     pthread_mutex_lock(&c->mu);
     if (c->closed) {
         pthread_mutex_unlock(&c->mu);
@@ -136,6 +142,27 @@ uint32_t kv_region_remove(kv_core *c, uint32_t id) {
     return KV_LLM_SUCCESS;
 }
 
+uint32_t kv_region_pidfd(kv_core *c, uint32_t id, int pidfd) {
+    if (pidfd < 0)
+        return KV_LLM_PARAM_INVALID;
+    int fd = fcntl(pidfd, F_DUPFD_CLOEXEC, 3);
+    if (fd < 0)
+        return errno == EMFILE || errno == ENFILE ? KV_LLM_OUT_OF_MEMORY : KV_LLM_PARAM_INVALID;
+    pthread_mutex_lock(&c->mu);
+    kv_region *r = kv__region_get(c, id);
+    uint32_t st = KV_LLM_SUCCESS;
+    if (!r || r->removed)
+        st = KV_LLM_KV_CACHE_NOT_EXIST;
+    else if (r->kind != KV_REGION_PROCESS || r->pidfd >= 0)
+        st = KV_LLM_PARAM_INVALID; /* once: jobs may hold the first one */
+    else
+        r->pidfd = fd;
+    pthread_mutex_unlock(&c->mu);
+    if (st != KV_LLM_SUCCESS)
+        close(fd);
+    return st;
+}
+
 uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr) {
     if (fd < 0 || len == 0 || len > (uint64_t)SIZE_MAX)
         return KV_LLM_PARAM_INVALID;
@@ -145,6 +172,65 @@ uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr) {
     *addr = (uint64_t)(uintptr_t)p;
     return KV_LLM_SUCCESS;
 }
+
+/* ----------------------------------------------------------- mover leases */
+
+/* CLOCK_BOOTTIME: like CLOCK_MONOTONIC, but it also counts time suspended, so a
+ * lease taken before a suspend has expired after it (time.clock_gettime_ns(
+ * time.CLOCK_BOOTTIME) in Python). */
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_BOOTTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+uint32_t kv_lease_add(kv_core *c, uint64_t until_ns, uint32_t *lease_id) {
+    pthread_mutex_lock(&c->mu);
+    uint32_t st = c->closed ? KV_LLM_ENGINE_FINALIZED : KV_LLM_SUCCESS;
+    if (st == KV_LLM_SUCCESS && c->nleases >= c->lease_cap) {
+        size_t cap = c->lease_cap ? c->lease_cap * 2 : 64;
+        uint64_t *n = cap <= UINT32_MAX ? realloc(c->lease_until, cap * sizeof *n) : NULL;
+        if (n) {
+            c->lease_until = n;
+            c->lease_cap = cap;
+        } else {
+            st = KV_LLM_OUT_OF_MEMORY;
+        }
+    }
+    if (st == KV_LLM_SUCCESS) {
+        if (c->nleases == 0)
+            c->lease_until[c->nleases++] = 0; /* id 0: no lease */
+        *lease_id = (uint32_t)c->nleases;
+        c->lease_until[c->nleases++] = until_ns;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return st;
+}
+
+uint32_t kv_lease_renew(kv_core *c, uint32_t id, uint64_t until_ns) {
+    pthread_mutex_lock(&c->mu);
+    uint32_t st = KV_LLM_PARAM_INVALID;
+    if (id && id < c->nleases && c->lease_until[id]) {
+        c->lease_until[id] = until_ns ? until_ns : 1; /* (0 would read as removed) */
+        st = KV_LLM_SUCCESS;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return st;
+}
+
+uint32_t kv_lease_remove(kv_core *c, uint32_t id) {
+    pthread_mutex_lock(&c->mu);
+    uint32_t st = KV_LLM_PARAM_INVALID;
+    if (id && id < c->nleases && c->lease_until[id]) {
+        c->lease_until[id] = 0;
+        st = KV_LLM_SUCCESS;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return st;
+}
+
+/* May a job under lease `id` move another chunk? Caller holds c->mu. */
+static int lease_ok(kv_core *c, uint32_t id) { return id == 0 || c->lease_until[id] > mono_ns(); }
 
 /* ---------------------------------------------------------------- copying */
 
@@ -159,6 +245,17 @@ static uint32_t status_from_errno(int e) {
     }
 }
 
+/* Has the process behind `pidfd` exited? (Then its pid may already name
+ * another process.) */
+static int process_gone(int pidfd) {
+    struct pollfd p = {pidfd, POLLIN, 0};
+    int r;
+    do
+        r = poll(&p, 1, 0);
+    while (r < 0 && errno == EINTR);
+    return r != 0; /* exited (POLLIN), or the pidfd is unusable: either way, no CMA through that pid */
+}
+
 /* Copy `n` bytes at offset `off` of segment `s`. No locks held. */
 static uint32_t copy_chunk(const kv_rseg *s, uint64_t off, uint64_t n) {
     void *dst = (void *)(uintptr_t)(s->dst + off);
@@ -171,6 +268,8 @@ static uint32_t copy_chunk(const kv_rseg *s, uint64_t off, uint64_t n) {
     while (moved < n) {
         struct iovec local, remote;
         ssize_t r;
+        if (s->pidfd >= 0 && process_gone(s->pidfd))
+            return KV_LLM_LINK_FAILED;
         if (s->dst_kind == KV_REGION_PROCESS) {
             local.iov_base = (char *)src + moved;
             remote.iov_base = (char *)dst + moved;
@@ -263,10 +362,8 @@ static int job_release_refs(kv_core *c, kv_job *j, size_t nrefs) {
         sig |= region_unref_sig(c, j->regions[i]);
     free(j->regions);
     free(j->segs);
-    free(j->rbase);
-    free(j->rnext);
-    j->rbase = NULL;
-    j->rnext = NULL;
+    free(j->pt);
+    j->pt = NULL;
     j->regions = NULL;
     j->segs = NULL;
     return sig;
@@ -323,6 +420,18 @@ static void *mover_main(void *arg) {
             break;
         if (!j) {
             pthread_cond_wait(&c->cv, &c->mu);
+            continue;
+        }
+        if (!lease_ok(c, j->lease)) { /* its peer may have stopped answering: no more chunks */
+            if (j->status == KV_LLM_SUCCESS)
+                j->status = KV_LLM_LINK_FAILED;
+            j->claimed_all = 1;
+            queue_remove(c, j);
+            if (job_maybe_finish(c, j)) {
+                pthread_mutex_unlock(&c->mu);
+                kv__signal_loop(c);
+                pthread_mutex_lock(&c->mu);
+            }
             continue;
         }
         const kv_rseg *s = &j->segs[j->cur_seg];
@@ -409,6 +518,7 @@ static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_rseg 
         out[i].src_kind = (int8_t)sr->kind;
         out[i].dst_kind = (int8_t)dr->kind;
         out[i].pid = sr->kind != KV_REGION_LOCAL ? sr->pid : dr->pid;
+        out[i].pidfd = sr->kind == KV_REGION_PROCESS ? sr->pidfd : dr->kind == KV_REGION_PROCESS ? dr->pidfd : -1;
         out[i].rrid = (uint32_t)(sr->kind == KV_REGION_TCP ? sr->addr : dr->addr);
         sr->refs++;
         dr->refs++;
@@ -432,6 +542,11 @@ uint32_t kv_core_submit(kv_core *c, uint64_t job_id, const uint64_t *segs, size_
 
 uint32_t kv_core_submit_ranked(kv_core *c, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                                uint64_t inline_max, uint64_t rank, int *done, uint64_t *nbytes) {
+    return kv_core_submit_leased(c, job_id, segs, nsegs, inline_max, rank, 0, done, nbytes);
+}
+
+uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs, size_t nsegs,
+                               uint64_t inline_max, uint64_t rank, uint32_t lease, int *done, uint64_t *nbytes) {
     *done = 0;
     *nbytes = 0;
     if (nsegs == 0 || nsegs > SIZE_MAX / (2 * sizeof(uint32_t)) / KV_SEG_WORDS)
@@ -449,8 +564,8 @@ uint32_t kv_core_submit_ranked(kv_core *c, uint64_t job_id, const uint64_t *segs
     int32_t link = 0;
     pthread_mutex_lock(&c->mu);
     uint32_t st = c->closed ? KV_LLM_ENGINE_FINALIZED : KV_LLM_SUCCESS;
-    if (st == KV_LLM_SUCCESS && (kv__job_find(c, job_id) || (job_id & KV_EVENT)))
-        st = KV_LLM_PARAM_INVALID; /* job ids are unique among live jobs, below 2**63 */
+    if (st == KV_LLM_SUCCESS && (kv__job_find(c, job_id) || (job_id & KV_EVENT) || lease >= c->nleases + !lease))
+        st = KV_LLM_PARAM_INVALID; /* job ids are unique among live jobs, below 2**63; a lease must exist */
     if (st == KV_LLM_SUCCESS)
         st = resolve(c, segs, nsegs, rs, refs, &total, &link);
     if (st != KV_LLM_SUCCESS) {
@@ -466,6 +581,7 @@ uint32_t kv_core_submit_ranked(kv_core *c, uint64_t job_id, const uint64_t *segs
     j->regions = refs;
     j->total = total;
     j->rank = rank;
+    j->lease = lease;
     if (rs[0].src_kind == KV_REGION_TCP || rs[0].dst_kind == KV_REGION_TCP) {
         j->tcp = 1;
         j->is_pull = rs[0].src_kind == KV_REGION_TCP;
@@ -484,6 +600,8 @@ uint32_t kv_core_submit_ranked(kv_core *c, uint64_t job_id, const uint64_t *segs
     }
     if (total <= inline_max) {
         c->st.jobs_inline++;
+        if (!lease_ok(c, lease))
+            st = KV_LLM_LINK_FAILED;
         pthread_mutex_unlock(&c->mu);
         for (size_t i = 0; i < nsegs && st == KV_LLM_SUCCESS; i++) {
             st = copy_chunk(&rs[i], 0, rs[i].len);
@@ -509,17 +627,10 @@ uint32_t kv_core_submit_ranked(kv_core *c, uint64_t job_id, const uint64_t *segs
     return KV_LLM_SUCCESS;
 }
 
+/* A mover job (TCP jobs: kv__tcp_abort). */
 static int abort_locked(kv_core *c, kv_job *j, uint32_t status) {
     if (j->status == KV_LLM_SUCCESS)
         j->status = status;
-    if (j->tcp) { /* the I/O thread fences it: ABORT, then ABORT_ACK from the peer */
-        if (!j->abort_req) {
-            j->abort_req = 1;
-            c->st.jobs_aborted++;
-            kv__tcp_abort(c, j);
-        }
-        return 0;
-    }
     j->claimed_all = 1;
     queue_remove(c, j);
     c->st.jobs_aborted++;
@@ -531,15 +642,20 @@ uint32_t kv_core_abort(kv_core *c, uint64_t job_id, uint32_t status) {
         return KV_LLM_PARAM_INVALID;
     pthread_mutex_lock(&c->mu);
     kv_job *j = kv__job_find(c, job_id);
-    if (!j || (j->claimed_all && j->status != KV_LLM_SUCCESS) || j->abort_req) {
-        pthread_mutex_unlock(&c->mu);
-        return KV_LLM_PARAM_INVALID;
-    }
-    int sig = abort_locked(c, j, status);
+    uint32_t st = KV_LLM_SUCCESS;
+    int sig = 0;
+    if (!j)
+        st = KV_LLM_PARAM_INVALID;
+    else if (j->tcp) /* the I/O thread fences it: ABORT, then ABORT_ACK from the peer */
+        st = kv__tcp_abort(c, j, status, &sig);
+    else if (j->claimed_all && j->status != KV_LLM_SUCCESS)
+        st = KV_LLM_PARAM_INVALID;
+    else
+        sig = abort_locked(c, j, status);
     pthread_mutex_unlock(&c->mu);
     if (sig)
         kv__signal_loop(c);
-    return KV_LLM_SUCCESS;
+    return st;
 }
 
 /* --------------------------------------------------------------- lifecycle */
@@ -616,13 +732,13 @@ void kv_core_close(kv_core *c) {
     }
     c->closed = 1;
     pthread_mutex_unlock(&c->mu);
-    kv__tcp_close(c); /* stops the I/O thread; TCP jobs complete ENGINE_FINALIZED */
+    kv__tcp_close(c); /* stops the I/O thread; TCP jobs complete ENGINE_FINALIZED (fenced) */
     pthread_mutex_lock(&c->mu);
     for (unsigned b = 0; b < KV_HASH_BUCKETS; b++) {
         kv_job *j = c->hash[b];
         while (j) {
             kv_job *next = j->hnext;
-            if (!j->claimed_all) /* jobs on their last chunks finish normally */
+            if (!j->tcp && !j->claimed_all) /* jobs on their last chunks finish normally */
                 abort_locked(c, j, KV_LLM_ENGINE_FINALIZED);
             j = next;
         }
@@ -647,10 +763,13 @@ void kv_core_free(kv_core *c) {
             continue;
         if (r->flags & KV_REGION_F_UNMAP)
             munmap((void *)(uintptr_t)r->addr, (size_t)r->len);
+        if (r->pidfd >= 0)
+            close(r->pidfd);
         free(r->notify);
         free(r);
     }
     free(c->regions);
+    free(c->lease_until);
     while (c->done_head) {
         kv_job *j = c->done_head;
         c->done_head = j->dnext;

@@ -73,6 +73,10 @@ typedef struct {
     uint64_t tcp_bad_frames;  /* connections dropped for a malformed or out-of-bounds frame */
     uint64_t tcp_refused;     /* connections dropped before authentication (bad token, timeout, limit) */
     uint64_t tcp_links_failed;
+    uint64_t tcp_lease_expired; /* links failed because DATA was to be written without a valid lease */
+    uint64_t tcp_fence_expired; /* links failed because an aborted push's ABORT_ACKs did not come within the fence */
+    uint64_t tcp_stalled;       /* links failed because a payload in progress or pending output made no progress */
+    uint64_t tcp_accept_paused; /* accept() failed for lack of descriptors or memory: listening paused 100 ms */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a
@@ -83,6 +87,8 @@ int kv_core_fileno(const kv_core *core);
 /* Reset the eventfd, then move up to `max` completions into `out`. */
 size_t kv_core_poll(kv_core *core, kv_completion *out, size_t max);
 /* Abort every job with KV_LLM_ENGINE_FINALIZED, join the movers. Idempotent.
+ * TCP pushes not fenced by their peer complete at their lease release (at most
+ * lease + margin from now: kv_tcp_link_add), so this may wait that long.
  * Completions stay pollable until kv_core_free. */
 void kv_core_close(kv_core *core);
 void kv_core_free(kv_core *core);
@@ -93,6 +99,13 @@ void kv_core_stats(kv_core *core, kv_stats *out);
 uint32_t kv_region_add(kv_core *core, int kind, int32_t pid, uint64_t addr, uint64_t len,
                        unsigned flags, uint32_t *region_id);
 uint32_t kv_region_remove(kv_core *core, uint32_t region_id);
+/* Attach a pidfd (pidfd_open) of the process a KV_REGION_PROCESS region lives
+ * in: the core dup()s it (the caller keeps `pidfd`) and closes its copy when
+ * the region is released. Before each process_vm_readv/writev a mover polls
+ * it: once that process has exited (its pid may name another process by then)
+ * the job fails KV_LLM_LINK_FAILED instead of touching that pid. Once per
+ * region, before jobs use it (jobs submitted earlier do not see it). */
+uint32_t kv_region_pidfd(kv_core *core, uint32_t region_id, int pidfd);
 
 /* mmap(MAP_SHARED|MAP_POPULATE) `len` bytes of `fd`, read-write. */
 uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr);
@@ -115,6 +128,21 @@ uint32_t kv_core_submit(kv_core *core, uint64_t job_id, const uint64_t *segs, si
 uint32_t kv_core_submit_ranked(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                                uint64_t inline_max, uint64_t rank, int *done, uint64_t *nbytes);
 
+/* Mover leases (shm and CMA pushes, whose movers write into another process's
+ * memory with no answer from it): a job submitted with a lease claims no chunk
+ * once the lease has run out (`until_ns`, CLOCK_BOOTTIME) or was removed: it
+ * fails KV_LLM_LINK_FAILED; chunks under way finish (at most one per mover).
+ * An inline job checks it once, before copying. Ids start at 1, are never
+ * reused; 0 means no lease. */
+uint32_t kv_lease_add(kv_core *core, uint64_t until_ns, uint32_t *lease_id);
+uint32_t kv_lease_renew(kv_core *core, uint32_t lease_id, uint64_t until_ns);
+uint32_t kv_lease_remove(kv_core *core, uint32_t lease_id);
+/* kv_core_submit_ranked with a lease (0: none; TCP jobs ignore it: their
+ * link has its own, see kv_tcp_link_add). */
+uint32_t kv_core_submit_leased(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
+                               uint64_t inline_max, uint64_t rank, uint32_t lease_id, int *done,
+                               uint64_t *nbytes);
+
 /* Abort a queued or running job: its completion carries `status` (unless it
  * already failed) and is posted once no mover writes for it any more.
  * Returns KV_LLM_SUCCESS, or KV_LLM_PARAM_INVALID if the job is not live.
@@ -125,18 +153,28 @@ uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status);
 /* ---- TCP data plane (kv_tcp.c). One epoll I/O thread per core, started by
  * the first call below. Frames: docs/protocol.md. */
 
-/* Listen for data connections on ip:port (port 0 picks one). */
+/* Listen for data connections on ip:port (port 0 picks one). Once per core:
+ * a second call returns KV_LLM_PARAM_INVALID. */
 uint32_t kv_tcp_listen(kv_core *core, const char *ip, uint16_t port, uint16_t *bound_port);
 /* Declare link `link_id`: data connections presenting `token` are bound to it,
  * at most `nstreams` of them. Pushes keep at most `window` bytes (0: no limit)
- * sent but not yet CREDITed by the receiver (one chunk more at most). */
+ * sent but not yet CREDITed by the receiver (one chunk more at most).
+ * The fence (docs/protocol.md, "Lease"): this end writes a peer's DATA into
+ * place only under a lease the peer granted, `lease_ns` from when this end
+ * asked (renewed every lease_ns / 4); a push aborted here whose ABORT_ACKs do
+ * not all arrive within `fence_ns` fails the link; a push of a failed link
+ * that was not fenced completes only at (last lease granted to the peer) +
+ * lease_ns + margin_ns. A payload in progress or pending output that makes no
+ * progress for 2 * fence_ns fails the link. Both ends should agree on lease_ns
+ * (kvengine: 0.4, 0.5, 0.05 * heartbeat_timeout). lease_ns and fence_ns: 1 ms .. 1 h. */
 uint32_t kv_tcp_link_add(kv_core *core, uint32_t link_id, const uint8_t *token, int nstreams,
-                         uint64_t window);
+                         uint64_t window, uint64_t lease_ns, uint64_t fence_ns, uint64_t margin_ns);
 /* Hand a connected TCP socket to the core as a stream of `link_id` (client
  * side). The core owns `fd` from here on, also on failure. When every stream
  * of the link is acknowledged, KV_EVENT_LINK_READY|link_id is posted. */
 uint32_t kv_tcp_conn_add(kv_core *core, int fd, uint32_t link_id);
-/* Close a link's streams; its jobs complete with `status`. */
+/* Close a link's streams (reset); its jobs complete with `status` (pushes not
+ * fenced by the peer only at the lease release, see kv_tcp_link_add). */
 uint32_t kv_tcp_link_close(kv_core *core, uint32_t link_id, uint32_t status);
 
 #endif

@@ -20,49 +20,76 @@ typedef struct {
     unsigned flags;  /* KV_REGION_F_* */
     int removed;
     uint64_t refs;   /* jobs and frames using it */
+    int pidfd;       /* PROCESS: kv_region_pidfd's dup, closed on release; -1: none */
     kv_job *notify;  /* preallocated KV_EVENT_REGION_FREED record (F_NOTIFY) */
 } kv_region;
 
 typedef struct {
     uint64_t src, dst, len; /* resolved addresses; for a TCP side: offset in the peer's region */
     int32_t pid;            /* PROCESS: peer pid; TCP: link id */
+    int pidfd;              /* PROCESS: a pidfd of that process (kv_region_pidfd), or -1 */
     uint32_t rrid;          /* TCP: the peer's region id */
     int8_t src_kind, dst_kind;
 } kv_rseg;
 
 struct kv_link;
 
+/* A TCP pull's answer tracking, allocated at submit (before the job can be
+ * named by a frame) and handed to the pull's tombstone if it is aborted. Chunk
+ * k is the k-th READ sent (segments in order, each cut at `chunk`). */
+typedef struct kv_ptrack {
+    size_t nsegs;
+    uint64_t chunk;
+    uint64_t nch;     /* chunks in all */
+    uint64_t sent;    /* READs sent: chunks 0 .. sent-1 */
+    uint64_t *seglen; /* nsegs */
+    uint64_t *rbase;  /* chunks before each segment (nsegs + 1) */
+    uint32_t *rnext;  /* per chunk: bytes answered (RDATA header accepted) or given up */
+    uint8_t *rconn;   /* per chunk: the stream (index in the link) its READ went out on */
+} kv_ptrack;
+
+/* TCP job states (kv_job.tstate); the I/O thread owns every transition except
+ * INBOX -> DONE and INBOX/SENDING/SENT -> ABORT_REQ (kv_core_abort). */
+enum {
+    KV_JS_INBOX = 1, /* handed to the I/O thread, not yet taken: no frame of it exists */
+    KV_JS_SENDING,   /* in the link's send queue: frames (DATA or READ) being claimed */
+    KV_JS_SENT,      /* every frame claimed: push awaits its ACK, pull its RDATA */
+    KV_JS_ABORT_REQ, /* kv_core_abort asked; the I/O thread has not acted yet */
+    KV_JS_ABORTING,  /* push: ABORT queued on every stream, ABORT_ACKs awaited until `due` */
+    KV_JS_FENCING,   /* push: its link failed unfenced; completes at `due` (the lease release) */
+    KV_JS_DONE       /* completed (posted) */
+};
+
 struct kv_job {
     uint64_t id;
     kv_rseg *segs;
     size_t nsegs;
     uint32_t *regions; /* region refs held: 2 per segment */
-    size_t cur_seg;    /* claim cursor */
+    size_t cur_seg;    /* claim cursor (cur_seg == nsegs: every chunk or frame claimed) */
     uint64_t cur_off;
     uint64_t done_bytes;
     uint64_t total;
     uint64_t rank;     /* TCP send order: lowest first */
+    uint32_t lease;    /* mover lease (kv_lease_add), 0: none */
     int active;        /* movers copying a chunk of this job */
-    int claimed_all;   /* no more chunks to hand out (done, failed or aborted) */
-    int queued;
+    int claimed_all;   /* mover jobs: no more chunks to hand out (done, failed or aborted) */
+    int queued;        /* in a qnext/qprev queue (the movers' or a link's send queue) */
     uint32_t status;   /* first failure, or the abort status */
     /* TCP jobs (owned by the I/O thread once handed over) */
     uint32_t link_id;
     int tcp, is_pull;
-    int abort_req;     /* set under the lock by kv_core_abort */
-    int abort_done;    /* the I/O thread has acted on it */
+    int tstate;        /* KV_JS_* */
     uint64_t frames;   /* frames (DATA or READ) started on the wire */
-    uint64_t *rbase;   /* TCP pull: chunks before each segment (nsegs + 1), from the I/O thread */
-    uint32_t *rnext;   /* TCP pull: per chunk, the next byte an RDATA may answer */
-    int acks_left;     /* ABORT_ACKs still awaited */
+    kv_ptrack *pt;     /* TCP pull: answer tracking */
+    uint32_t ack_wait; /* push, ABORTING: streams (bit = index in the link) whose ABORT_ACK is awaited */
+    int acked;         /* push, ABORTING: the receiver ACKed every byte meanwhile */
+    uint64_t due;      /* ABORTING: the fence deadline; FENCING: the release time (ns, CLOCK_BOOTTIME) */
     int event;         /* an event record, not a job */
     struct kv_job *qnext, *qprev; /* mover queue, or the link's send queue */
     struct kv_job *hnext;         /* id hash chain */
     struct kv_job *dnext;         /* completion list, once finished */
-    struct kv_job *inext;         /* I/O inbox */
-    struct kv_job *anext, *aprev; /* I/O abort list */
-    int alisted;
-    int inbox;                    /* handed over, not yet taken by the I/O thread */
+    struct kv_job *inext, *iprev; /* I/O inbox (INBOX) */
+    struct kv_job *anext, *aprev; /* I/O abort list (ABORT_REQ) or timed list (ABORTING, FENCING) */
 };
 
 struct kv_net;
@@ -88,6 +115,9 @@ struct kv_core {
 
     struct kv_net *net; /* TCP data plane; NULL until first used */
 
+    uint64_t *lease_until; /* mover leases: index = id (0 unused); 0 once removed */
+    size_t nleases, lease_cap;
+
     kv_stats st;
 };
 
@@ -111,7 +141,9 @@ int kv__queue_remove(kv_job **head, kv_job **tail, kv_job *j);
 
 /* kv_tcp.c, called by kv_core.c with c->mu held */
 uint32_t kv__tcp_submit(kv_core *c, kv_job *j); /* hand a TCP job to the I/O thread */
-void kv__tcp_abort(kv_core *c, kv_job *j);
+/* Abort a TCP job: KV_LLM_SUCCESS (*sig: the loop must be signalled), or
+ * KV_LLM_PARAM_INVALID if it is past being aborted. */
+uint32_t kv__tcp_abort(kv_core *c, kv_job *j, uint32_t status, int *sig);
 /* called without the lock */
 void kv__tcp_close(kv_core *c);
 void kv__tcp_free(kv_core *c);

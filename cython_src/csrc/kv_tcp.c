@@ -4,17 +4,19 @@
  * straight from the registered source (sendmsg, no staging copy), striped over
  * the link's streams; the receiver checks each header against its region
  * table (exported region, offset and length in bounds, transfer consistent)
- * and recv()s the payload straight into place, then ACKs the transfer once
- * every byte landed. Pull: READ requests answered by RDATA frames. Abort is
- * fenced: ABORT on every stream, completion only after every ABORT_ACK (push),
- * or at once with a tombstone that discards late RDATA (pull). Frames and
- * fields: docs/protocol.md. */
+ * and recv()s the payload straight into place, under a lease the pusher
+ * granted, then ACKs the transfer once every byte landed. Pull: READ requests
+ * answered by RDATA frames. Abort is fenced: ABORT on every stream, completion
+ * only after every ABORT_ACK (push; bounded by the fence, then the link fails
+ * and the push completes at the lease release), or at once with a tombstone
+ * that discards late RDATA (pull). Frames and fields: docs/protocol.md. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include "kv_internal.h"
 
 #include <arpa/inet.h>
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -35,7 +37,7 @@
 
 #define KV_MAGIC 0x3145564Bu /* "KVE1" */
 enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_RDATA, F_RERR, F_CREDIT,
-       F_LAST = F_CREDIT };
+       F_LEASE_REQ, F_LEASE, F_LAST = F_LEASE };
 #define F_FLAG_PULL 1u
 
 #define KV_MAX_FRAME (64ull << 20)   /* payload bytes of one frame */
@@ -44,12 +46,19 @@ enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_
 #define KV_MAX_PENDING 256           /* unauthenticated connections at once */
 #define KV_MAX_CTRL 65536            /* queued control frames per connection */
 #define KV_MAX_SERVE 4096            /* queued READs per connection */
-#define KV_MAX_RX 65536              /* open incoming transfers per link */
+#define KV_MAX_RX 65536              /* per link: open incoming transfers and pull tombstones */
 #define KV_RX_BUCKETS 4096u          /* open incoming transfers per link: hash buckets */
 #define KV_CTRL_BATCH 64             /* control frames written by one sendmsg */
 #define KV_READ_WINDOW 4             /* chunks of READ outstanding per connection */
 #define KV_SCRATCH (1u << 20)
 #define KV_RECV_BUDGET (16u << 20)   /* bytes read from one connection per wake-up */
+#define KV_RECV_PLACE (256u << 10)   /* most DATA one recv() writes into place: what a receiver stalled
+                                        inside that recv (page fault, preemption, SIGSTOP right after
+                                        its lease check) can still land after its lease ended */
+#define KV_TICK_NS 100000000ull      /* the I/O thread looks at its timers at least this often */
+#define KV_ACCEPT_PAUSE_NS 100000000ull /* accept() out of descriptors/memory: stop listening this long */
+#define KV_MIN_LEASE_NS 1000000ull      /* lease and fence: 1 ms .. 1 h */
+#define KV_MAX_LEASE_NS 3600000000000ull
 #ifndef KV_SPIN_NS
 #define KV_SPIN_NS 300000ull         /* keep polling this long after the last event */
 #endif
@@ -61,9 +70,10 @@ typedef struct {
     uint32_t status;
     uint32_t region;  /* DATA/READ: region id on the frame's receiver; RDATA: segment index */
     uint64_t xfer;    /* the initiator's job id */
-    uint64_t offset;  /* DATA/READ: offset in that region; RDATA: offset in the segment */
-    uint64_t length;  /* payload bytes (DATA/RDATA/HELLO), bytes asked (READ), bytes dropped (ABORT_ACK),
-                         bytes of one DATA frame consumed (CREDIT) */
+    uint64_t offset;  /* DATA/READ: offset in that region; RDATA: offset in the segment;
+                         LEASE_REQ/LEASE: the requester's CLOCK_BOOTTIME ns when it asked */
+    uint64_t length;  /* payload bytes (DATA/RDATA/HELLO), bytes asked (READ, RERR), bytes dropped
+                         (ABORT_ACK), bytes of one DATA frame consumed (CREDIT) */
     uint64_t total;   /* bytes of the whole transfer */
     uint32_t region2; /* READ: the requester's segment index, echoed in RDATA */
     uint32_t pad;
@@ -80,10 +90,11 @@ typedef struct kv_serve {
 typedef struct kv_rx {
     uint64_t xfer, total, received;
     uint64_t claimed;  /* bytes of DATA headers accepted; received catches up as payloads end */
-    int pull;        /* 1: tombstone of our aborted pull, 0: a push we receive */
+    int pull;          /* 1: tombstone of our aborted pull, 0: a push we receive */
     int aborted;
-    int aborts_seen; /* push: ABORTs received */
-    int acks_left;   /* pull tombstone: ABORT_ACKs awaited */
+    int aborts_seen;   /* push: ABORTs received */
+    uint32_t ack_wait; /* pull tombstone: streams whose ABORT_ACK is awaited */
+    kv_ptrack *pt;     /* pull tombstone: the pull's answer tracking (late RDATA must still fit it) */
     struct kv_rx *next;
 } kv_rx;
 
@@ -94,9 +105,16 @@ struct kv_link;
 
 typedef struct kv_conn {
     int fd, state, out_armed, dead;
+    int broken;   /* epoll_ctl failed on it: fail it at the next timer scan */
+    int idx;      /* its index in link->conns */
     struct kv_link *link;
     uint64_t born;
     struct kv_conn *next;
+    /* the lease (docs/protocol.md) */
+    uint64_t lease_until; /* we may write the peer's DATA into place until then (0: never granted) */
+    uint64_t granted_at;  /* the last LEASE we queued for the peer (0: never: no DATA of ours yet) */
+    /* progress (the idle bound), at the round's time */
+    uint64_t rx_mark, tx_mark;
     /* send */
     kv_frame *ctrl;
     size_t ch, cn, ccap;
@@ -108,11 +126,12 @@ typedef struct kv_conn {
     uint32_t cur_ref; /* region ref held while an RDATA payload is sent */
     kv_serve *sq, *sq_tail;
     size_t sn;
-    uint64_t reads_out;
+    uint64_t reads_out; /* bytes of READ sent on this stream not yet answered (or given up) */
     /* receive */
     kv_frame rh;
     size_t rh_got;
     int rx_state, ptype, pdiscard;
+    int pwin;         /* RDATA payload: its bytes return to this stream's READ window */
     uint8_t *pdst;
     uint64_t pleft, plen, pxfer;
     uint32_t pref;
@@ -125,21 +144,24 @@ typedef struct kv_link {
     int nstreams, nup, dead;
     kv_conn *conns[KV_MAX_STREAMS];
     int nconns;
-    kv_job *sq_head, *sq_tail; /* jobs with chunks left to claim, by rank */
+    kv_job *sq_head, *sq_tail; /* jobs with frames left to claim, by rank */
     size_t sq_pulls;           /* pull jobs among them */
     uint64_t window;           /* push bytes on the wire (sent, not yet CREDITed) allowed; 0: no limit */
     uint64_t wire;             /* push bytes on the wire now */
+    uint64_t lease, fence, margin; /* ns: kv_tcp_link_add */
+    uint64_t renew_at;         /* next LEASE_REQ on every stream */
+    uint64_t last_grant;       /* the last LEASE we queued on any stream (0: none) */
     kv_rx *rx[KV_RX_BUCKETS];
     size_t nrx;
     kv_job *ev_ready, *ev_down;
     struct kv_link *next;
 } kv_link;
 
-enum { CMD_LINK_ADD = 1, CMD_CONN_ADD, CMD_LINK_CLOSE, CMD_LISTEN };
+enum { CMD_LINK_ADD = 1, CMD_CONN_ADD, CMD_LINK_CLOSE };
 
 typedef struct kv_cmd {
     int type, fd, nstreams;
-    uint64_t window;
+    uint64_t window, lease, fence, margin;
     uint32_t link_id, status;
     uint8_t token[KV_TOKEN_BYTES];
     kv_job *ev_ready, *ev_down;
@@ -149,24 +171,35 @@ typedef struct kv_cmd {
 typedef struct kv_net {
     kv_core *c;
     pthread_t thread;
-    int ep, wake, lfd;
-    kv_link *links;
+    int ep, wake;
+    kv_link *links; /* changed under c->mu only */
     kv_conn *conns;
     int npending;
     uint8_t *scratch;
     uint64_t sent, received; /* payload bytes, flushed into c->st once per round */
+    uint64_t now;            /* the round's time */
+    int accept_paused;
+    uint64_t accept_resume;
+    int stopped;             /* stop acted on: links failed, waiting for the fenced pushes */
     /* under c->mu */
+    int lfd;
     kv_cmd *cmd_head, *cmd_tail;
-    kv_job *in_head, *in_tail;
-    kv_job *ab_head;
+    kv_job *in_head, *in_tail; /* INBOX jobs, in submission order */
+    kv_job *ab_head;           /* ABORT_REQ jobs */
+    kv_job *tm_head;           /* ABORTING and FENCING jobs (their `due`) */
     int stop;
 } kv_net;
 
+/* Every time here, lease offsets included: CLOCK_BOOTTIME, which unlike
+ * CLOCK_MONOTONIC keeps counting while the machine is suspended, so a lease
+ * held across a suspend has expired on resume. Never compared across hosts. */
 static uint64_t now_ns(void) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(CLOCK_BOOTTIME, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
+
+static uint64_t sat_add(uint64_t a, uint64_t b) { return a + b < a ? UINT64_MAX : a + b; }
 
 static void wake(kv_net *n) {
     uint64_t one = 1;
@@ -217,6 +250,60 @@ fail:
     return KV_LLM_FAILED;
 }
 
+/* --------------------------------------------------------------- job states */
+
+#ifndef NDEBUG
+#define JS(x) (1u << KV_JS_##x)
+static const unsigned js_next[KV_JS_DONE] = {
+    [KV_JS_INBOX] = JS(SENDING) | JS(DONE),
+    [KV_JS_SENDING] = JS(SENT) | JS(ABORT_REQ) | JS(FENCING) | JS(DONE),
+    [KV_JS_SENT] = JS(ABORT_REQ) | JS(FENCING) | JS(DONE),
+    [KV_JS_ABORT_REQ] = JS(ABORTING) | JS(FENCING) | JS(DONE),
+    [KV_JS_ABORTING] = JS(FENCING) | JS(DONE),
+    [KV_JS_FENCING] = JS(DONE),
+};
+#undef JS
+#endif
+
+/* The one place a TCP job changes state: checked (unless NDEBUG). */
+static void js_to(kv_job *j, int to) {
+#ifndef NDEBUG
+    assert(j->tstate >= KV_JS_INBOX && j->tstate < KV_JS_DONE && (js_next[j->tstate] & (1u << to)));
+#endif
+    j->tstate = to;
+}
+
+/* The abort list (ABORT_REQ) and the timed list (ABORTING, FENCING) share anext/aprev. */
+static void alist_add(kv_job **head, kv_job *j) {
+    j->aprev = NULL;
+    j->anext = *head;
+    if (*head)
+        (*head)->aprev = j;
+    *head = j;
+}
+
+static void alist_del(kv_job **head, kv_job *j) {
+    if (j->aprev)
+        j->aprev->anext = j->anext;
+    else
+        *head = j->anext;
+    if (j->anext)
+        j->anext->aprev = j->aprev;
+    j->anext = j->aprev = NULL;
+}
+
+static void inbox_del(kv_net *n, kv_job *j) {
+    if (j->iprev)
+        j->iprev->inext = j->inext;
+    else
+        n->in_head = j->inext;
+    if (j->inext)
+        j->inext->iprev = j->iprev;
+    else
+        n->in_tail = j->iprev;
+    j->inext = j->iprev = NULL;
+}
+
 /* --------------------------------------------------------------- helpers */
 
 static kv_link *link_find(kv_net *n, uint32_t id) {
@@ -256,6 +343,7 @@ static void rx_del(kv_link *l, kv_rx *r) {
         p = &(*p)->next;
     *p = r->next;
     l->nrx--;
+    free(r->pt);
     free(r);
 }
 
@@ -264,67 +352,97 @@ static void sq_remove(kv_link *l, kv_job *j) {
         l->sq_pulls -= j->is_pull;
 }
 
-/* A pull's answer tracking: chunk k is the k-th READ sent (segments in order,
- * each cut at `chunk`); rnext[k] is how much of chunk k has been answered, so
- * every byte is answered once, in order, and only after its READ went out.
- * Returns -1 if out of memory. */
-static int pull_track(kv_job *j, uint64_t chunk) {
-    j->rbase = malloc((j->nsegs + 1) * sizeof *j->rbase);
-    if (!j->rbase)
-        return -1;
-    j->rbase[0] = 0;
-    for (size_t i = 0; i < j->nsegs; i++)
-        j->rbase[i + 1] = j->rbase[i] + (j->segs[i].len + chunk - 1) / chunk;
-    uint64_t nch = j->rbase[j->nsegs];
-    j->rnext = nch <= SIZE_MAX / sizeof *j->rnext ? calloc((size_t)nch ? (size_t)nch : 1, sizeof *j->rnext) : NULL;
-    return j->rnext ? 0 : -1;
-}
-
-/* Does RDATA header `h` answer the next bytes of a READ this pull sent? If so,
- * they are claimed. A repeated, overlapping, out-of-order or unasked answer is
- * a protocol violation (else a peer could complete a pull with bytes unwritten). */
-static int pull_claim(kv_job *j, const kv_frame *h, uint64_t chunk) {
-    uint64_t k = j->rbase[h->region] + h->offset / chunk, at = h->offset % chunk;
-    uint64_t clen = j->segs[h->region].len - (h->offset - at);
-    if (clen > chunk)
-        clen = chunk;
-    if (k >= j->frames || at != j->rnext[k] || h->length > clen - at)
-        return 0;
-    j->rnext[k] += (uint32_t)h->length;
-    return 1;
-}
-
 static void sq_insert(kv_link *l, kv_job *j) {
     kv__rank_insert(&l->sq_head, &l->sq_tail, j);
     l->sq_pulls += j->is_pull;
 }
 
-static void abort_unlist(kv_net *n, kv_job *j) {
-    if (!j->alisted)
-        return;
-    if (j->aprev)
-        j->aprev->anext = j->anext;
-    else
-        n->ab_head = j->anext;
-    if (j->anext)
-        j->anext->aprev = j->aprev;
-    j->anext = j->aprev = NULL;
-    j->alisted = 0;
+/* A pull's answer tracking (one allocation), or NULL if out of memory. */
+static kv_ptrack *ptrack_new(const kv_job *j, uint64_t chunk) {
+    uint64_t nch = 0;
+    for (size_t i = 0; i < j->nsegs; i++)
+        nch += (j->segs[i].len + chunk - 1) / chunk; /* total < 2^64: no overflow */
+    size_t ns = j->nsegs;
+    if (nch > (SIZE_MAX / 2 - 8 * (2 * ns + 1) - sizeof(kv_ptrack)) / 5)
+        return NULL;
+    size_t sz = sizeof(kv_ptrack) + 8 * (2 * ns + 1) + 4 * (size_t)nch + (size_t)nch;
+    kv_ptrack *pt = calloc(1, sz);
+    if (!pt)
+        return NULL;
+    pt->nsegs = ns;
+    pt->chunk = chunk;
+    pt->nch = nch;
+    pt->seglen = (uint64_t *)(pt + 1);
+    pt->rbase = pt->seglen + ns;
+    pt->rnext = (uint32_t *)(pt->rbase + ns + 1);
+    pt->rconn = (uint8_t *)(pt->rnext + nch);
+    pt->rbase[0] = 0;
+    for (size_t i = 0; i < ns; i++) {
+        pt->seglen[i] = j->segs[i].len;
+        pt->rbase[i + 1] = pt->rbase[i] + (j->segs[i].len + chunk - 1) / chunk;
+    }
+    return pt;
+}
+
+/* Does RDATA header `h`, read on stream `idx`, answer the next bytes of a READ
+ * this pull sent on that stream? If so, they are claimed and its chunk index
+ * returned; else -1. A repeated, overlapping, out-of-order, unasked or
+ * misrouted answer is a protocol violation (else a peer could complete a pull
+ * with bytes unwritten; and a READ's window returns exactly once). */
+static int64_t pull_claim(kv_ptrack *pt, const kv_frame *h, int idx) {
+    if (h->region >= pt->nsegs || h->offset > pt->seglen[h->region] ||
+        h->length > pt->seglen[h->region] - h->offset)
+        return -1;
+    uint64_t k = pt->rbase[h->region] + h->offset / pt->chunk, at = h->offset % pt->chunk;
+    uint64_t clen = pt->seglen[h->region] - (h->offset - at);
+    if (clen > pt->chunk)
+        clen = pt->chunk;
+    if (k >= pt->sent || pt->rconn[k] != idx || at != pt->rnext[k] || h->length > clen - at)
+        return -1;
+    pt->rnext[k] += (uint32_t)h->length;
+    return (int64_t)k;
+}
+
+/* Every READ of `pt` sent on stream `idx` is answered or dropped (its ABORT_ACK
+ * came): what was not answered returns to that stream's READ window, and no
+ * answer to it is accepted any more. */
+static void pull_give_up(kv_ptrack *pt, kv_conn *k, int idx) {
+    for (size_t i = 0; i < pt->nsegs; i++) {
+        for (uint64_t q = pt->rbase[i]; q < pt->rbase[i + 1] && q < pt->sent; q++) {
+            if (pt->rconn[q] != idx)
+                continue;
+            uint64_t off = (q - pt->rbase[i]) * pt->chunk, clen = pt->seglen[i] - off;
+            if (clen > pt->chunk)
+                clen = pt->chunk;
+            uint64_t left = clen - pt->rnext[q];
+            k->reads_out -= left < k->reads_out ? left : k->reads_out;
+            pt->rnext[q] = (uint32_t)clen;
+        }
+    }
 }
 
 static void discard_payloads(kv_link *l, kv_core *c, int ptype, uint64_t xfer);
 
-/* Complete a TCP job. Caller holds c->mu; returns 1 if the loop must be signalled. */
+/* Complete a TCP job (any state but DONE). Caller holds c->mu; returns 1 if the
+ * loop must be signalled. */
 static int tcp_complete(kv_net *n, kv_link *l, kv_job *j, uint32_t status) {
-    if (l)
+    if (j->queued) {
+        assert(l);
         sq_remove(l, j);
+    }
     /* RDATA payloads of a pull still arriving on other streams write into its
      * destination without a region ref: stop them now, or they land after the
      * completion, possibly in freed memory (e.g. a peer answering a READ twice,
      * or an abort with frames == 0; found by tests/native/fuzz_tcp.c). */
     if (l && !l->dead && j->is_pull)
         discard_payloads(l, n->c, F_RDATA, j->id);
-    abort_unlist(n, j);
+    if (j->tstate == KV_JS_INBOX)
+        inbox_del(n, j);
+    else if (j->tstate == KV_JS_ABORT_REQ)
+        alist_del(&n->ab_head, j);
+    else if (j->tstate == KV_JS_ABORTING || j->tstate == KV_JS_FENCING)
+        alist_del(&n->tm_head, j);
+    js_to(j, KV_JS_DONE);
     return kv__job_complete(n->c, j, status);
 }
 
@@ -358,21 +476,37 @@ static kv_frame frame(uint16_t type, uint16_t flags, uint64_t xfer) {
     return f;
 }
 
+/* Ask the peer for a lease on stream k (it echoes `offset`, our clock, in a LEASE). */
+static int lease_request(kv_conn *k, uint64_t now) {
+    kv_frame f = frame(F_LEASE_REQ, 0, 0);
+    f.offset = now;
+    return ctrl_push(k, &f);
+}
+
 static void arm(kv_net *n, kv_conn *k, int out) {
     if (k->dead || k->out_armed == out)
         return;
     struct epoll_event ev = {.events = EPOLLIN | (out ? EPOLLOUT : 0u), .data.ptr = k};
-    epoll_ctl(n->ep, EPOLL_CTL_MOD, k->fd, &ev);
+    if (epoll_ctl(n->ep, EPOLL_CTL_MOD, k->fd, &ev) < 0) {
+        k->broken = 1; /* failed at the next timer scan (we may not hold the lock here) */
+        return;
+    }
     k->out_armed = out;
 }
 
 /* Close a connection and drop every region ref it holds. Caller holds c->mu.
+ * A stream of a link is reset (SO_LINGER 0): the kernel drops what it still
+ * holds for either side, so no frame of ours lands after the link failed.
  * The struct is freed at the end of the I/O iteration (it may be on the stack of a caller). */
 static void conn_kill(kv_net *n, kv_conn *k) {
     if (k->dead)
         return;
     k->dead = 1;
-    epoll_ctl(n->ep, EPOLL_CTL_DEL, k->fd, NULL);
+    epoll_ctl(n->ep, EPOLL_CTL_DEL, k->fd, NULL); /* close() removes it anyway */
+    if (k->link) {
+        struct linger lg = {1, 0};
+        setsockopt(k->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg); /* if it fails: a FIN; the lease still holds */
+    }
     close(k->fd);
     if (k->cur_ref)
         kv__region_unref(n->c, k->cur_ref);
@@ -389,7 +523,11 @@ static void conn_kill(kv_net *n, kv_conn *k) {
         n->npending--;
 }
 
-/* Close every stream of a link and complete its jobs with `status`. Caller holds c->mu. */
+/* Close every stream of a link (reset) and end its jobs with `status`: pulls,
+ * pushes with nothing on the wire and pushes the peer fenced (ACK) at once;
+ * other pushes (the peer may still write their bytes under its lease) at the
+ * lease release: the last lease we granted on the link + lease + margin.
+ * Caller holds c->mu. */
 static int link_fail(kv_net *n, kv_link *l, uint32_t status, int post_down) {
     int sig = 0;
     if (!l->dead) {
@@ -404,12 +542,34 @@ static int link_fail(kv_net *n, kv_link *l, uint32_t status, int post_down) {
             conn_kill(n, l->conns[i]);
     }
     kv_core *c = n->c;
+    uint64_t now = now_ns();
+    uint64_t release = l->last_grant ? sat_add(l->last_grant, sat_add(l->lease, l->margin)) : 0;
     for (unsigned b = 0; b < KV_HASH_BUCKETS; b++) {
         kv_job *j = c->hash[b];
         while (j) {
             kv_job *next = j->hnext;
-            if (j->tcp && j->link_id == l->id && !j->inbox) /* inbox jobs: next round */
+            if (!j->tcp || j->link_id != l->id || j->tstate == KV_JS_INBOX || j->tstate == KV_JS_FENCING) {
+                j = next; /* inbox jobs: next round; fencing ones: already */
+                continue;
+            }
+            if (j->is_pull || j->frames == 0 || j->acked) {
                 sig |= tcp_complete(n, l, j, status);
+            } else { /* a push the peer did not fence: its status says so, once its lease is over */
+                j->status = status;
+                if (release <= now) {
+                    sig |= tcp_complete(n, l, j, status);
+                } else {
+                    if (j->queued)
+                        sq_remove(l, j);
+                    if (j->tstate == KV_JS_ABORT_REQ)
+                        alist_del(&n->ab_head, j);
+                    else if (j->tstate == KV_JS_ABORTING)
+                        alist_del(&n->tm_head, j);
+                    js_to(j, KV_JS_FENCING);
+                    j->due = release;
+                    alist_add(&n->tm_head, j);
+                }
+            }
             j = next;
         }
     }
@@ -425,7 +585,7 @@ static int link_fail(kv_net *n, kv_link *l, uint32_t status, int post_down) {
 }
 
 /* Drop a connection: before authentication it is just closed (counted as
- * refused); after, its whole link fails. `bad`: a malformed frame. */
+ * refused); after, its whole link fails. `bad`: a malformed frame. Caller holds c->mu. */
 static int fail_conn(kv_net *n, kv_conn *k, int bad) {
     if (k->dead)
         return 0;
@@ -436,6 +596,12 @@ static int fail_conn(kv_net *n, kv_conn *k, int bad) {
     }
     if (bad)
         n->c->st.tcp_bad_frames++;
+    return link_fail(n, k->link, KV_LLM_LINK_FAILED, 1);
+}
+
+/* DATA was to be written into place on k without a valid lease. Caller holds c->mu. */
+static int lease_fail(kv_net *n, kv_conn *k) {
+    n->c->st.tcp_lease_expired++;
     return link_fail(n, k->link, KV_LLM_LINK_FAILED, 1);
 }
 
@@ -473,11 +639,15 @@ static int next_frame(kv_net *n, kv_conn *k) {
     kv_link *l = k->link;
     uint64_t chunk = n->c->chunk;
     /* pushes wait while the window is full (the receiver has not consumed enough:
-     * its CREDITs reopen it); then only pulls can go, if any are queued */
-    int push_ok = !l->window || l->wire < l->window;
+     * its CREDITs reopen it), and on a stream where we never granted the peer a
+     * lease (its LEASE_REQ comes first: the LEASE then precedes our DATA in the
+     * stream); then only pulls can go, if any are queued */
+    int push_ok = (!l->window || l->wire < l->window) && k->granted_at;
     if (!push_ok && !l->sq_pulls)
         return 0;
     for (kv_job *j = l->sq_head; j; j = j->qnext) {
+        if (j->tstate != KV_JS_SENDING) /* ABORT_REQ: the I/O thread acts on it this round */
+            continue;
         if (j->is_pull && k->reads_out >= KV_READ_WINDOW * chunk)
             continue;
         if (!j->is_pull && !push_ok)
@@ -491,12 +661,13 @@ static int next_frame(kv_net *n, kv_conn *k) {
         if (j->cur_off == s->len) {
             j->cur_off = 0;
             if (++j->cur_seg == j->nsegs) {
-                j->claimed_all = 1;
                 sq_remove(l, j);
+                js_to(j, KV_JS_SENT);
             }
         }
-        j->frames++;
         if (j->is_pull) {
+            j->pt->rconn[j->frames] = (uint8_t)k->idx; /* READ k is chunk k */
+            j->pt->sent = j->frames + 1;
             k->cur = frame(F_READ, 0, j->id);
             k->cur.region = s->rrid;
             k->cur.offset = s->src + off;
@@ -517,6 +688,7 @@ static int next_frame(kv_net *n, kv_conn *k) {
             k->cur_pay = (const uint8_t *)(uintptr_t)(s->src + off);
             k->cur_len = len;
         }
+        j->frames++;
         goto start;
     }
     return 0;
@@ -563,6 +735,7 @@ static int send_ctrl(kv_net *n, kv_conn *k) {
         pthread_mutex_unlock(&n->c->mu);
         return sig;
     }
+    k->tx_mark = n->now;
     size_t whole = (size_t)r / sizeof(kv_frame), part = (size_t)r % sizeof(kv_frame);
     k->ch = (k->ch + whole) % k->ccap;
     k->cn -= whole;
@@ -621,6 +794,7 @@ static int conn_send(kv_net *n, kv_conn *k) {
             pthread_mutex_unlock(&c->mu);
             return sig;
         }
+        k->tx_mark = n->now;
         uint64_t got = (uint64_t)r;
         uint64_t h = sizeof k->cur - k->cur_hsent;
         if (got < h) {
@@ -680,43 +854,278 @@ static void discard_payloads(kv_link *l, kv_core *c, int ptype, uint64_t xfer) {
     }
 }
 
-/* The push job `j` was aborted: ABORT on every stream, or complete now if nothing
- * of it went out. Pull: tombstone, ABORT on every stream, complete now. Caller holds c->mu. */
+/* Act on an ABORT_REQ job: complete it now if nothing of it went out; else
+ * ABORT on every stream, then push: ABORTING until every ABORT_ACK (or the
+ * fence: the link fails); pull: a tombstone (late RDATA is checked, then
+ * discarded) and complete now. Caller holds c->mu. */
 static int handle_abort(kv_net *n, kv_job *j) {
-    abort_unlist(n, j);
-    if (j->abort_done)
-        return 0;
-    j->abort_done = 1;
-    j->claimed_all = 1;
     kv_link *l = link_find(n, j->link_id);
-    if (!l || l->dead)
+    if (!l || l->dead) /* (link_fail ends every job of its link: not reached) */
         return tcp_complete(n, l, j, KV_LLM_LINK_FAILED);
-    sq_remove(l, j);
+    if (j->queued)
+        sq_remove(l, j);
     if (j->frames == 0)
         return tcp_complete(n, l, j, j->status);
     kv_frame f = frame(F_ABORT, j->is_pull ? F_FLAG_PULL : 0, j->id);
-    int up = 0;
+    uint32_t wait = 0;
     for (int i = 0; i < l->nconns; i++) {
         kv_conn *k = l->conns[i];
         if (k->dead || k->state != C_UP)
             continue;
         if (ctrl_push(k, &f) < 0)
             return link_fail(n, l, KV_LLM_LINK_FAILED, 1);
-        up++;
+        wait |= 1u << i;
     }
     if (j->is_pull) {
         discard_payloads(l, n->c, F_RDATA, j->id);
-        kv_rx *t = up ? rx_new(l, j->id, 1) : NULL;
-        if (up && !t)
-            return link_fail(n, l, KV_LLM_LINK_FAILED, 1);
-        if (t)
-            t->acks_left = up;
+        if (wait) {
+            kv_rx *t = rx_new(l, j->id, 1);
+            if (!t) /* KV_MAX_RX: a peer that never answers our ABORTs */
+                return link_fail(n, l, KV_LLM_LINK_FAILED, 1);
+            t->ack_wait = wait;
+            t->pt = j->pt; /* late answers must still be answers to what we asked */
+            j->pt = NULL;
+        }
         return tcp_complete(n, l, j, j->status);
     }
-    j->acks_left = up;
-    if (up == 0)
+    if (!wait)
         return tcp_complete(n, l, j, j->status);
+    j->ack_wait = wait;
+    alist_del(&n->ab_head, j);
+    js_to(j, KV_JS_ABORTING);
+    j->due = sat_add(now_ns(), l->fence);
+    alist_add(&n->tm_head, j);
     return 0;
+}
+
+#define BAD() (*sig |= fail_conn(n, k, 1), 0)
+
+/* The frame handlers: the header is in k->rh, the stream is up (C_UP).
+ * Each returns 0 if the connection was dropped. Caller holds c->mu. */
+
+static int on_data(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->rh;
+    kv_core *c = n->c;
+    kv_link *l = k->link;
+    kv_region *r = exported(c, h->region);
+    if (h->length == 0 || h->length > KV_MAX_FRAME || h->total > KV_MAX_TOTAL || h->length > h->total || !r ||
+        h->offset > r->len || h->length > r->len - h->offset)
+        return BAD();
+    kv_rx *x = rx_find(l, h->xfer, 0);
+    if (!x) {
+        if (!(x = rx_new(l, h->xfer, 0)))
+            return BAD();
+        x->total = h->total;
+    }
+    /* claimed, not received: two streams with payloads under way must not both
+     * fit in what is left of the total */
+    if (!x->aborted && (x->total != h->total || h->length > x->total - x->claimed))
+        return BAD();
+    if (!x->aborted && now_ns() >= k->lease_until) /* checked again before every recv into place */
+        return *sig |= lease_fail(n, k), 0;
+    k->pdiscard = x->aborted;
+    if (!x->aborted) {
+        x->claimed += h->length;
+        kv__region_ref(c, h->region);
+        k->pref = h->region;
+        k->pdst = (uint8_t *)(uintptr_t)(r->addr + h->offset);
+    }
+    return 1;
+}
+
+static int on_rdata(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->rh;
+    kv_link *l = k->link;
+    if (h->length == 0 || h->length > KV_MAX_FRAME)
+        return BAD();
+    kv_job *j = kv__job_find(n->c, h->xfer);
+    kv_rx *t;
+    int64_t q;
+    if (j && j->tcp && j->is_pull && j->link_id == l->id &&
+        (j->tstate == KV_JS_SENDING || j->tstate == KV_JS_SENT || j->tstate == KV_JS_ABORT_REQ)) {
+        if ((q = pull_claim(j->pt, h, k->idx)) < 0)
+            return BAD();
+        k->pdst = (uint8_t *)(uintptr_t)(j->segs[h->region].dst + h->offset);
+        k->pdiscard = 0;
+        k->pwin = 1;
+    } else if ((t = rx_find(l, h->xfer, 1))) { /* our aborted pull: checked, then discarded */
+        if ((q = pull_claim(t->pt, h, k->idx)) < 0)
+            return BAD();
+        k->pdiscard = 1;
+        k->pwin = 1;
+    } else { /* an answer to nothing we asked (INBOX: nothing asked yet) */
+        return BAD();
+    }
+    return 1;
+}
+
+static int on_ack(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->rh;
+    kv_link *l = k->link;
+    kv_job *j = kv__job_find(n->c, h->xfer);
+    if (!j || !j->tcp || j->is_pull || j->link_id != l->id)
+        return BAD(); /* about no push of ours on this link */
+    /* every frame must have been claimed (SENT, perhaps aborted since), and none
+     * may be still going out: no honest receiver ACKs bytes not even sent yet,
+     * and completing now would release the source while sendmsg still reads it
+     * (heap-use-after-free found by tests/native/fuzz_tcp.c) */
+    int all = j->cur_seg == j->nsegs;
+    if (!all || !(j->tstate == KV_JS_SENT || j->tstate == KV_JS_ABORT_REQ || j->tstate == KV_JS_ABORTING) ||
+        (j->tstate == KV_JS_ABORTING && j->acked) || data_in_flight(l, j->id))
+        return BAD();
+    if (!h->status)
+        j->done_bytes = j->total; /* the receiver counted every byte in place */
+    if (j->tstate == KV_JS_ABORTING) { /* fenced by ACK; its ABORT_ACKs still come: wait for them */
+        j->acked = 1;
+        return 1;
+    }
+    *sig |= tcp_complete(n, l, j, h->status ? h->status : KV_LLM_SUCCESS);
+    return 1;
+}
+
+static int on_abort(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->rh;
+    kv_link *l = k->link;
+    kv_frame ack = frame(F_ABORT_ACK, h->flags & F_FLAG_PULL, h->xfer);
+    if (h->flags & F_FLAG_PULL) { /* stop serving READs of that pull on this stream */
+        kv_serve **p = &k->sq;
+        k->sq_tail = NULL;
+        while (*p) {
+            kv_serve *s = *p;
+            if (s->xfer == h->xfer) {
+                *p = s->next;
+                ack.length += s->len;
+                kv__region_unref(n->c, s->rid);
+                free(s);
+                k->sn--;
+            } else {
+                k->sq_tail = s;
+                p = &s->next;
+            }
+        }
+    } else {
+        kv_rx *x = rx_find(l, h->xfer, 0);
+        if (!x && !(x = rx_new(l, h->xfer, 0)))
+            return BAD();
+        x->aborted = 1;
+        discard_payloads(l, n->c, F_DATA, h->xfer);
+        if (++x->aborts_seen >= l->nconns)
+            rx_del(l, x);
+    }
+    if (ctrl_push(k, &ack) < 0)
+        return BAD();
+    return 1;
+}
+
+static int on_abort_ack(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->rh;
+    kv_link *l = k->link;
+    uint32_t bit = 1u << k->idx;
+    if (h->flags & F_FLAG_PULL) {
+        kv_rx *t = rx_find(l, h->xfer, 1);
+        if (!t || !(t->ack_wait & bit))
+            return BAD(); /* no ABORT of ours awaits it on this stream */
+        /* the READs this stream carried are answered or dropped: the window gets
+         * back exactly what we asked and saw no answer to (not the peer's length) */
+        pull_give_up(t->pt, k, k->idx);
+        t->ack_wait &= ~bit;
+        if (!t->ack_wait)
+            rx_del(l, t);
+        return 1;
+    }
+    kv_job *j = kv__job_find(n->c, h->xfer);
+    if (!j || !j->tcp || j->is_pull || j->link_id != l->id || j->tstate != KV_JS_ABORTING || !(j->ack_wait & bit))
+        return BAD();
+    j->ack_wait &= ~bit;
+    if (j->ack_wait)
+        return 1;
+    /* the fence: every stream's ABORT (sent after its DATA) was answered; an
+     * early ABORT_ACK must not complete the job under a frame still going out
+     * (same use-after-free as an early ACK) */
+    if (data_in_flight(l, j->id))
+        return BAD();
+    *sig |= tcp_complete(n, l, j, j->status);
+    return 1;
+}
+
+static int on_read(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->rh;
+    kv_core *c = n->c;
+    if (h->length == 0 || h->length > KV_MAX_FRAME || k->sn >= KV_MAX_SERVE)
+        return BAD();
+    kv_region *r = exported(c, h->region);
+    if (!r) { /* unregistered meanwhile: the requester gets a status, the link lives */
+        kv_frame e = frame(F_RERR, 0, h->xfer);
+        e.status = KV_LLM_KV_CACHE_NOT_EXIST;
+        e.length = h->length;
+        if (ctrl_push(k, &e) < 0)
+            return BAD();
+        return 1;
+    }
+    if (h->offset > r->len || h->length > r->len - h->offset)
+        return BAD();
+    kv_serve *s = calloc(1, sizeof *s);
+    if (!s)
+        return *sig |= fail_conn(n, k, 0), 0;
+    s->xfer = h->xfer;
+    s->src = r->addr + h->offset;
+    s->len = h->length;
+    s->total = h->total;
+    s->rid = h->region;
+    s->dst_seg = h->region2;
+    s->dst_off = h->offset2;
+    kv__region_ref(c, h->region);
+    if (k->sq_tail)
+        k->sq_tail->next = s;
+    else
+        k->sq = s;
+    k->sq_tail = s;
+    k->sn++;
+    return 1;
+}
+
+static int on_rerr(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->rh;
+    kv_link *l = k->link;
+    kv_job *j = kv__job_find(n->c, h->xfer);
+    if (j && j->tcp && j->is_pull && j->link_id == l->id &&
+        (j->tstate == KV_JS_SENDING || j->tstate == KV_JS_SENT || j->tstate == KV_JS_ABORT_REQ) && j->frames) {
+        /* a READ named a region the peer no longer exports: the pull ends with
+         * that status (aborted: tombstone; the READ's window returns with the
+         * stream's ABORT_ACK, not by this frame's length) */
+        if (j->status == KV_LLM_SUCCESS)
+            j->status = h->status ? h->status : KV_LLM_FAILED;
+        if (j->tstate != KV_JS_ABORT_REQ) {
+            js_to(j, KV_JS_ABORT_REQ);
+            alist_add(&n->ab_head, j);
+        }
+        *sig |= handle_abort(n, j);
+        return !k->dead;
+    }
+    if (rx_find(l, h->xfer, 1)) /* a READ of our aborted pull, refused before our ABORT came */
+        return 1;
+    return BAD(); /* about nothing we asked */
+}
+
+static int on_lease_req(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame g = frame(F_LEASE, 0, 0);
+    g.offset = k->rh.offset; /* the requester's clock, echoed: its lease runs from there */
+    if (ctrl_push(k, &g) < 0)
+        return BAD();
+    uint64_t t = now_ns();
+    k->granted_at = t; /* from now on our DATA may go on this stream */
+    k->link->last_grant = t;
+    return 1;
+}
+
+static int on_lease(kv_net *n, kv_conn *k, int *sig) {
+    uint64_t t = now_ns(), off = k->rh.offset;
+    if (off > t) /* our clock, from a LEASE_REQ of ours: never in the future */
+        return BAD();
+    uint64_t until = sat_add(off, k->link->lease); /* a stale grant (read late) gives a stale lease */
+    if (until > k->lease_until)
+        k->lease_until = until;
+    return 1;
 }
 
 /* Validate a received header and set up its payload. Returns 0 if the
@@ -725,10 +1134,10 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
     kv_frame *h = &k->rh;
     kv_core *c = n->c;
     if (h->magic != KV_MAGIC || h->type < F_HELLO || h->type > F_LAST)
-        return *sig |= fail_conn(n, k, 1), 0;
+        return BAD();
     if (k->state == C_HELLO_WAIT) {
         if (h->type != F_HELLO || h->length != KV_TOKEN_BYTES)
-            return *sig |= fail_conn(n, k, 1), 0;
+            return BAD();
         k->ptype = F_HELLO;
         k->pdst = k->tok;
         k->pleft = k->plen = KV_TOKEN_BYTES;
@@ -739,8 +1148,10 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
     kv_link *l = k->link;
     if (k->state == C_HELLO_SENT) {
         if (h->type != F_HELLO_ACK)
-            return *sig |= fail_conn(n, k, 1), 0;
+            return BAD();
         k->state = C_UP;
+        if (lease_request(k, now_ns()) < 0)
+            return *sig |= fail_conn(n, k, 0), 0;
         if (++l->nup == l->nstreams && l->ev_ready) {
             *sig |= kv__post_event(c, l->ev_ready);
             l->ev_ready = NULL;
@@ -748,163 +1159,35 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
         return 1;
     }
     switch (h->type) {
-    case F_DATA: {
-        kv_region *r = exported(c, h->region);
-        if (h->length == 0 || h->length > KV_MAX_FRAME || h->total > KV_MAX_TOTAL || h->length > h->total ||
-            !r || h->offset > r->len || h->length > r->len - h->offset)
-            return *sig |= fail_conn(n, k, 1), 0;
-        kv_rx *x = rx_find(l, h->xfer, 0);
-        if (!x) {
-            if (!(x = rx_new(l, h->xfer, 0)))
-                return *sig |= fail_conn(n, k, 1), 0;
-            x->total = h->total;
-        }
-        /* claimed, not received: two streams with payloads under way must not both
-         * fit in what is left of the total */
-        if (!x->aborted && (x->total != h->total || h->length > x->total - x->claimed))
-            return *sig |= fail_conn(n, k, 1), 0;
-        if (!x->aborted)
-            x->claimed += h->length;
-        k->pdiscard = x->aborted;
-        if (!x->aborted) {
-            kv__region_ref(c, h->region);
-            k->pref = h->region;
-            k->pdst = (uint8_t *)(uintptr_t)(r->addr + h->offset);
-        }
+    case F_DATA:
+        if (!on_data(n, k, sig))
+            return 0;
         break;
-    }
-    case F_RDATA: {
-        if (h->length == 0 || h->length > KV_MAX_FRAME)
-            return *sig |= fail_conn(n, k, 1), 0;
-        kv_job *j = kv__job_find(c, h->xfer);
-        if (j && j->tcp && j->is_pull && j->link_id == l->id && !j->abort_done) {
-            if (h->region >= j->nsegs || h->offset > j->segs[h->region].len ||
-                h->length > j->segs[h->region].len - h->offset || !pull_claim(j, h, c->chunk))
-                return *sig |= fail_conn(n, k, 1), 0;
-            k->pdst = (uint8_t *)(uintptr_t)(j->segs[h->region].dst + h->offset);
-            k->pdiscard = 0;
-        } else if (rx_find(l, h->xfer, 1)) {
-            k->pdiscard = 1;
-        } else {
-            return *sig |= fail_conn(n, k, 1), 0; /* an answer to nothing we asked */
-        }
+    case F_RDATA:
+        if (!on_rdata(n, k, sig))
+            return 0;
         break;
-    }
-    case F_ACK: {
-        kv_job *j = kv__job_find(c, h->xfer);
-        if (j && j->tcp && !j->is_pull && j->link_id == l->id && j->claimed_all) {
-            /* No honest receiver ACKs bytes not even sent yet; completing now would
-             * release the source while sendmsg still reads it (heap-use-after-free
-             * found by tests/native/fuzz_tcp.c). */
-            if (data_in_flight(l, j->id))
-                return *sig |= fail_conn(n, k, 1), 0;
-            if (!h->status)
-                j->done_bytes = j->total; /* the receiver counted every byte in place */
-            *sig |= tcp_complete(n, l, j, h->status ? h->status : KV_LLM_SUCCESS);
-        }
-        return 1;
-    }
-    case F_ABORT: {
-        kv_frame ack = frame(F_ABORT_ACK, h->flags & F_FLAG_PULL, h->xfer);
-        if (h->flags & F_FLAG_PULL) { /* stop serving READs of that pull on this stream */
-            kv_serve **p = &k->sq;
-            k->sq_tail = NULL;
-            while (*p) {
-                kv_serve *s = *p;
-                if (s->xfer == h->xfer) {
-                    *p = s->next;
-                    ack.length += s->len;
-                    kv__region_unref(c, s->rid);
-                    free(s);
-                    k->sn--;
-                } else {
-                    k->sq_tail = s;
-                    p = &s->next;
-                }
-            }
-        } else {
-            kv_rx *x = rx_find(l, h->xfer, 0);
-            if (!x && !(x = rx_new(l, h->xfer, 0)))
-                return *sig |= fail_conn(n, k, 1), 0;
-            x->aborted = 1;
-            discard_payloads(l, c, F_DATA, h->xfer);
-            if (++x->aborts_seen >= l->nconns)
-                rx_del(l, x);
-        }
-        if (ctrl_push(k, &ack) < 0)
-            return *sig |= fail_conn(n, k, 1), 0;
-        return 1;
-    }
-    case F_ABORT_ACK: {
-        if (h->flags & F_FLAG_PULL) {
-            k->reads_out -= h->length < k->reads_out ? h->length : k->reads_out;
-            kv_rx *t = rx_find(l, h->xfer, 1);
-            if (t && --t->acks_left <= 0)
-                rx_del(l, t);
-        } else {
-            kv_job *j = kv__job_find(c, h->xfer);
-            if (j && j->tcp && !j->is_pull && j->link_id == l->id && j->abort_done && --j->acks_left <= 0) {
-                /* the fence: every stream's ABORT (sent after its DATA) was answered;
-                 * an extra ABORT_ACK must not complete the job under a frame still
-                 * going out (same use-after-free as an early ACK) */
-                if (data_in_flight(l, j->id))
-                    return *sig |= fail_conn(n, k, 1), 0;
-                *sig |= tcp_complete(n, l, j, j->status);
-            }
-        }
-        return 1;
-    }
-    case F_READ: {
-        if (h->length == 0 || h->length > KV_MAX_FRAME || k->sn >= KV_MAX_SERVE)
-            return *sig |= fail_conn(n, k, 1), 0;
-        kv_region *r = exported(c, h->region);
-        if (!r) { /* unregistered meanwhile: the requester gets a status, the link lives */
-            kv_frame e = frame(F_RERR, 0, h->xfer);
-            e.status = KV_LLM_KV_CACHE_NOT_EXIST;
-            e.length = h->length;
-            if (ctrl_push(k, &e) < 0)
-                return *sig |= fail_conn(n, k, 1), 0;
-            return 1;
-        }
-        if (h->offset > r->len || h->length > r->len - h->offset)
-            return *sig |= fail_conn(n, k, 1), 0;
-        kv_serve *s = calloc(1, sizeof *s);
-        if (!s)
-            return *sig |= fail_conn(n, k, 0), 0;
-        s->xfer = h->xfer;
-        s->src = r->addr + h->offset;
-        s->len = h->length;
-        s->total = h->total;
-        s->rid = h->region;
-        s->dst_seg = h->region2;
-        s->dst_off = h->offset2;
-        kv__region_ref(c, h->region);
-        if (k->sq_tail)
-            k->sq_tail->next = s;
-        else
-            k->sq = s;
-        k->sq_tail = s;
-        k->sn++;
-        return 1;
-    }
+    case F_ACK:
+        return on_ack(n, k, sig);
+    case F_ABORT:
+        return on_abort(n, k, sig);
+    case F_ABORT_ACK:
+        return on_abort_ack(n, k, sig);
+    case F_READ:
+        return on_read(n, k, sig);
+    case F_RERR:
+        return on_rerr(n, k, sig);
     case F_CREDIT: /* the receiver consumed one of our DATA frames: the window moves */
         if (h->length > KV_MAX_FRAME)
-            return *sig |= fail_conn(n, k, 1), 0;
+            return BAD();
         l->wire -= h->length < l->wire ? h->length : l->wire;
         return 1;
-    case F_RERR: {
-        k->reads_out -= h->length < k->reads_out ? h->length : k->reads_out;
-        kv_job *j = kv__job_find(c, h->xfer);
-        if (j && j->tcp && j->is_pull && j->link_id == l->id && !j->abort_done) {
-            if (j->status == KV_LLM_SUCCESS)
-                j->status = h->status ? h->status : KV_LLM_FAILED;
-            j->abort_req = 1;
-            *sig |= handle_abort(n, j);
-        }
-        return 1;
-    }
-    default:
-        return *sig |= fail_conn(n, k, 1), 0;
+    case F_LEASE_REQ:
+        return on_lease_req(n, k, sig);
+    case F_LEASE:
+        return on_lease(n, k, sig);
+    default: /* HELLO, HELLO_ACK on an authenticated stream */
+        return BAD();
     }
     k->ptype = h->type;
     k->pxfer = h->xfer;
@@ -933,13 +1216,15 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
         while (l && (l->dead || !tokens_equal(l->token, k->tok) || l->nconns >= l->nstreams))
             l = l->next;
         if (!l)
-            return *sig |= fail_conn(n, k, 1), 0;
+            return BAD();
+        k->idx = l->nconns;
         l->conns[l->nconns++] = k;
         k->link = l;
         k->state = C_UP;
         n->npending--;
         kv_frame ack = frame(F_HELLO_ACK, 0, 0);
-        ctrl_push(k, &ack);
+        if (ctrl_push(k, &ack) < 0 || lease_request(k, now_ns()) < 0)
+            return *sig |= fail_conn(n, k, 0), 0;
         return 1;
     }
     kv_link *l = k->link;
@@ -951,7 +1236,7 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
         kv_frame cr = frame(F_CREDIT, 0, k->pxfer);
         cr.length = k->plen;
         if (ctrl_push(k, &cr) < 0)
-            return *sig |= fail_conn(n, k, 1), 0;
+            return BAD();
         kv_rx *x = rx_find(l, k->pxfer, 0);
         if (!k->pdiscard)
             n->received += k->plen;
@@ -961,18 +1246,21 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
                 kv_frame ack = frame(F_ACK, 0, k->pxfer);
                 rx_del(l, x);
                 if (ctrl_push(k, &ack) < 0)
-                    return *sig |= fail_conn(n, k, 1), 0;
+                    return BAD();
             }
         }
         return 1;
     }
     if (k->ptype == F_RDATA) {
-        k->reads_out -= k->plen < k->reads_out ? k->plen : k->reads_out;
+        if (k->pwin) { /* the READ it answers (asked on this stream) leaves the window */
+            k->reads_out -= k->plen < k->reads_out ? k->plen : k->reads_out;
+            k->pwin = 0;
+        }
         if (k->pdiscard)
             return 1;
         n->received += k->plen;
         kv_job *j = kv__job_find(c, k->pxfer);
-        if (j && !j->abort_done) {
+        if (j && j->is_pull && j->tstate != KV_JS_DONE) {
             j->done_bytes += k->plen;
             if (j->done_bytes >= j->total)
                 *sig |= tcp_complete(n, l, j, KV_LLM_SUCCESS);
@@ -996,6 +1284,17 @@ static int conn_recv(kv_net *n, kv_conn *k) {
                 dst = n->scratch;
                 if (want > KV_SCRATCH)
                     want = KV_SCRATCH;
+            } else if (k->ptype == F_DATA) {
+                if (want > KV_RECV_PLACE)
+                    want = KV_RECV_PLACE;
+                if (now_ns() >= k->lease_until) {
+                    /* the lease, right before the write: once it is over the pusher may
+                     * have reported the push failed (docs/protocol.md, "Leases") */
+                    pthread_mutex_lock(&c->mu);
+                    sig |= lease_fail(n, k);
+                    pthread_mutex_unlock(&c->mu);
+                    break;
+                }
             }
             r = recv(k->fd, dst, (size_t)want, MSG_DONTWAIT);
         }
@@ -1009,6 +1308,7 @@ static int conn_recv(kv_net *n, kv_conn *k) {
             pthread_mutex_unlock(&c->mu);
             break;
         }
+        k->rx_mark = n->now;
         budget = (uint64_t)r >= budget ? 0 : budget - (uint64_t)r;
         if (k->rx_state == RX_HDR) {
             k->rh_got += (size_t)r;
@@ -1041,15 +1341,18 @@ static int conn_recv(kv_net *n, kv_conn *k) {
 /* ---------------------------------------------------------------- the thread */
 
 static kv_conn *conn_new(kv_net *n, int fd, int state) {
+    int one = 1, fl = fcntl(fd, F_GETFL);
+    /* TCP_NODELAY also proves it is a TCP socket */
+    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0 ||
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0)
+        return NULL;
     kv_conn *k = calloc(1, sizeof *k);
     if (!k)
         return NULL;
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
     k->fd = fd;
     k->state = state;
     k->born = now_ns();
+    k->rx_mark = k->tx_mark = k->born;
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = k};
     if (epoll_ctl(n->ep, EPOLL_CTL_ADD, fd, &ev) < 0) {
         free(k);
@@ -1066,14 +1369,10 @@ static void link_free(kv_link *l) {
     free(l);
 }
 
+/* Caller holds c->mu. */
 static int run_cmd(kv_net *n, kv_cmd *m) {
-    kv_core *c = n->c;
     int sig = 0;
-    if (m->type == CMD_LISTEN) {
-        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &n->lfd};
-        n->lfd = m->fd;
-        epoll_ctl(n->ep, EPOLL_CTL_ADD, n->lfd, &ev);
-    } else if (m->type == CMD_LINK_ADD) {
+    if (m->type == CMD_LINK_ADD) {
         kv_link *l = calloc(1, sizeof *l);
         if (!l || link_find(n, m->link_id)) {
             free(l);
@@ -1085,6 +1384,9 @@ static int run_cmd(kv_net *n, kv_cmd *m) {
         memcpy(l->token, m->token, KV_TOKEN_BYTES);
         l->nstreams = m->nstreams;
         l->window = m->window;
+        l->lease = m->lease;
+        l->fence = m->fence;
+        l->margin = m->margin;
         l->ev_ready = m->ev_ready;
         l->ev_down = m->ev_down;
         l->next = n->links;
@@ -1094,26 +1396,24 @@ static int run_cmd(kv_net *n, kv_cmd *m) {
         kv_conn *k = (l && !l->dead && l->nconns < l->nstreams) ? conn_new(n, m->fd, C_HELLO_SENT) : NULL;
         if (!k) {
             close(m->fd);
-            pthread_mutex_lock(&c->mu);
             if (l)
                 sig |= link_fail(n, l, KV_LLM_LINK_FAILED, 1);
-            pthread_mutex_unlock(&c->mu);
             return sig;
         }
         k->link = l;
+        k->idx = l->nconns;
         l->conns[l->nconns++] = k;
         kv_frame h = frame(F_HELLO, 0, 0);
         h.length = KV_TOKEN_BYTES;
-        ctrl_push(k, &h);
+        if (ctrl_push(k, &h) < 0)
+            sig |= link_fail(n, l, KV_LLM_LINK_FAILED, 1);
     } else if (m->type == CMD_LINK_CLOSE) {
         kv_link **p = &n->links;
         while (*p && (*p)->id != m->link_id)
             p = &(*p)->next;
         if (*p) {
             kv_link *l = *p;
-            pthread_mutex_lock(&c->mu);
             sig |= link_fail(n, l, m->status, 0);
-            pthread_mutex_unlock(&c->mu);
             *p = l->next;
             for (kv_conn *k = n->conns; k; k = k->next)
                 if (k->link == l)
@@ -1138,12 +1438,25 @@ static void reap(kv_net *n) {
     }
 }
 
-static int accept_conns(kv_net *n) {
-    int sig = 0;
+static int accept_conns(kv_net *n, int lfd) {
     for (;;) {
-        int fd = accept4(n->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0)
-            return sig;
+        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return 0;
+            /* EMFILE, ENFILE, ENOBUFS, ENOMEM...: the connection stays queued, so the
+             * (level-triggered) listener would wake us at once, forever. Stop
+             * listening for a while instead of spinning. */
+            epoll_ctl(n->ep, EPOLL_CTL_DEL, lfd, NULL);
+            n->accept_paused = 1;
+            n->accept_resume = now_ns() + KV_ACCEPT_PAUSE_NS;
+            pthread_mutex_lock(&n->c->mu);
+            n->c->st.tcp_accept_paused++;
+            pthread_mutex_unlock(&n->c->mu);
+            return 0;
+        }
         if (n->npending >= KV_MAX_PENDING) {
             close(fd);
             pthread_mutex_lock(&n->c->mu);
@@ -1158,81 +1471,156 @@ static int accept_conns(kv_net *n) {
     }
 }
 
+/* The timers, once a round: unauthenticated connections' lifetime, the idle
+ * bound, lease renewals, abort fences, lease releases, the accept pause.
+ * Caller holds c->mu. Returns the signal flag; *next: when to look again. */
+static int timers(kv_net *n, uint64_t t, uint64_t *next) {
+    kv_core *c = n->c;
+    int sig = 0;
+    uint64_t nx = t + KV_TICK_NS;
+    for (kv_conn *k = n->conns; k; k = k->next) {
+        if (k->dead)
+            continue;
+        if (k->broken) {
+            sig |= fail_conn(n, k, 0);
+            continue;
+        }
+        if (k->state == C_HELLO_WAIT) {
+            if (t - k->born > KV_HELLO_NS)
+                sig |= fail_conn(n, k, 0);
+            continue;
+        }
+        if (!k->link)
+            continue;
+        /* the idle bound: a payload under way or output waiting that moves no byte
+         * for 2 * fence (an authenticated peer pinning a region, or not reading) */
+        uint64_t idle = sat_add(k->link->fence, k->link->fence);
+        if (k->rx_state != RX_PAYLOAD)
+            k->rx_mark = t;
+        if (!k->cur_on && !k->cn && !k->sq)
+            k->tx_mark = t;
+        if (t - k->rx_mark > idle || t - k->tx_mark > idle) {
+            c->st.tcp_stalled++;
+            sig |= link_fail(n, k->link, KV_LLM_LINK_FAILED, 1);
+        }
+    }
+    for (kv_link *l = n->links; l; l = l->next) {
+        if (l->dead)
+            continue;
+        if (t >= l->renew_at) { /* every lease / 4 */
+            for (int i = 0; i < l->nconns && !l->dead; i++) {
+                kv_conn *k = l->conns[i];
+                if (!k->dead && k->state == C_UP && lease_request(k, t) < 0)
+                    sig |= fail_conn(n, k, 0); /* its control queue is full: the peer reads nothing */
+            }
+            l->renew_at = t + (l->lease / 4 ? l->lease / 4 : 1);
+        }
+        if (!l->dead && l->renew_at < nx)
+            nx = l->renew_at;
+    }
+    /* a push aborted here whose ABORT_ACKs are not all in by its fence: the link fails */
+    for (kv_job *j = n->tm_head; j;) {
+        if (j->tstate == KV_JS_ABORTING && t >= j->due) {
+            kv_link *l = link_find(n, j->link_id);
+            c->st.tcp_fence_expired++;
+            sig |= l ? link_fail(n, l, KV_LLM_LINK_FAILED, 1) : tcp_complete(n, NULL, j, KV_LLM_LINK_FAILED);
+            j = n->tm_head; /* the list changed */
+            continue;
+        }
+        j = j->anext;
+    }
+    /* pushes of failed links whose peer's lease is over */
+    for (kv_job *j = n->tm_head; j;) {
+        kv_job *nj = j->anext;
+        if (j->tstate == KV_JS_FENCING && t >= j->due)
+            sig |= tcp_complete(n, NULL, j, j->status);
+        else if (j->due < nx)
+            nx = j->due;
+        j = nj;
+    }
+    if (n->accept_paused) {
+        if (t >= n->accept_resume) {
+            struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &n->lfd};
+            if (n->lfd < 0 || epoll_ctl(n->ep, EPOLL_CTL_ADD, n->lfd, &ev) == 0 || errno == EEXIST)
+                n->accept_paused = 0;
+            else
+                n->accept_resume = t + KV_ACCEPT_PAUSE_NS;
+        }
+        if (n->accept_paused && n->accept_resume < nx)
+            nx = n->accept_resume;
+    }
+    *next = nx;
+    return sig;
+}
+
 static void *io_main(void *arg) {
     kv_net *n = arg;
     kv_core *c = n->c;
     struct epoll_event evs[64];
-    uint64_t last_busy = 0;
+    uint64_t last_busy = 0, next_due = 0;
     for (;;) {
         /* Spin (poll without sleeping) for a short while after activity: a sleeping
          * thread takes tens of microseconds to wake on these VMs, once per frame.
          * Each empty poll yields the core, so a woken event loop sharing it runs at
-         * once (64 KiB push p99 354 -> 87 us on 2 vCPUs, throughput unchanged). */
-        int spin = KV_SPIN_NS && now_ns() - last_busy < KV_SPIN_NS;
-        int ne = epoll_wait(n->ep, evs, 64, spin ? 0 : 100);
+         * once (64 KiB push p99 354 -> 87 us on 2 vCPUs, throughput unchanged).
+         * Otherwise sleep until the next timer (lease renewal, fence, release). */
+        uint64_t t0 = now_ns();
+        int spin = KV_SPIN_NS && t0 - last_busy < KV_SPIN_NS;
+        int tmo = 0;
+        if (!spin)
+            tmo = next_due <= t0 ? 0 : (int)((next_due - t0 + 999999) / 1000000);
+        int ne = epoll_wait(n->ep, evs, 64, tmo);
         if (ne < 0)
             ne = 0;
+        n->now = now_ns();
         if (ne > 0)
-            last_busy = now_ns();
+            last_busy = n->now;
         else if (spin) /* nothing yet: let a runnable thread (the event loop) have the core */
             sched_yield();
         int sig = 0;
         pthread_mutex_lock(&c->mu);
         kv_cmd *cmds = n->cmd_head;
-        kv_job *jobs = n->in_head;
         n->cmd_head = n->cmd_tail = NULL;
-        n->in_head = n->in_tail = NULL;
-        int stop = n->stop;
-        pthread_mutex_unlock(&c->mu);
+        int stop = n->stop, lfd = n->lfd;
+        /* commands first (a link is declared before jobs on it), then new jobs,
+         * then aborts: one critical section, so nothing comes between them */
         while (cmds) {
             kv_cmd *m = cmds;
             cmds = m->next;
-            if (!stop)
+            if (!stop) {
                 sig |= run_cmd(n, m);
-            else if (m->type == CMD_CONN_ADD || m->type == CMD_LISTEN)
-                close(m->fd);
-            if (stop && m->type == CMD_LINK_ADD) {
-                free(m->ev_ready);
-                free(m->ev_down);
+            } else {
+                if (m->type == CMD_CONN_ADD)
+                    close(m->fd);
+                if (m->type == CMD_LINK_ADD) {
+                    free(m->ev_ready);
+                    free(m->ev_down);
+                }
             }
             free(m);
         }
-        pthread_mutex_lock(&c->mu);
-        while (jobs) { /* new jobs join their link's send queue */
-            kv_job *j = jobs;
-            jobs = j->inext;
-            j->inext = NULL;
-            j->inbox = 0;
+        while (n->in_head) { /* new jobs join their link's send queue */
+            kv_job *j = n->in_head;
             kv_link *l = stop ? NULL : link_find(n, j->link_id);
             if (!l || l->dead) {
                 sig |= tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
                 continue;
             }
-            if (j->is_pull && pull_track(j, c->chunk) < 0) {
-                sig |= tcp_complete(n, NULL, j, KV_LLM_OUT_OF_MEMORY);
-                continue;
-            }
+            inbox_del(n, j);
+            js_to(j, KV_JS_SENDING);
             sq_insert(l, j);
         }
-        /* aborts requested since the last round; a job still in the inbox waits a round.
-         * handle_abort may complete other listed jobs, so restart from the head. */
-        for (kv_job *j = n->ab_head; j;) {
-            if (j->inbox) {
-                j = j->anext;
-                continue;
-            }
-            sig |= handle_abort(n, j);
-            j = n->ab_head;
-        }
-        if (stop) {
+        while (n->ab_head) /* aborts requested since the last round */
+            sig |= handle_abort(n, n->ab_head);
+        if (stop && !n->stopped) { /* every link fails; pushes not fenced wait for their release */
+            n->stopped = 1;
             for (kv_link *l = n->links; l; l = l->next)
                 sig |= link_fail(n, l, KV_LLM_ENGINE_FINALIZED, 0);
             for (kv_conn *k = n->conns; k; k = k->next)
                 conn_kill(n, k);
-            pthread_mutex_unlock(&c->mu);
-            if (sig)
-                kv__signal_loop(c);
-            break;
+            if (n->lfd >= 0 && !n->accept_paused)
+                epoll_ctl(n->ep, EPOLL_CTL_DEL, n->lfd, NULL);
+            n->accept_paused = 0;
         }
         pthread_mutex_unlock(&c->mu);
         for (int i = 0; i < ne; i++) {
@@ -1242,7 +1630,8 @@ static void *io_main(void *arg) {
                 ssize_t r = read(n->wake, &v, sizeof v);
                 (void)r;
             } else if (p == &n->lfd) {
-                sig |= accept_conns(n);
+                if (!stop)
+                    sig |= accept_conns(n, lfd);
             } else {
                 kv_conn *k = p;
                 if (!k->dead && (evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)))
@@ -1253,9 +1642,8 @@ static void *io_main(void *arg) {
         }
         uint64_t t = now_ns();
         pthread_mutex_lock(&c->mu);
-        for (kv_conn *k = n->conns; k; k = k->next)
-            if (!k->dead && k->state == C_HELLO_WAIT && t - k->born > KV_HELLO_NS)
-                sig |= fail_conn(n, k, 0);
+        sig |= timers(n, t, &next_due);
+        int done = stop && !n->tm_head;
         pthread_mutex_unlock(&c->mu);
         if (sig) { /* completions first: the loop refills the queue while this thread sends */
             kv__signal_loop(c);
@@ -1276,6 +1664,8 @@ static void *io_main(void *arg) {
         reap(n);
         if (sig)
             kv__signal_loop(c);
+        if (done)
+            break;
     }
     reap(n);
     return NULL;
@@ -1299,24 +1689,6 @@ static uint32_t post_cmd(kv_core *c, kv_cmd *m) {
     return st;
 }
 
-/* Hand `fd` to the I/O thread with a command; the core owns it from here on, also on failure. */
-static uint32_t post_fd(kv_core *c, int type, int fd, uint32_t link_id) {
-    kv_cmd *m = calloc(1, sizeof *m);
-    if (!m) {
-        close(fd);
-        return KV_LLM_OUT_OF_MEMORY;
-    }
-    m->type = type;
-    m->fd = fd;
-    m->link_id = link_id;
-    uint32_t st = post_cmd(c, m);
-    if (st != KV_LLM_SUCCESS) {
-        close(fd);
-        free(m);
-    }
-    return st;
-}
-
 uint32_t kv_tcp_listen(kv_core *c, const char *ip, uint16_t port, uint16_t *bound) {
     struct sockaddr_storage ss;
     socklen_t sl;
@@ -1334,22 +1706,47 @@ uint32_t kv_tcp_listen(kv_core *c, const char *ip, uint16_t port, uint16_t *boun
     } else {
         return KV_LLM_PARAM_INVALID;
     }
+    pthread_mutex_lock(&c->mu); /* once per core (a second listener would leak the first) */
+    int again = c->net && c->net->lfd >= 0;
+    pthread_mutex_unlock(&c->mu);
+    if (again)
+        return KV_LLM_PARAM_INVALID;
     int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return KV_LLM_FAILED;
     int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (bind(fd, (struct sockaddr *)&ss, sl) < 0 || listen(fd, 128) < 0 ||
-        getsockname(fd, (struct sockaddr *)&ss, &sl) < 0) {
+    if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0 || bind(fd, (struct sockaddr *)&ss, sl) < 0 ||
+        listen(fd, 128) < 0 || getsockname(fd, (struct sockaddr *)&ss, &sl) < 0) {
         close(fd);
         return KV_LLM_FAILED;
     }
+    kv_net *n;
+    pthread_mutex_lock(&c->mu);
+    uint32_t st = net_get(c, &n);
+    if (st == KV_LLM_SUCCESS && n->lfd >= 0)
+        st = KV_LLM_PARAM_INVALID; /* a concurrent call won */
+    if (st == KV_LLM_SUCCESS) {
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &n->lfd};
+        n->lfd = fd; /* before the I/O thread can see an event of it */
+        if (epoll_ctl(n->ep, EPOLL_CTL_ADD, fd, &ev) < 0) {
+            n->lfd = -1;
+            st = KV_LLM_FAILED;
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (st != KV_LLM_SUCCESS) {
+        close(fd);
+        return st;
+    }
     *bound = ntohs(ss.ss_family == AF_INET ? a4->sin_port : a6->sin6_port);
-    return post_fd(c, CMD_LISTEN, fd, 0);
+    return KV_LLM_SUCCESS;
 }
 
-uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int nstreams, uint64_t window) {
-    if (link_id == 0 || nstreams < 1 || nstreams > KV_MAX_STREAMS)
+uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int nstreams, uint64_t window,
+                         uint64_t lease_ns, uint64_t fence_ns, uint64_t margin_ns) {
+    if (link_id == 0 || nstreams < 1 || nstreams > KV_MAX_STREAMS || lease_ns < KV_MIN_LEASE_NS ||
+        lease_ns > KV_MAX_LEASE_NS || fence_ns < KV_MIN_LEASE_NS || fence_ns > KV_MAX_LEASE_NS ||
+        margin_ns > KV_MAX_LEASE_NS)
         return KV_LLM_PARAM_INVALID;
     kv_cmd *m = calloc(1, sizeof *m);
     kv_job *r = calloc(1, sizeof *r), *d = calloc(1, sizeof *d);
@@ -1366,6 +1763,9 @@ uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int
     m->link_id = link_id;
     m->nstreams = nstreams;
     m->window = window;
+    m->lease = lease_ns;
+    m->fence = fence_ns;
+    m->margin = margin_ns;
     memcpy(m->token, token, KV_TOKEN_BYTES);
     m->ev_ready = r;
     m->ev_down = d;
@@ -1378,7 +1778,22 @@ uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int
     return st;
 }
 
-uint32_t kv_tcp_conn_add(kv_core *c, int fd, uint32_t link_id) { return post_fd(c, CMD_CONN_ADD, fd, link_id); }
+uint32_t kv_tcp_conn_add(kv_core *c, int fd, uint32_t link_id) {
+    kv_cmd *m = calloc(1, sizeof *m);
+    if (!m) {
+        close(fd);
+        return KV_LLM_OUT_OF_MEMORY;
+    }
+    m->type = CMD_CONN_ADD;
+    m->fd = fd;
+    m->link_id = link_id;
+    uint32_t st = post_cmd(c, m);
+    if (st != KV_LLM_SUCCESS) {
+        close(fd);
+        free(m);
+    }
+    return st;
+}
 
 uint32_t kv_tcp_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
     kv_cmd *m = calloc(1, sizeof *m);
@@ -1397,9 +1812,13 @@ uint32_t kv__tcp_submit(kv_core *c, kv_job *j) {
     kv_net *n = c->net;
     if (!n || n->stop)
         return KV_LLM_LINK_FAILED;
+    /* a pull's answer tracking exists before any frame can name the job */
+    if (j->is_pull && !(j->pt = ptrack_new(j, c->chunk)))
+        return KV_LLM_OUT_OF_MEMORY;
     kv__job_hash(c, j);
+    j->tstate = KV_JS_INBOX;
     j->inext = NULL;
-    j->inbox = 1;
+    j->iprev = n->in_tail;
     if (n->in_tail)
         n->in_tail->inext = j;
     else
@@ -1409,17 +1828,21 @@ uint32_t kv__tcp_submit(kv_core *c, kv_job *j) {
     return KV_LLM_SUCCESS;
 }
 
-void kv__tcp_abort(kv_core *c, kv_job *j) {
+uint32_t kv__tcp_abort(kv_core *c, kv_job *j, uint32_t status, int *sig) {
     kv_net *n = c->net;
-    if (!n || j->alisted)
-        return;
-    j->aprev = NULL;
-    j->anext = n->ab_head;
-    if (n->ab_head)
-        n->ab_head->aprev = j;
-    n->ab_head = j;
-    j->alisted = 1;
+    if (j->tstate != KV_JS_INBOX && j->tstate != KV_JS_SENDING && j->tstate != KV_JS_SENT)
+        return KV_LLM_PARAM_INVALID; /* aborting, fencing: its completion is on its way */
+    if (j->status == KV_LLM_SUCCESS)
+        j->status = status;
+    c->st.jobs_aborted++;
+    if (j->tstate == KV_JS_INBOX) { /* nothing of it exists on the wire: done */
+        *sig = tcp_complete(n, NULL, j, status);
+        return KV_LLM_SUCCESS;
+    }
+    js_to(j, KV_JS_ABORT_REQ);
+    alist_add(&n->ab_head, j);
     wake(n);
+    return KV_LLM_SUCCESS;
 }
 
 void kv__tcp_close(kv_core *c) {
@@ -1442,6 +1865,9 @@ void kv__tcp_free(kv_core *c) {
     while (n->links) {
         kv_link *l = n->links;
         n->links = l->next;
+        for (unsigned b = 0; b < KV_RX_BUCKETS; b++)
+            while (l->rx[b])
+                rx_del(l, l->rx[b]);
         link_free(l);
     }
     if (n->lfd >= 0)

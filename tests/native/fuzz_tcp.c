@@ -115,11 +115,26 @@
 
 #define MAGIC 0x3145564Bu
 enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_RDATA, F_RERR, F_CREDIT,
-       F_LAST = F_CREDIT };
+       F_LEASE_REQ, F_LEASE, F_LAST = F_LEASE };
 #define F_PULL 1u
 #define MAX_FRAME (64ull << 20) /* payload bytes of one frame */
 #define MAX_TOTAL (1ull << 48)  /* bytes of one transfer */
 #define MAX_PENDING 256         /* unauthenticated connections at once */
+#define MS 1000000ull           /* ns */
+/* Leases (the lease is the same both ways on a link): links where the core
+ * receives get a long one (granted once, it outlives any session), links where
+ * it pushes a short one (a push of a failed link completes at the release:
+ * the last grant + lease + margin). */
+#define SRV_LEASE (60000 * MS)
+#define SRV_FENCE (20000 * MS)
+#define PEER_FENCE (5000 * MS)
+#define MARGIN (5 * MS)
+
+static uint64_t ns_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_BOOTTIME, &ts); /* the core's clock: lease offsets are comparable */
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 typedef struct {
     uint32_t magic;
@@ -240,6 +255,8 @@ typedef struct {
     int nstreams, bound, down;
     int client, ready; /* streams handed to the core with kv_tcp_conn_add; LINK_READY seen */
     int closed;        /* kv_tcp_link_close called: no LINK_DOWN after that */
+    uint64_t lease, fence, margin; /* ns */
+    double down_ms;    /* when LINK_DOWN was seen */
 } linkrec;
 
 #define LINK_BASE 1000u
@@ -249,6 +266,7 @@ static size_t g_nlinks, g_links_cap;
 typedef struct {
     uint64_t id;
     int done;
+    double done_ms; /* when its completion was seen */
     uint32_t status;
     uint64_t nbytes;
     uint32_t flags; /* KV_DONE_* */
@@ -273,6 +291,7 @@ static void on_completion(const kv_completion *cp) {
             CHECK(!l->closed);
             CHECK_EQ(cp->status, KV_LLM_LINK_FAILED);
             l->down = 1;
+            l->down_ms = now_ms();
         } else if (kind == KV_EVENT_LINK_READY) { /* client streams, once all are acknowledged */
             CHECK(id >= LINK_BASE && id < LINK_BASE + g_nlinks);
             linkrec *l = &g_links[id - LINK_BASE];
@@ -293,6 +312,7 @@ static void on_completion(const kv_completion *cp) {
         if (g_jobs[i].id == cp->job_id) {
             CHECK(!g_jobs[i].done); /* exactly once */
             g_jobs[i].done = 1;
+            g_jobs[i].done_ms = now_ms();
             g_jobs[i].status = cp->status;
             g_jobs[i].nbytes = cp->nbytes;
             g_jobs[i].flags = cp->flags;
@@ -319,16 +339,25 @@ static void pump_events(int timeout_ms) {
             on_completion(&cp[i]);
 }
 
-/* A link with a push window of `window` bytes (0: none). */
-static linkrec *link_new_w(int nstreams, uint64_t window) {
+/* A link with a push window of `window` bytes (0: none) and the lease, fence
+ * and margin given (ns). */
+static linkrec *link_new_lw(int nstreams, uint64_t window, uint64_t lease, uint64_t fence, uint64_t margin) {
     CHECK(g_nlinks < g_links_cap);
     linkrec *l = &g_links[g_nlinks];
     memset(l, 0, sizeof *l);
     l->id = LINK_BASE + (uint32_t)g_nlinks++;
     l->nstreams = nstreams;
+    l->lease = lease;
+    l->fence = fence;
+    l->margin = margin;
     rnd_bytes(l->tok, sizeof l->tok);
-    CHECK_EQ(kv_tcp_link_add(g_core, l->id, l->tok, nstreams, window), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_tcp_link_add(g_core, l->id, l->tok, nstreams, window, lease, fence, margin), KV_LLM_SUCCESS);
     return l;
+}
+
+/* A link where the core receives. */
+static linkrec *link_new_w(int nstreams, uint64_t window) {
+    return link_new_lw(nstreams, window, SRV_LEASE, SRV_FENCE, MARGIN);
 }
 
 /* Mostly no window; sometimes one (it only paces the core's pushes: as a
@@ -377,7 +406,7 @@ static void wait_freed(uint32_t rid) {
 
 /* ------------------------------------------------------------------ stats */
 
-static uint64_t e_refused, e_failed, e_bad, e_rx_lo, e_rx_hi; /* what the core's counters must say */
+static uint64_t e_refused, e_failed, e_bad, e_rx_lo, e_rx_hi, e_lease, e_fence, e_stalled; /* what the core's counters must say */
 
 static kv_stats stats(void) {
     kv_stats s;
@@ -388,7 +417,8 @@ static kv_stats stats(void) {
 
 static int stats_match(const kv_stats *s) {
     return s->tcp_refused == e_refused && s->tcp_links_failed == e_failed && s->tcp_bad_frames == e_bad &&
-           s->tcp_bytes_received >= e_rx_lo && s->tcp_bytes_received <= e_rx_hi && s->tcp_conns == 0;
+           s->tcp_bytes_received >= e_rx_lo && s->tcp_bytes_received <= e_rx_hi && s->tcp_conns == 0 &&
+           s->tcp_lease_expired == e_lease && s->tcp_fence_expired == e_fence && s->tcp_stalled == e_stalled;
 }
 
 /* The I/O thread publishes its counters once per round: wait for them. */
@@ -402,9 +432,11 @@ static void check_stats(void) {
     if (!stats_match(&s)) {
         FAILED_AT("stats: refused %" PRIu64 " (want %" PRIu64 "), links_failed %" PRIu64 " (want %" PRIu64
                   "), bad_frames %" PRIu64 " (want %" PRIu64 "), bytes_received %" PRIu64 " (want %" PRIu64
-                  "..%" PRIu64 "), conns %" PRIu64 " (want 0)",
+                  "..%" PRIu64 "), conns %" PRIu64 " (want 0), lease_expired %" PRIu64 " (want %" PRIu64
+                  "), fence_expired %" PRIu64 " (want %" PRIu64 "), stalled %" PRIu64 " (want %" PRIu64 ")",
                   s.tcp_refused, e_refused, s.tcp_links_failed, e_failed, s.tcp_bad_frames, e_bad,
-                  s.tcp_bytes_received, e_rx_lo, e_rx_hi, s.tcp_conns);
+                  s.tcp_bytes_received, e_rx_lo, e_rx_hi, s.tcp_conns, s.tcp_lease_expired, e_lease,
+                  s.tcp_fence_expired, e_fence, s.tcp_stalled, e_stalled);
         die();
     }
     g_checks++;
@@ -419,6 +451,9 @@ typedef struct {
     uint8_t *pay; /* the payload of the last frame returned */
     size_t paycap;
     int eof; /* the core closed it (EOF or reset) */
+    /* the core's LEASE_REQs (on its own timer: taken out of the frame stream here) */
+    long nreq;
+    uint64_t req_last;
 } pconn;
 
 static void pc_open(pconn *c, int rcvbuf) {
@@ -560,6 +595,25 @@ static int pc_frame_t(pconn *c, fr *h, int timeout_ms, int may_time_out) {
             if (pl > 64 * 1024 * KiB) {
                 FAILED_AT("frame from the core with a %" PRIu64 "-byte payload (type %u)", pl, h->type);
                 die();
+            }
+            if (avail >= sizeof *h + pl && h->type == F_LEASE_REQ) {
+                /* the core asks for a lease (on a stream going up, then every lease/4):
+                 * its clock, now or a moment ago, increasing; nothing else set */
+                fr want = *h;
+                want.offset = 0;
+                fr z;
+                memset(&z, 0, sizeof z);
+                z.magic = MAGIC;
+                z.type = F_LEASE_REQ;
+                if (memcmp(&want, &z, sizeof z) != 0 || h->offset > ns_now() || h->offset < c->req_last) {
+                    FAILED_AT("bad LEASE_REQ from the core (offset %" PRIu64 ", previous %" PRIu64 ")", h->offset,
+                              c->req_last);
+                    die();
+                }
+                c->nreq++;
+                c->req_last = h->offset;
+                c->off += sizeof *h;
+                continue;
             }
             if (avail >= sizeof *h + pl) {
                 if (pl > c->paycap) {
@@ -785,6 +839,7 @@ typedef struct {
     uint64_t pay_off, pay_len, pay_done, pay_xfer;
     int pay_log; /* payload goes to the exported region: log it */
     size_t pay_logi;
+    uint64_t lease_until; /* the core may write our DATA into place until then (0: no grant yet) */
 } mconn;
 
 typedef struct {
@@ -799,8 +854,9 @@ typedef struct {
     int nconns; /* streams the core bound to the link */
     mrx rx[RX_MAX];
     int nrx;
-    int dead; /* the core failed the link (as far as the model knows: a bad frame) */
+    int dead; /* the core failed the link (as far as the model knows: a bad frame, an expired lease) */
     int bad;
+    int lease_failed; /* DATA into place without a valid lease */
     uint64_t rx_all, rx_synced; /* tcp_bytes_received: every completed payload; those before the last sync */
     mwrite log[LOG_MAX];        /* writes into the exported region */
     int nlog;
@@ -868,9 +924,21 @@ static void m_dirty(msess *s, const uint8_t *p, uint64_t n) {
         }
 }
 
+/* A LEASE's offset is the core's clock: in the past (a grant, perhaps stale) or
+ * in the future (a bad frame). Offsets within 2 s after now would depend on
+ * when the core reads the frame: moved out of that window, so the model can say. */
+static void lease_offset_fix(fr *h) {
+    if (h->type != F_LEASE)
+        return;
+    uint64_t t = ns_now();
+    if (h->offset > t && h->offset - t < 2000 * MS)
+        h->offset = t + 2000 * MS;
+}
+
 /* on_header, for a stream in C_UP. Returns the payload bytes the core now reads. */
-static uint64_t m_header(msess *s, mconn *k, const fr *h) {
+static uint64_t m_header(msess *s, mconn *k, fr *h) {
     k->seq++;
+    lease_offset_fix(h);
     if (s->dead)
         return 0;
     if (h->magic != MAGIC || h->type < F_HELLO || h->type > F_LAST)
@@ -889,6 +957,11 @@ static uint64_t m_header(msess *s, mconn *k, const fr *h) {
         }
         if (!x->aborted && (x->total != h->total || h->length > x->total - x->claimed))
             return m_bad(s), 0;
+        if (!x->aborted && ns_now() >= k->lease_until) { /* no write without a lease: the link fails */
+            s->dead = 1;
+            s->lease_failed = 1;
+            return 0;
+        }
         if (!x->aborted)
             x->claimed += h->length;
         k->in_pay = 1;
@@ -911,11 +984,25 @@ static uint64_t m_header(msess *s, mconn *k, const fr *h) {
         return h->length;
     }
     case F_RDATA:
-        return m_bad(s), 0; /* no pull of ours on this link: an answer to nothing */
     case F_ACK:
     case F_ABORT_ACK:
     case F_RERR:
-        return 0; /* about no job of this core: ignored */
+        return m_bad(s), 0; /* about no job (no tombstone) of this core: an answer to nothing */
+    case F_LEASE_REQ: { /* granted: the offset echoed */
+        fr g = mkf(F_LEASE, 0, 0);
+        g.offset = h->offset;
+        m_expect(k, g);
+        return 0;
+    }
+    case F_LEASE: {
+        uint64_t t = ns_now();
+        if (h->offset > t) /* (lease_offset_fix: at least 2 s ahead) */
+            return m_bad(s), 0;
+        uint64_t until = h->offset + s->l->lease < h->offset ? UINT64_MAX : h->offset + s->l->lease;
+        if (until > k->lease_until)
+            k->lease_until = until;
+        return 0;
+    }
     case F_CREDIT: /* moves the link's push window (nothing pushed here: clamped at 0), any xfer */
         if (h->length > MAX_FRAME)
             return m_bad(s), 0;
@@ -1163,14 +1250,31 @@ static msess *sess_new(linkrec *l, int nstreams) {
     return s;
 }
 
-/* Open stream i of the session and authenticate it. */
-static void sess_connect(msess *s, int wait_ack) {
+/* A LEASE on k granting the core a lease from `offset` (its clock): now (a
+ * fresh one), long ago (stale: nothing), or later (a bad frame). */
+static int lease_send(msess *s, mconn *k, uint64_t offset) {
+    fr g = mkf(F_LEASE, 0, 0);
+    g.offset = offset;
+    if (chance(10)) { /* only the type and the offset matter */
+        g.xfer = rnd();
+        g.length = rnd();
+        g.status = (uint32_t)rnd();
+    }
+    m_header(s, k, &g);
+    return pc_send(&k->pc, &g, sizeof g);
+}
+
+/* Open stream i of the session and authenticate it; grant: then a lease (else
+ * DATA into place fails the link). */
+static void sess_connect_g(msess *s, int wait_ack, int grant) {
     mconn *k = &s->k[s->nk++];
     pc_open(&k->pc, 0);
     CHECK(hello_send(&k->pc, s->l->tok, chance(10)));
     s->l->bound = 1;
     s->nconns++;
     m_expect(k, mkf(F_HELLO_ACK, 0, 0));
+    if (grant)
+        CHECK(lease_send(s, k, ns_now()));
     if (wait_ack)
         while (k->ct_n) {
             fr h;
@@ -1178,6 +1282,8 @@ static void sess_connect(msess *s, int wait_ack) {
             m_on_frame(k, &h);
         }
 }
+
+static void sess_connect(msess *s, int wait_ack) { sess_connect_g(s, wait_ack, 1); }
 
 static void sess_free(msess *s) {
     for (int i = 0; i < s->nk; i++) {
@@ -1199,6 +1305,7 @@ static void sess_finish(msess *s, int exact) {
     wait_link_down(s->l);
     e_failed++;
     e_bad += (uint64_t)s->bad;
+    e_lease += (uint64_t)s->lease_failed;
     e_rx_hi += s->rx_all;
     e_rx_lo += exact ? s->rx_all : s->rx_synced;
     check_stats();
@@ -1300,8 +1407,8 @@ static uint64_t pick_xfer(msess *s, mconn *k) {
 }
 
 static fr gen_misc(msess *s, mconn *k) {
-    static const uint16_t types[] = {F_ACK,       F_ABORT_ACK, F_RERR, F_RDATA, F_HELLO,
-                                     F_HELLO_ACK, F_ABORT,     F_READ, F_CREDIT};
+    static const uint16_t types[] = {F_ACK,   F_ABORT_ACK, F_RERR,   F_RDATA,     F_HELLO, F_HELLO_ACK,
+                                     F_ABORT, F_READ,      F_CREDIT, F_LEASE_REQ, F_LEASE};
     fr f = mkf(types[below(sizeof types / sizeof types[0])], (uint16_t)below(4), pick_xfer(s, k));
     f.status = chance(50) ? 0 : (uint32_t)rnd();
     f.length = chance(50) ? below(64) : special64();
@@ -1336,7 +1443,7 @@ static void mutate(fr *f, msess *s, mconn *k) {
             f->total = special64();
             break;
         case 5:
-            f->type = chance(80) ? (uint16_t)below(12) : (uint16_t)rnd();
+            f->type = chance(80) ? (uint16_t)below(F_LAST + 2) : (uint16_t)rnd();
             break;
         case 6:
             f->magic = chance(50) ? f->magic ^ (1u << below(32)) : (uint32_t)rnd();
@@ -1384,12 +1491,14 @@ static void wait_landed(const volatile uint8_t *at, uint8_t v) {
 
 /* ------------------------------------------------------------ sessions */
 
-static long g_stuck, g_stuck_refused, g_tolerant, g_bad_sessions, g_dup_rdata;
+static long g_stuck, g_stuck_refused, g_tolerant, g_bad_sessions, g_dup_rdata, g_premature_bad, g_lease_waits;
 static uint64_t g_rank_ahead; /* peer-rank: most frames of the big push before the small ones */
-enum { K_PREAUTH, K_SERVER, K_MULTI, K_NOTIFY, K_PEER, K_CLIENT, K_WINDOW, K_RANK, K_FLOOD, K_LIMITS, K_FINAL };
-static const char *const g_kind_names[] = {"preauth", "server", "multi", "notify", "peer",  "client",
-                                           "window",  "rank",   "flood", "limits", "final"};
+enum { K_PREAUTH, K_SERVER, K_MULTI, K_NOTIFY, K_PEER, K_CLIENT, K_WINDOW, K_RANK, K_PREMATURE, K_LEASE,
+       K_STALL, K_FLOOD, K_LIMITS, K_FINAL };
+static const char *const g_kind_names[] = {"preauth", "server",    "multi", "notify", "peer",  "client", "window",
+                                           "rank",    "premature", "lease", "stall",  "flood", "limits", "final"};
 static long g_counts[K_FINAL + 1];
+static double g_ms[K_FINAL + 1]; /* time spent per kind */
 
 /* Connections that never authenticate: each ends as exactly one refusal. */
 static void sess_preauth(void) {
@@ -1547,7 +1656,7 @@ static int send_frame(msess *s, mconn *k, fr *f, int split, int may_cut) {
 static void sess_server(void) {
     g_what = "server";
     msess *s = sess_new(NULL, 1);
-    sess_connect(s, chance(50));
+    sess_connect_g(s, chance(50), chance(95)); /* (no lease: DATA into place fails the link) */
     mconn *k = &s->k[0];
     int steps = 1 + (int)below(24), open = 1;
     for (int step = 0; step < steps && open && !s->dead; step++) {
@@ -1574,10 +1683,22 @@ static void sess_server(void) {
         } else if (r < 52) {
             f = mkf(F_ABORT, chance(50) ? F_PULL : (uint16_t)(chance(80) ? 0 : 2 * below(100)), pick_xfer(s, k));
             open = send_frame(s, k, &f, 0, 1);
-        } else if (r < 60) {
-            f = gen_misc(s, k);
-            if (f.type == F_RDATA || f.type == F_HELLO || f.type == F_HELLO_ACK)
-                f.type = F_ACK;
+        } else if (r < 60) { /* frames the link survives (CREDIT: nothing pushed here; LEASE_REQ;
+                              * LEASE fresh or stale), or anything */
+            int v = (int)below(5);
+            uint64_t t = ns_now();
+            if (v == 0) {
+                f = mkf(F_CREDIT, 0, pick_xfer(s, k));
+                f.length = chance(50) ? below(MAX_FRAME + 1) : below(64);
+            } else if (v == 1) {
+                f = mkf(F_LEASE_REQ, (uint16_t)below(2), chance(50) ? 0 : rnd());
+                f.offset = chance(50) ? t : rnd();
+            } else if (v == 2) {
+                f = mkf(F_LEASE, 0, 0);
+                f.offset = chance(50) ? t : chance(50) || t <= s->l->lease ? t - below(t) : t - s->l->lease - below(t - s->l->lease);
+            } else {
+                f = gen_misc(s, k);
+            }
             open = send_frame(s, k, &f, 0, 1);
         } else if (r < 68) {
             m_sync(s, k);
@@ -1729,10 +1850,10 @@ static void sess_multi(void) {
             mutate(&f, s, k);
             send_frame(s, k, &f, 0, 0);
             synced[c] = 0;
-        } else {
-            f = gen_misc(s, k);
-            if (f.type == F_RDATA || f.type == F_HELLO || f.type == F_HELLO_ACK)
-                f.type = F_ABORT_ACK;
+        } else { /* frames the link survives */
+            f = chance(50) ? mkf(F_LEASE_REQ, 0, 0) : mkf(F_CREDIT, 0, pick_xfer(s, k));
+            f.offset = ns_now();
+            f.length = below(4096);
             send_frame(s, k, &f, 0, 0);
             synced[c] = 0;
         }
@@ -1879,6 +2000,11 @@ typedef struct peer {
     struct peer *owner;             /* a view's: the peer holding the streams */
     struct peer *views[MAX_VIEWS];  /* the owner's */
     int cdup[MAXC]; /* our dup of the core's end of a stream with a small send buffer (0: none) */
+    /* our LEASE_REQs per stream (offsets: our clock, = the core's) and the LEASEs answering them */
+    uint64_t lq[MAXC][8];
+    int lq_head[MAXC], lq_n[MAXC];
+    uint64_t lreq_last[MAXC]; /* the last one answered */
+    int granted[MAXC];        /* a LEASE came on that stream: DATA may follow */
 } peer;
 
 static void peer_chunks(peer *p) {
@@ -1920,6 +2046,21 @@ static void peer_on_frame(peer *p, int i, const fr *h) {
         }
     peer *o = p->owner ? p->owner : p; /* its streams and the link's window */
     pconn *c = &o->c[i];
+    if (h->type == F_LEASE) { /* the core grants what we asked for, in order, echoing our clock */
+        CHECK(o->lq_n[i] > 0);
+        fr want = mkf(F_LEASE, 0, 0);
+        want.offset = o->lq[i][o->lq_head[i]];
+        if (!fr_eq(h, &want)) {
+            fr_print("got", h);
+            fr_print("want", &want);
+            CHECK(fr_eq(h, &want));
+        }
+        o->lq_head[i] = (o->lq_head[i] + 1) % 8;
+        o->lq_n[i]--;
+        o->lreq_last[i] = want.offset;
+        o->granted[i] = 1;
+        return;
+    }
     if (h->type == F_ABORT_ACK && o->ping[i] && h->xfer == o->ping[i]) {
         fr want = mkf(F_ABORT_ACK, F_PULL, o->ping[i]);
         CHECK(fr_eq(h, &want));
@@ -1928,6 +2069,7 @@ static void peer_on_frame(peer *p, int i, const fr *h) {
     }
     if (p->j && (h->type == F_DATA || h->type == F_READ) && h->xfer == p->j->id) {
         CHECK(!p->j->done || p->link_failed || p->late_ok); /* nothing of a job after its completion */
+        CHECK(h->type == F_READ || o->granted[i]);  /* no DATA before the core granted us a lease there */
         CHECK(!p->aborts[i]);                  /* nor after its ABORT on that stream */
         for (int k = 0; k < p->nch; k++) {
             fr want = chunk_frame(p, &p->ch[k]);
@@ -2075,6 +2217,25 @@ static int peer_wait(peer *p, int (*done)(peer *), int skip, int timeout_ms) {
 }
 
 static int all_seen(peer *p) { return p->nseen == p->nch; }
+static int leases_answered(peer *p) {
+    for (int i = 0; i < p->nc; i++)
+        if (p->lq_n[i] && !p->c[i].eof)
+            return 0;
+    return 1;
+}
+
+/* Ask the core for a lease on stream i (offset: now). */
+static void peer_lease_req(peer *p, int i) {
+    CHECK(p->lq_n[i] < 8);
+    fr f = mkf(F_LEASE_REQ, 0, 0);
+    f.offset = ns_now();
+    p->lq[i][(p->lq_head[i] + p->lq_n[i]++) % 8] = f.offset;
+    if (chance(10)) { /* only the type and the offset matter */
+        f.xfer = rnd();
+        f.length = rnd();
+    }
+    CHECK(pc_send(&p->c[i], &f, sizeof f));
+}
 static int unanswered(peer *p) {
     for (int k = 0; k < p->nch; k++)
         if (p->ch[k].seen && !p->ch[k].answered)
@@ -2105,10 +2266,14 @@ static void peer_ping(peer *p, int i) {
 /* A link whose nc streams are ours. client: the core is the client (streams
  * handed over with kv_tcp_conn_add; it sends HELLO, the test answers HELLO_ACK,
  * LINK_READY follows); else it accepted them. */
-static peer *peer_open2(int nc, int small_rcvbuf, int client, uint64_t win, int small_sndbuf) {
+static int peer_wait(peer *p, int (*done)(peer *), int skip, int timeout_ms);
+
+/* grant: ask the core for a lease on every stream (without one it sends no DATA there). */
+static peer *peer_open3(int nc, int small_rcvbuf, int client, uint64_t win, int small_sndbuf, uint64_t lease,
+                        uint64_t fence, uint64_t margin, int grant) {
     peer *p = calloc(1, sizeof *p);
     CHECK(p != NULL);
-    p->l = link_new_w(nc, win);
+    p->l = link_new_lw(nc, win, lease, fence, margin);
     p->win = win;
     p->nc = nc;
     if (!client) {
@@ -2156,7 +2321,18 @@ static peer *peer_open2(int nc, int small_rcvbuf, int client, uint64_t win, int 
     p->prid = (uint32_t)(1 + below(UINT32_MAX));
     CHECK_EQ(kv_region_add(g_core, KV_REGION_TCP, (int32_t)p->l->id, p->prid, PEER_LEN, 0, &p->tid),
              KV_LLM_SUCCESS);
+    if (grant) {
+        for (int i = 0; i < nc; i++)
+            peer_lease_req(p, i);
+        if (chance(50)) /* or they come along with the first frames */
+            CHECK(peer_wait(p, leases_answered, -1, WAIT_MS));
+    }
     return p;
+}
+
+/* A short lease: a push of a failed link completes (last grant + lease + margin) soon after. */
+static peer *peer_open2(int nc, int small_rcvbuf, int client, uint64_t win, int small_sndbuf) {
+    return peer_open3(nc, small_rcvbuf, client, win, small_sndbuf, (2 + below(8)) * MS, PEER_FENCE, MS, 1);
 }
 
 static peer *peer_open(int nc, int small_rcvbuf, int client) { return peer_open2(nc, small_rcvbuf, client, 0, 0); }
@@ -2436,23 +2612,28 @@ static void sess_push(void) {
     uint64_t want_bytes = 0;
     if (v <= 2) { /* every DATA, then the ACK */
         CHECK(peer_wait(p, all_seen, -1, WAIT_MS));
-        if (v == 2) { /* about no job, or about this one but meaningless: ignored */
-            fr junk[3] = {mkf(F_ACK, 0, p->j->id + (1ull << 40)), mkf(F_ABORT_ACK, 0, p->j->id),
-                          mkf(F_RERR, 0, p->j->id)};
+        if (v == 2) { /* about no job, or impossible for this one (not aborted; a push): the
+                       * link fails (bad frame) and the push, unfenced, completes LINK_FAILED */
+            fr junk[5] = {mkf(F_ACK, 0, p->j->id + (1ull << 40)), mkf(F_ABORT_ACK, 0, p->j->id),
+                          mkf(F_RERR, 0, p->j->id), mkf(F_ABORT_ACK, F_PULL, p->j->id),
+                          mkf(F_RDATA, 0, p->j->id)};
             junk[2].status = KV_LLM_FAILED;
-            for (int k = 0; k < 3; k++)
-                CHECK(pc_send(&p->c[i], &junk[k], sizeof junk[k]));
-            peer_ping(p, i);
-            pump_events(0);
-            CHECK(!p->j->done);
+            junk[4].length = 1 + below(64);
+            CHECK(pc_send(&p->c[i], &junk[below(5)], sizeof junk[0]));
+            p->bad = 1;
+            p->link_failed = 1;
+            wait_job(p->j);
+            want_status = KV_LLM_LINK_FAILED;
+            peer_drain_eof(p);
+        } else {
+            fr ack = mkf(F_ACK, 0, p->j->id);
+            if (v == 1)
+                ack.status = (uint32_t)(1 + below(UINT32_MAX));
+            CHECK(pc_send(&p->c[i], &ack, sizeof ack));
+            want_status = ack.status;
+            want_bytes = ack.status ? 0 : p->total;
+            CHECK(peer_wait(p, job_done, -1, WAIT_MS));
         }
-        fr ack = mkf(F_ACK, 0, p->j->id);
-        if (v == 1)
-            ack.status = (uint32_t)(1 + below(UINT32_MAX));
-        CHECK(pc_send(&p->c[i], &ack, sizeof ack));
-        want_status = ack.status;
-        want_bytes = ack.status ? 0 : p->total;
-        CHECK(peer_wait(p, job_done, -1, WAIT_MS));
         CHECK_EQ(p->j->flags, 0);
     } else {
         p->want_seen = (int)below((uint64_t)p->nch + 1);
@@ -2548,7 +2729,9 @@ static void sess_push_stuck(void) {
         CHECK(pc_send(&p->c[1], &a, sizeof a));
         CHECK(pc_send(&p->c[1], &a, sizeof a)); /* a second one, for the stream whose ABORT never came */
         CHECK(peer_wait(p, job_done, 0, WAIT_MS));
-        CHECK_EQ(p->j->status, KV_LLM_CANCELLED);
+        /* stream 1 answered twice: a bad frame; the push, unfenced (stream 0 never
+         * answered), completes LINK_FAILED (at its lease release) */
+        CHECK_EQ(p->j->status, KV_LLM_LINK_FAILED);
     }
     pump_events(20);
     int failed = p->l->down;
@@ -2644,7 +2827,7 @@ static void sess_pull(void) {
             v = 0;
     }
     if (v == 0) { /* every READ answered as it comes (the window holds the rest back), in any
-                   * order, on its stream or another, in one or two pieces */
+                   * order, on its stream (answers on another stream: v 3), in one or two pieces */
         for (int left = p->nch; left > 0;) {
             CHECK(peer_wait(p, unanswered, -1, WAIT_MS));
             int idx[MAX_CHUNKS], n = 0;
@@ -2655,7 +2838,7 @@ static void sess_pull(void) {
                 int r = (int)below((uint64_t)n), k = idx[r];
                 idx[r] = idx[n - 1];
                 pchunk *t = &p->ch[k];
-                int i = chance(80) ? t->conn : (int)below((uint64_t)nc);
+                int i = t->conn;
                 uint64_t cut = t->len > 1 && chance(40) ? 1 + below(t->len - 1) : t->len;
                 CHECK(send_rdata(p, i, t->seg, t->off, cut, dsh, 0, cut));
                 if (cut < t->len)
@@ -2667,11 +2850,17 @@ static void sess_pull(void) {
         CHECK(peer_wait(p, job_done, -1, WAIT_MS));
         answered = p->total;
         p->rx_sure += p->total;
-    } else if (v == 4) { /* a hostile peer answers one READ twice: chunk c0's RDATA half-way on
-                          * stream 0, then the chunks before it and c0 again on stream 1. The
-                          * repeat fails the link (else a pull could complete with bytes never
-                          * written); the rest of stream 0's payload never lands. */
+    } else if (v == 4) { /* a hostile peer answers one READ twice: the chunks before c0 on their
+                          * streams, chunk c0's RDATA half-way on its stream, then c0 again on
+                          * the other stream. The repeat (misrouted, too) fails the link (else a
+                          * pull could complete with bytes never written); the rest of the first
+                          * payload never lands. */
         pchunk *t = &p->ch[c0];
+        int s0 = t->conn, s1 = 1 - s0;
+        for (int k = 0; k < c0; k++) {
+            CHECK(send_rdata(p, p->ch[k].conn, p->ch[k].seg, p->ch[k].off, p->ch[k].len, dsh, 0, p->ch[k].len));
+            answered += p->ch[k].len;
+        }
         uint64_t part = 1 + below(t->len - 1);
         uint8_t flip = (uint8_t)(1 + below(255));
         fr f = mkf(F_RDATA, 0, p->j->id);
@@ -2679,35 +2868,31 @@ static void sess_pull(void) {
         f.offset = t->off;
         f.length = t->len;
         f.total = p->total;
-        CHECK(pc_send(&p->c[0], &f, sizeof f));
+        CHECK(pc_send(&p->c[s0], &f, sizeof f));
         uint8_t *pay = xmalloc((size_t)t->len);
         for (uint64_t q = 0; q < t->len; q++)
             pay[q] = content(p->j->id, t->seg, t->off + q) ^ flip;
         uint8_t *at = dst + p->sg[t->seg].dst + t->off + part - 1;
         pay[part - 1] = other(*at);
-        CHECK(pc_send(&p->c[0], pay, (size_t)part));
+        CHECK(pc_send(&p->c[s0], pay, (size_t)part));
         wait_landed(at, pay[part - 1]);
         memcpy(dsh + p->sg[t->seg].dst + t->off, pay, (size_t)part);
-        for (int k = 0; k < c0; k++) {
-            CHECK(send_rdata(p, 1, p->ch[k].seg, p->ch[k].off, p->ch[k].len, dsh, 0, p->ch[k].len));
-            answered += p->ch[k].len;
-        }
+        peer_ping(p, s1); /* the chunks before c0 on the other stream have landed too */
         p->rx_sure += answered;
         f.length = t->len - (chance(50) ? below(t->len) : 0); /* all of c0 again, or its start */
-        CHECK(pc_send(&p->c[1], &f, sizeof f));
+        CHECK(pc_send(&p->c[s1], &f, sizeof f));
         p->bad = 1;
         p->link_failed = 1;
         want_status = KV_LLM_LINK_FAILED;
         CHECK(peer_wait(p, job_done, -1, WAIT_MS));
         g_dup_rdata++;
-        pc_send(&p->c[0], pay + part, (size_t)(t->len - part)); /* the connection may be closed */
+        pc_send(&p->c[s0], pay + part, (size_t)(t->len - part)); /* the connection may be closed */
         free(pay);
         wait_link_down(p->l);
     } else { /* some READs answered, then RERR / abort / a bad RDATA */
         int stop = (int)below((uint64_t)p->nch);
         for (int k = 0; k < stop; k++) {
-            CHECK(send_rdata(p, (int)below((uint64_t)nc), p->ch[k].seg, p->ch[k].off, p->ch[k].len, dsh, 0,
-                             p->ch[k].len));
+            CHECK(send_rdata(p, p->ch[k].conn, p->ch[k].seg, p->ch[k].off, p->ch[k].len, dsh, 0, p->ch[k].len));
             answered += p->ch[k].len;
         }
         for (int k = 0; k < nc; k++)
@@ -2731,7 +2916,7 @@ static void sess_pull(void) {
             CHECK(peer_wait(p, aborts_all, -1, WAIT_MS));
             /* late answers before our ABORT_ACKs: discarded, the link lives */
             pchunk *t = &p->ch[stop];
-            CHECK(send_rdata(p, (int)below((uint64_t)nc), t->seg, t->off, t->len, NULL, 0, t->len));
+            CHECK(send_rdata(p, t->conn, t->seg, t->off, t->len, NULL, 0, t->len));
             p->rx_maybe += t->len; /* not counted, unless discarding is broken (then the bytes show) */
             for (int k = 0; k < nc; k++) {
                 fr a = mkf(F_ABORT_ACK, F_PULL, p->j->id);
@@ -2741,7 +2926,7 @@ static void sess_pull(void) {
                 peer_ping(p, k);
             CHECK(memcmp(dst, dsh, (size_t)dlen) == 0);
             if (chance(30)) { /* the tombstone is gone: an answer now is to nothing */
-                CHECK(send_rdata(p, (int)below((uint64_t)nc), t->seg, t->off, t->len, NULL, 0, t->len) || 1);
+                CHECK(send_rdata(p, t->conn, t->seg, t->off, t->len, NULL, 0, t->len) || 1);
                 p->bad = 1;
                 p->link_failed = 1;
                 wait_link_down(p->l);
@@ -2754,7 +2939,17 @@ static void sess_pull(void) {
             f.offset = below(slen);
             f.length = 1;
             f.total = p->total;
-            switch (below(8)) {
+            switch (below(9)) {
+            case 8: /* the next bytes of an unanswered chunk, on the other stream than its READ's */
+                if (nc == 2) {
+                    pchunk *t = &p->ch[stop];
+                    f.region = (uint32_t)t->seg;
+                    f.offset = t->off;
+                    f.length = 1 + below(t->len);
+                    i = 1 - t->conn;
+                    break;
+                }
+                /* fall through */
             case 6: /* an answered chunk again (every answer counts once) */
                 if (stop > 0) {
                     pchunk *t = &p->ch[below((uint64_t)stop)];
@@ -3430,6 +3625,407 @@ static void sess_limits(void) {
     free(big);
 }
 
+/* ------------------------------------------- the lease: the core as receiver */
+
+/* Wait (reading nothing) until our clock passes t (ns). */
+static void wait_until_ns(uint64_t t) {
+    while (ns_now() <= t)
+        sleep_us(1000);
+}
+
+/* The core writes our DATA into place only under a lease we granted (a LEASE
+ * echoing the offset of a LEASE_REQ: its clock, so a stale grant gives a stale
+ * lease). Variants:
+ *  0  granted, DATA lands; the lease runs out (we answer no renewal): the next
+ *     DATA fails the link (tcp_lease_expired), nothing of it written;
+ *  1  the same with a payload under way: its first part lands while the lease
+ *     holds, the rest (sent once it is over) is never written;
+ *  2  a stale LEASE (offset more than a lease ago): no lease, DATA fails the link;
+ *  3  a LEASE from the future (offset after now): a bad frame;
+ *  4  the core asks again every lease/4 (we count its LEASE_REQs, offsets
+ *     increasing, never ahead of our clock); answering one of them (an echo) is
+ *     a lease: DATA lands. */
+static void sess_lease_recv(void) {
+    g_what = "lease-recv";
+    int v = (int)below(5);
+    uint64_t L = (v == 4 ? 400 : 500) * MS;
+    msess *s = sess_new(link_new_lw(1, 0, L, SRV_FENCE, MARGIN), 1);
+    sess_connect_g(s, 1, v <= 1);
+    mconn *k = &s->k[0];
+    fr f;
+    if (v <= 1) {
+        f = gen_data(s);
+        CHECK(send_frame(s, k, &f, 0, 0));
+        m_sync(s, k);
+        CHECK(!s->dead);
+        check_exp_exact();
+        f = mkf(F_DATA, 0, g_xfer++ * 0x10001ull); /* a new transfer: valid but for the lease */
+        f.region = g_exp_id;
+        f.length = f.total = 2 + below(EXP_LEN - 1);
+        f.offset = below(EXP_LEN - f.length + 1);
+        if (v == 0) {
+            wait_until_ns(k->lease_until + MS);
+            send_frame(s, k, &f, 0, 0); /* (the model sends no payload: the header ends it) */
+            CHECK(s->dead && s->lease_failed);
+        } else {
+            m_sync(s, k); /* for send_partial_landed */
+            CHECK(m_header(s, k, &f) == f.length);
+            CHECK(pc_send(&k->pc, &f, sizeof f));
+            send_partial_landed(s, k, 1 + below(f.length - 1));
+            wait_until_ns(k->lease_until + MS);
+            s->dead = s->lease_failed = 1; /* the rest is not written (the model: not applied) */
+            uint64_t rest = k->pay_len - k->pay_done;
+            uint8_t *p = gen_payload(rest);
+            pc_send(&k->pc, p, (size_t)rest); /* the core may have closed it */
+            free(p);
+        }
+    } else if (v == 2 || v == 3) {
+        uint64_t t = ns_now();
+        CHECK(lease_send(s, k, v == 2 ? t - L - MS - below(t - L - MS) : t + 2000 * MS + below(1ull << 50)));
+        CHECK_EQ(s->dead, v == 3);
+        if (v == 2) {
+            f = mkf(F_DATA, 0, g_xfer++ * 0x10001ull);
+            f.region = g_exp_id;
+            f.length = f.total = 1 + below(EXP_LEN);
+            f.offset = below(EXP_LEN - f.length + 1);
+            send_frame(s, k, &f, 0, 0);
+            CHECK(s->dead && s->lease_failed);
+        }
+    } else {
+        double end = now_ms() + 350;
+        while (now_ms() < end) { /* only LEASE_REQs come: counted, checked (pc_frame_t) */
+            fr h;
+            CHECK_EQ(pc_frame_t(&k->pc, &h, (int)(end - now_ms()) + 1, 1), -1);
+        }
+        CHECK(k->pc.nreq >= 3);
+        CHECK(lease_send(s, k, k->pc.req_last));
+        CHECK(k->lease_until > ns_now()); /* an echo of a recent request: a lease for a while */
+        f = gen_data(s);
+        CHECK(send_frame(s, k, &f, 0, 0));
+        m_sync(s, k);
+        CHECK(!s->dead);
+        check_exp_exact();
+        CHECK(shutdown(k->pc.fd, SHUT_WR) == 0);
+    }
+    pc_wait_eof(&k->pc, m_on_frame_cb, s);
+    sess_finish(s, 1);
+}
+
+/* ------------------------------------------- the lease: the core as pusher */
+
+static int first_seen(peer *p) { return p->nseen > 0; }
+
+/* Streams closed with kv_tcp_link_close (no LINK_DOWN): the end of the session. */
+static void peer_end_closed(peer *p) {
+    for (int i = 0; i < p->nc; i++) {
+        fr h;
+        while (p->c[i].fd >= 0 && pc_frame(&p->c[i], &h) == 1)
+            peer_on_frame(p, i, &h);
+        pc_close(&p->c[i], 0);
+    }
+    CHECK_EQ(kv_region_remove(g_core, p->tid), KV_LLM_SUCCESS);
+    check_stats();
+    pump_events(0);
+    CHECK(!p->l->down);
+    e_rx_lo = e_rx_hi = stats().tcp_bytes_received;
+    check_canaries();
+    free(p);
+}
+
+/* A push the receiver does not fence completes only once the receiver's lease
+ * is over: at (last grant) + lease + margin, never before (the receiver's own
+ * clock ran the lease from its request, sent before our grant). Variants:
+ *  0  aborted; no ABORT_ACK ever comes: at abort + fence the link fails
+ *     (tcp_fence_expired), the push completes LINK_FAILED at the release;
+ *  1  the link fails (a stream reset) while the push is under way: the same;
+ *  2  kv_tcp_link_close(status): the push completes with that status at the
+ *     release, no LINK_DOWN;
+ *  3  no lease asked for: the core sends no DATA; once it granted one, it does. */
+static void sess_lease_push(void) {
+    g_what = "lease-push";
+    int v = (int)below(4);
+    uint64_t F = (40 + below(60)) * MS, L = F + (60 + below(100)) * MS, M = (5 + below(20)) * MS;
+    peer *p = peer_open3(1 + (int)below(2), 0, chance(30), 0, 0, L, F, M, v != 3);
+    uint64_t slen = 16 * CHUNK;
+    uint32_t sid = 0;
+    uint8_t *sb = src_region(slen, &sid);
+    p->src = sb;
+    p->nsegs = 1;
+    p->sg[0].len = (4 + below(12)) * CHUNK - below(CHUNK);
+    p->sg[0].src = below(slen - p->sg[0].len + 1);
+    p->sg[0].dst = below(PEER_LEN - p->sg[0].len + 1);
+    peer_chunks(p);
+    if (v == 3) {
+        submit_job(p, sid);
+        for (int i = 0; i < p->nc; i++)
+            peer_ping(p, i); /* the job is queued by now (the ping came after it) */
+        CHECK_EQ(p->nseen, 0);
+        CHECK(!p->j->done);
+        for (int i = 0; i < p->nc; i++)
+            peer_lease_req(p, i);
+        CHECK(peer_wait(p, all_seen, -1, WAIT_MS));
+        push_ack(p);
+        CHECK(peer_wait(p, job_done, -1, WAIT_MS));
+        check_pushed(p);
+        peer_next_job(p);
+        CHECK_EQ(kv_region_remove(g_core, sid), KV_LLM_SUCCESS);
+        free(sb);
+        peer_close(p);
+        return;
+    }
+    CHECK(peer_wait(p, leases_answered, -1, WAIT_MS));
+    submit_job(p, sid);
+    CHECK(peer_wait(p, first_seen, -1, WAIT_MS));
+    if (chance(50)) { /* a renewal: the release moves with the last grant */
+        for (int i = 0; i < p->nc; i++)
+            peer_lease_req(p, i);
+        CHECK(peer_wait(p, leases_answered, -1, WAIT_MS));
+    }
+    uint64_t last = 0; /* our last request answered: the core granted it after we sent it */
+    for (int i = 0; i < p->nc; i++)
+        last = p->lreq_last[i] > last ? p->lreq_last[i] : last;
+    double release_ms = (double)(last + L + M) / 1e6, t_fail = now_ms();
+    uint32_t want = KV_LLM_LINK_FAILED;
+    p->link_failed = 1;
+    if (v == 0) {
+        CHECK_EQ(kv_core_abort(g_core, p->j->id, KV_LLM_TIMEOUT), KV_LLM_SUCCESS);
+        p->aborted = 1;
+        t_fail = now_ms();
+        e_fence++;
+        CHECK(peer_wait(p, job_done, -1, WAIT_MS)); /* reading (the ABORTs too), never answering */
+        CHECK(p->l->down);
+        CHECK(p->l->down_ms >= t_fail + (double)F / 1e6); /* the fence */
+    } else if (v == 1) {
+        pc_close(&p->c[below((uint64_t)p->nc)], 1);
+        wait_job(p->j);
+        CHECK(p->l->down);
+    } else {
+        want = chance(50) ? KV_LLM_CANCELLED : KV_LLM_LINK_FAILED;
+        CHECK_EQ(kv_tcp_link_close(g_core, p->l->id, want), KV_LLM_SUCCESS);
+        p->l->closed = 1;
+        wait_job(p->j);
+    }
+    /* never before the release; then promptly (a generous bound: a noisy machine) */
+    if (p->j->done_ms < release_ms) {
+        FAILED_AT("an unfenced push completed %.1f ms before the receiver's lease ended", release_ms - p->j->done_ms);
+        die();
+    }
+    double t_due = release_ms > t_fail + (double)F / 1e6 ? release_ms : t_fail + (double)F / 1e6;
+    CHECK(p->j->done_ms < t_due + 2000);
+    CHECK_EQ(p->j->status, want);
+    CHECK_EQ(p->j->nbytes, 0);
+    CHECK_EQ(p->j->flags, 0);
+    g_lease_waits++;
+    peer_drain_eof(p); /* the streams were reset: frames sent before may still be read */
+    CHECK_EQ(kv_region_remove(g_core, sid), KV_LLM_SUCCESS);
+    free(sb);
+    p->src = NULL;
+    job_forget(p->j);
+    p->j = NULL;
+    if (v == 2)
+        peer_end_closed(p);
+    else
+        peer_close(p);
+}
+
+/* ---------------------- answers naming a job before it could exist, or never */
+
+/* The core must not take an answer for a job it has no frame of on the wire
+ * (a pull whose READ has not gone out, a push not aborted), nor one naming no
+ * job at all: the link fails (a bad frame). A flood of CREDITs (64 bytes each,
+ * read one by one) keeps the I/O thread reading while the job is submitted,
+ * so the answer is often read while the job is still in the I/O thread's
+ * inbox (the window of a use-after-free: a job completed there and freed
+ * while still listed). Variants: 0 RERR (pull), 1 RDATA answering its chunk
+ * (pull), 2 ABORT_ACK (push), 3 ABORT_ACK (pull flag, pull), 4 ACK / ABORT_ACK /
+ * RERR / RDATA naming no job. An answer read after the READ went out is valid
+ * (0: the pull fails with its status; 1: the bytes land). */
+static void sess_premature(void) {
+    g_what = "premature";
+    int v = (int)below(5);
+    peer *p = peer_open(1, 0, chance(30));
+    if (v == 4) {
+        static const uint16_t t[] = {F_ACK, F_ABORT_ACK, F_RERR, F_RDATA};
+        fr f = mkf(t[below(4)], (uint16_t)below(2), 0x6600000000000000ull + below(1000));
+        f.length = f.type == F_RDATA ? 1 + below(64) : below(64);
+        f.status = (uint32_t)rnd();
+        CHECK(pc_send(&p->c[0], &f, sizeof f));
+        p->bad = 1;
+        p->link_failed = 1;
+        wait_link_down(p->l);
+        peer_drain_eof(p);
+        peer_close(p);
+        return;
+    }
+    p->pull = v != 2;
+    uint64_t len = 1 + below(CHUNK), dlen = len + 64;
+    uint8_t *buf = xmalloc((size_t)dlen);
+    rnd_bytes(buf, (size_t)dlen);
+    uint8_t *orig = xmalloc((size_t)dlen);
+    memcpy(orig, buf, (size_t)dlen);
+    uint32_t rid = 0;
+    CHECK_EQ(kv_region_add(g_core, KV_REGION_LOCAL, 0, A(buf), dlen, 0, &rid), KV_LLM_SUCCESS);
+    p->src = buf;
+    p->nsegs = 1;
+    p->sg[0].len = len;
+    p->sg[0].src = p->pull ? below(PEER_LEN - len + 1) : below(dlen - len + 1);
+    p->sg[0].dst = p->pull ? below(dlen - len + 1) : below(PEER_LEN - len + 1);
+    peer_chunks(p);
+    enum { NCR1 = 40000, NCR = 16 }; /* as many as the socket buffers take at once; then a few */
+    size_t n1 = NCR1 * sizeof(fr), n2 = NCR * sizeof(fr) + sizeof(fr) + (size_t)len;
+    uint8_t *b1 = xmalloc(n1), *b2 = xmalloc(n2);
+    for (int q = 0; q < NCR1 + NCR; q++) {
+        fr c = mkf(F_CREDIT, 0, rnd());
+        memcpy(q < NCR1 ? b1 + (size_t)q * sizeof c : b2 + (size_t)(q - NCR1) * sizeof c, &c, sizeof c);
+    }
+    p->j = job_new(); /* its id is known before it exists */
+    fr x = mkf(v == 0 ? F_RERR : v == 1 ? F_RDATA : F_ABORT_ACK, v == 3 ? F_PULL : 0, p->j->id);
+    x.status = v == 0 ? (uint32_t)(1 + below(UINT32_MAX)) : 0;
+    x.length = v == 1 ? len : 0;
+    x.total = len;
+    memcpy(b2 + NCR * sizeof(fr), &x, sizeof x);
+    for (uint64_t q = 0; q < len; q++)
+        b2[(NCR + 1) * sizeof(fr) + q] = content(p->j->id, 0, q);
+    /* fill the socket buffers without waiting: the core has a backlog of CREDITs to read (one
+     * recv each) when the job is submitted, and more follow right after, then the answer */
+    size_t sent1 = 0;
+    while (sent1 < n1) {
+        ssize_t w = send(p->c[0].fd, b1 + sent1, n1 - sent1, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w <= 0)
+            break;
+        sent1 += (size_t)w;
+    }
+    {   /* submit_job, with the jobrec made above */
+        uint64_t w[KV_SEG_WORDS] = {p->pull ? p->tid : rid, p->sg[0].src, p->pull ? rid : p->tid, p->sg[0].dst, len};
+        int done = -1;
+        uint64_t nb = 0;
+        CHECK_EQ(kv_core_submit(g_core, p->j->id, w, 1, 1ull << 40, &done, &nb), KV_LLM_SUCCESS);
+        CHECK_EQ(done, 0);
+    }
+    p->late_ok = 1; /* frames sent before the completion may be read after it */
+    pc_send(&p->c[0], b2, n2 - (v == 1 ? 0 : (size_t)len)); /* the core may close it on the way */
+    free(b1);
+    free(b2);
+    wait_job(p->j);
+    pump_events(20);
+    int failed = p->l->down || v >= 2;
+    if (failed) {
+        wait_link_down(p->l);
+        p->bad = 1;
+        p->link_failed = 1;
+        g_premature_bad++;
+        CHECK_EQ(p->j->status, KV_LLM_LINK_FAILED);
+        CHECK_EQ(p->j->nbytes, 0);
+        peer_drain_eof(p);
+        if (p->pull)
+            CHECK(memcmp(buf, orig, (size_t)dlen) == 0);
+    } else { /* the READ had gone out: a valid answer */
+        CHECK(peer_wait(p, all_seen, -1, WAIT_MS));
+        if (v == 0) {
+            CHECK_EQ(p->j->status, x.status);
+            CHECK_EQ(p->j->nbytes, 0);
+            CHECK(peer_wait(p, aborts_all, -1, WAIT_MS)); /* the pull's ABORT; our ABORT_ACK ends the tombstone */
+            fr a = mkf(F_ABORT_ACK, F_PULL, p->j->id);
+            CHECK(pc_send(&p->c[0], &a, sizeof a));
+            peer_ping(p, 0);
+            CHECK(memcmp(buf, orig, (size_t)dlen) == 0);
+        } else {
+            CHECK_EQ(p->j->status, KV_LLM_SUCCESS);
+            CHECK_EQ(p->j->nbytes, len);
+            for (uint64_t q = 0; q < len; q++)
+                CHECK(buf[p->sg[0].dst + q] == content(p->j->id, 0, q));
+            p->rx_sure += len;
+        }
+    }
+    CHECK_EQ(kv_region_remove(g_core, rid), KV_LLM_SUCCESS);
+    free(buf);
+    free(orig);
+    p->src = NULL;
+    p->late_ok = 1;
+    job_forget(p->j);
+    p->j = NULL;
+    peer_close(p);
+}
+
+/* ---------------------------------- the idle bound: a peer pinning a region */
+
+/* On a link with a short fence F, a DATA payload left unfinished, or READ
+ * answers left unread (a small receive buffer), for 2 F fails the link
+ * (tcp_stalled): the frame's region reference goes (a notifying region removed
+ * meanwhile is freed), nothing more is written. Before that, the link holds. */
+static void sess_stall(void) {
+    g_what = "stall";
+    int v = (int)below(2);
+    uint64_t F = (30 + below(40)) * MS;
+    uint64_t xl = 64 * KiB;
+    uint8_t *buf = xmalloc((size_t)xl);
+    rnd_bytes(buf, (size_t)xl);
+    uint32_t xid = 0;
+    CHECK_EQ(kv_region_add(g_core, KV_REGION_LOCAL, 0, A(buf), xl, KV_REGION_F_EXPORT | KV_REGION_F_NOTIFY, &xid),
+             KV_LLM_SUCCESS);
+    CHECK(xid < MAX_REGIONS);
+    msess *s = sess_new(link_new_lw(1, 0, SRV_LEASE, F, MARGIN), 1);
+    s->x_id = xid;
+    s->x_base = buf;
+    s->x_shadow = xmalloc((size_t)xl);
+    memcpy(s->x_shadow, buf, (size_t)xl);
+    s->x_len = xl;
+    s->x_live = 1;
+    mconn *k = &s->k[0];
+    if (v == 0) {
+        sess_connect(s, 1);
+        fr f = mkf(F_DATA, 0, new_xfer());
+        f.region = xid;
+        f.length = f.total = 2 + below(xl - 1);
+        f.offset = below(xl - f.length + 1);
+        CHECK(m_header(s, k, &f) == f.length);
+        CHECK(pc_send(&k->pc, &f, sizeof f));
+        send_partial_landed(s, k, 1 + below(f.length - 1));
+    } else { /* READs of the whole region, answers never read */
+        s->nk = 1;
+        pc_open(&k->pc, 4096);
+        CHECK(hello_send(&k->pc, s->l->tok, 0));
+        s->l->bound = 1;
+        s->nconns = 1;
+        fr r[64];
+        for (int i = 0; i < 64; i++) {
+            r[i] = mkf(F_READ, 0, new_xfer());
+            r[i].region = xid;
+            r[i].length = r[i].total = xl;
+        }
+        uint64_t sent0 = stats().tcp_bytes_sent;
+        CHECK(pc_send(&k->pc, r, sizeof r));
+        /* read in one go, so all of them are queued once the first answer goes out */
+        double end = now_ms() + WAIT_MS;
+        while (stats().tcp_bytes_sent == sent0) {
+            CHECK(now_ms() < end);
+            sleep_us(200);
+        }
+    }
+    double t0 = now_ms();
+    CHECK_EQ(kv_region_remove(g_core, xid), KV_LLM_SUCCESS);
+    s->x_live = 0;
+    pump_events(0);
+    CHECK(!g_freed[xid]); /* still pinned */
+    CHECK(!s->l->down);   /* still linked */
+    wait_link_down(s->l);
+    CHECK(now_ms() - t0 >= 2 * (double)F / 1e6 - 1); /* not before the bound */
+    wait_freed(xid);                                  /* the reference went with the link */
+    CHECK(memcmp(buf, s->x_shadow, (size_t)xl) == 0); /* nothing more landed */
+    s->dead = 1;
+    e_stalled++;
+    if (v == 1) { /* answers that went out: the region's bytes (the model kept none) */
+        fr h;
+        while (pc_frame(&k->pc, &h) == 1)
+            CHECK(h.type == F_RDATA || h.type == F_HELLO_ACK);
+    } else {
+        pc_wait_eof(&k->pc, m_on_frame_cb, s);
+    }
+    free(buf);
+    free(s->x_shadow);
+    sess_finish(s, 1);
+}
+
 /* ------------------------------------------- unauthenticated flood */
 
 static void sess_flood(void) {
@@ -3562,28 +4158,35 @@ int main(int argc, char **argv) {
         int upto; /* mix: the session of an iteration whose draw in [0, 1000) is below this */
     } session;
     /* sessions that run once at a random iteration (and now and then in the mix) */
-    static const session once[] = {
-        {sess_flood, K_FLOOD, 0}, {sess_limits, K_LIMITS, 0}, {sess_window, K_WINDOW, 0}, {sess_rank, K_RANK, 0}};
+    static const session once[] = {{sess_flood, K_FLOOD, 0},        {sess_limits, K_LIMITS, 0},
+                                   {sess_window, K_WINDOW, 0},      {sess_rank, K_RANK, 0},
+                                   {sess_lease_recv, K_LEASE, 0},   {sess_lease_push, K_LEASE, 0},
+                                   {sess_premature, K_PREMATURE, 0}, {sess_stall, K_STALL, 0}};
     static const session mix[] = {
-        {sess_preauth, K_PREAUTH, 220}, {sess_server, K_SERVER, 690},      {sess_multi, K_MULTI, 790},
-        {sess_notify, K_NOTIFY, 830},   {sess_client_bad, K_CLIENT, 850},  {sess_push, K_PEER, 912},
-        {sess_pull, K_PEER, 975},       {sess_pull_unasked, K_PEER, 985}, {sess_push_stuck, K_PEER, 995},
-        {sess_window, K_WINDOW, 998},   {sess_rank, K_RANK, 1000}};
+        {sess_preauth, K_PREAUTH, 220},       {sess_server, K_SERVER, 680},         {sess_multi, K_MULTI, 780},
+        {sess_notify, K_NOTIFY, 820},         {sess_client_bad, K_CLIENT, 840},     {sess_push, K_PEER, 900},
+        {sess_pull, K_PEER, 960},             {sess_pull_unasked, K_PEER, 970},     {sess_push_stuck, K_PEER, 980},
+        {sess_premature, K_PREMATURE, 993},   {sess_stall, K_STALL, 994},           {sess_lease_recv, K_LEASE, 995},
+        {sess_lease_push, K_LEASE, 996},      {sess_window, K_WINDOW, 998},         {sess_rank, K_RANK, 1000}};
     long once_at[sizeof once / sizeof once[0]];
     for (size_t i = 0; i < sizeof once / sizeof once[0]; i++)
         once_at[i] = iters >= 40 ? (long)below((uint64_t)iters) : -1;
     for (g_iter = 0; g_iter < iters; g_iter++) {
         for (size_t i = 0; i < sizeof once / sizeof once[0]; i++)
             if (g_iter == once_at[i]) {
+                double t1 = now_ms();
                 once[i].run();
                 g_counts[once[i].kind]++;
+                g_ms[once[i].kind] += now_ms() - t1;
             }
         int r = (int)below(1000);
         const session *m = mix;
         while (r >= m->upto)
             m++;
+        double t1 = now_ms();
         m->run();
         g_counts[m->kind]++;
+        g_ms[m->kind] += now_ms() - t1;
     }
     g_what = "final";
     serve_once(link_new(1)); /* a fresh link */
@@ -3604,11 +4207,13 @@ int main(int argc, char **argv) {
            st.tcp_refused, st.tcp_bad_frames, st.tcp_links_failed, st.tcp_bytes_received);
     printf("server sessions ended by a bad frame %ld, by close/reset %ld; pulls failed by a READ answered "
            "twice %ld; pushes with a frame stuck %ld (early answer refused %ld); rank: big push frames "
-           "ahead %" PRIu64 " at most\n",
-           g_bad_sessions, g_tolerant, g_dup_rdata, g_stuck, g_stuck_refused, g_rank_ahead);
+           "ahead %" PRIu64 " at most; answers refused before their job's first frame %ld; unfenced pushes "
+           "held to the lease release %ld\n",
+           g_bad_sessions, g_tolerant, g_dup_rdata, g_stuck, g_stuck_refused, g_rank_ahead, g_premature_bad,
+           g_lease_waits);
     int passed = 0;
     for (int k = 0; k <= K_FINAL; k++) {
-        printf("ok %-8s %5ld\n", g_kind_names[k], g_counts[k]);
+        printf("ok %-9s %5ld %8.1f ms\n", g_kind_names[k], g_counts[k], g_ms[k]);
         passed += (int)g_counts[k];
     }
     if (g_lfd >= 0)

@@ -19,6 +19,7 @@
 # Environment: CC (default cc), OUT (binary path, default a temp dir).
 # Test names: new_params regions submit_validation inline mover process_self
 #   process_child abort done_flags remove_in_use close poll_small_max concurrent
+#   pidfd mover_lease tcp_api accept_emfile
 # Exit status is the test program's: 0 and "N passed, 0 failed" on success.
 set -eu
 

@@ -10,6 +10,7 @@
  */
 #include "kv_core.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -21,8 +22,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -1334,6 +1339,306 @@ static void test_concurrent(void) {
     xunmap(src, CONC_SRC);
 }
 
+/* Mover leases: a job under a lease claims no chunk once the lease ran out or
+ * was removed (KV_LLM_LINK_FAILED, nothing more copied); inline jobs check it
+ * before copying; a renewed lease keeps jobs going. */
+static void test_mover_lease(void) {
+    kv_core *c = mk(2, 64 * KiB);
+    const uint64_t N = 8 * MiB;
+    uint8_t *src = xmap(N), *dst = xmap(N);
+    fill(src, N, 31);
+    uint32_t rs = add_local(c, src, N), rd = add_local(c, dst, N);
+    struct timespec ts;
+    clock_gettime(CLOCK_BOOTTIME, &ts); /* the mover leases' clock */
+    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    uint32_t past = 0, live = 0, gone = 0;
+    CHECK_EQ(kv_lease_add(c, now - 1, &past), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_lease_add(c, now + 60000000000ull, &live), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_lease_add(c, now + 60000000000ull, &gone), KV_LLM_SUCCESS);
+    CHECK(past && live && gone && past != live && live != gone);
+    CHECK_EQ(kv_lease_remove(c, gone), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_lease_remove(c, gone), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_lease_renew(c, gone, now), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_lease_renew(c, 9999, now), KV_LLM_PARAM_INVALID);
+    uint64_t w[KV_SEG_WORDS];
+    int done = -1;
+    uint64_t nb = 99;
+    seg(w, rs, 0, rd, 0, N);
+    CHECK_EQ(kv_core_submit_leased(c, 1, w, 1, 0, 0, 9999, &done, &nb), KV_LLM_PARAM_INVALID); /* no such lease */
+    /* run out, or removed: nothing moves (movers, inline) */
+    for (uint32_t l = 0; l < 2; l++) {
+        uint32_t id = l ? gone : past;
+        CHECK_EQ(kv_core_submit_leased(c, 2 + l, w, 1, 0, 0, id, &done, &nb), KV_LLM_SUCCESS);
+        kv_completion cp = wait_one(c, 2 + l);
+        CHECK_EQ(cp.status, KV_LLM_LINK_FAILED);
+        CHECK_EQ(cp.nbytes, 0);
+        CHECK_EQ(cp.flags, KV_DONE_UNSTARTED);
+        CHECK_EQ(kv_core_submit_leased(c, 4 + l, w, 1, UINT64_MAX, 0, id, &done, &nb), KV_LLM_LINK_FAILED);
+        CHECK_EQ(done, 1);
+        CHECK_EQ(nb, 0);
+    }
+    CHECK(all_eq(dst, N, 0));
+    /* a live lease: everything moves; renewed into the past: the next job moves nothing */
+    CHECK_EQ(kv_core_submit_leased(c, 6, w, 1, 0, 0, live, &done, &nb), KV_LLM_SUCCESS);
+    kv_completion cp = wait_one(c, 6);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK(memcmp(dst, src, (size_t)N) == 0);
+    CHECK_EQ(kv_lease_renew(c, live, now - 1), KV_LLM_SUCCESS);
+    memset(dst, 0, (size_t)N);
+    CHECK_EQ(kv_core_submit_leased(c, 7, w, 1, 0, 0, live, &done, &nb), KV_LLM_SUCCESS);
+    cp = wait_one(c, 7);
+    CHECK_EQ(cp.status, KV_LLM_LINK_FAILED);
+    CHECK(all_eq(dst, N, 0));
+    /* removed while a job runs: it stops at a chunk boundary (all of it, or a prefix of whole chunks) */
+    CHECK_EQ(kv_lease_renew(c, live, now + 60000000000ull), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_core_submit_leased(c, 8, w, 1, 0, 0, live, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_lease_remove(c, live), KV_LLM_SUCCESS);
+    cp = wait_one(c, 8);
+    CHECK(cp.status == KV_LLM_LINK_FAILED || (cp.status == KV_LLM_SUCCESS && cp.nbytes == N));
+    CHECK_EQ(cp.nbytes % (64 * KiB), 0);
+    check_no_more(c);
+    check_quiet_stats(c);
+    kv_core_free(c);
+    xunmap(src, N);
+    xunmap(dst, N);
+}
+
+/* ------------------------------------------------- CMA through a pidfd */
+
+static int xpidfd_open(pid_t pid) {
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+}
+
+static int count_fds(void) {
+    DIR *d = opendir("/proc/self/fd");
+    CHECK(d != NULL);
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (e->d_name[0] != '.')
+            n++;
+    closedir(d);
+    return n;
+}
+
+/* A KV_REGION_PROCESS region names its process by pid; once that process has
+ * exited the pid may be another process's. Here the region's pid is our own
+ * (standing for the process that got the pid) and its pidfd that of a child
+ * that has exited: no byte may move, the job fails KV_LLM_LINK_FAILED (mover
+ * and inline, both directions). With a live process's pidfd, CMA works. The
+ * core keeps its own dup of the pidfd and closes it when the region goes. */
+static void test_pidfd(void) {
+    int probe = xpidfd_open(getpid());
+    if (probe < 0 && errno == ENOSYS) {
+        printf("pidfd skipped: pidfd_open not supported by this kernel\n");
+        return;
+    }
+    CHECK(probe >= 0);
+    close(probe);
+    kv_core *c = mk(2, 64 * KiB);
+    const uint64_t N = 256 * KiB;
+    uint8_t *src = xmap(N), *dst = xmap(N);
+    fill(src, N, 21);
+    memset(dst, 0x5A, (size_t)N);
+    probe_process_vm(getpid(), dst);
+    int pfd[2];
+    CHECK(pipe(pfd) == 0);
+    fflush(stdout);
+    fflush(stderr);
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        char b;
+        close(pfd[1]);
+        while (read(pfd[0], &b, 1) < 0 && errno == EINTR) {
+        }
+        _exit(0);
+    }
+    close(pfd[0]);
+    int dead = xpidfd_open(child);
+    CHECK(dead >= 0);
+    int fds0 = count_fds();
+    uint32_t rl = add_local(c, src, N), rld = add_local(c, dst, N);
+    uint32_t rp = add_proc(c, getpid(), dst, N), rps = add_proc(c, getpid(), src, N);
+    /* validation */
+    CHECK_EQ(kv_region_pidfd(c, rl, dead), KV_LLM_PARAM_INVALID);   /* not a PROCESS region */
+    CHECK_EQ(kv_region_pidfd(c, 9999, dead), KV_LLM_KV_CACHE_NOT_EXIST);
+    CHECK_EQ(kv_region_pidfd(c, rp, -1), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_region_pidfd(c, rp, dead), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_pidfd(c, rp, dead), KV_LLM_PARAM_INVALID);   /* once */
+    CHECK_EQ(kv_region_pidfd(c, rps, dead), KV_LLM_SUCCESS);
+    CHECK_EQ(count_fds(), fds0 + 2); /* its own dups */
+    /* the child is alive: CMA goes through (to our own pid, here) */
+    uint64_t w[KV_SEG_WORDS];
+    seg(w, rl, 0, rp, 0, N);
+    submit_async(c, 1, w, 1);
+    kv_completion cp = wait_one(c, 1);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK(memcmp(dst, src, (size_t)N) == 0);
+    /* the child exits (reaped: its pid is free for anyone) */
+    close(pfd[1]);
+    int wst = 0;
+    CHECK_EQ(waitpid(child, &wst, 0), child);
+    close(dead); /* the core's dups stay */
+    memset(dst, 0x5A, (size_t)N);
+    submit_async(c, 2, w, 1); /* write, movers */
+    cp = wait_one(c, 2);
+    CHECK_EQ(cp.status, KV_LLM_LINK_FAILED);
+    CHECK_EQ(cp.nbytes, 0);
+    int done = -1;
+    uint64_t nb = 99;
+    CHECK_EQ(kv_core_submit(c, 3, w, 1, UINT64_MAX, &done, &nb), KV_LLM_LINK_FAILED); /* inline */
+    CHECK_EQ(done, 1);
+    CHECK_EQ(nb, 0);
+    CHECK(all_eq(dst, N, 0x5A));
+    uint8_t *dst2 = xmap(N);
+    memset(dst2, 0x6B, (size_t)N);
+    uint32_t rld2 = add_local(c, dst2, N);
+    seg(w, rps, 0, rld2, 0, N); /* read, movers */
+    submit_async(c, 4, w, 1);
+    cp = wait_one(c, 4);
+    CHECK_EQ(cp.status, KV_LLM_LINK_FAILED);
+    CHECK(all_eq(dst2, N, 0x6B));
+    (void)rld;
+    check_no_more(c);
+    check_quiet_stats(c);
+    CHECK_EQ(kv_region_remove(c, rp), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_remove(c, rps), KV_LLM_SUCCESS);
+    CHECK_EQ(count_fds(), fds0 - 2); /* released: closed (ours too: the pipe and the pidfd) */
+    kv_core_free(c);
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(dst2, N);
+}
+
+/* ------------------------------------------------- the TCP listener */
+
+static uint16_t tcp_listen_local(kv_core *c) {
+    uint16_t port = 0;
+    CHECK_EQ(kv_tcp_listen(c, "127.0.0.1", 0, &port), KV_LLM_SUCCESS);
+    CHECK(port != 0);
+    return port;
+}
+
+static int tcp_connect(uint16_t port) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(fd >= 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    CHECK(connect(fd, (struct sockaddr *)&a, sizeof a) == 0); /* loopback, backlog free: at once */
+    return fd;
+}
+
+static void wait_conns(kv_core *c, uint64_t want) {
+    double end = now_ms() + WAIT_MS;
+    while (stats(c).tcp_conns != want) {
+        CHECK(now_ms() < end);
+        sleep_us(1000);
+    }
+}
+
+/* One listener per core: a second kv_tcp_listen is refused and leaks nothing;
+ * the first still accepts. kv_tcp_link_add checks its durations. */
+static void test_tcp_api(void) {
+    kv_core *c = mk(1, 64 * KiB);
+    uint16_t port = tcp_listen_local(c);
+    int fds = count_fds();
+    uint16_t p2 = 0;
+    CHECK_EQ(kv_tcp_listen(c, "127.0.0.1", 0, &p2), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_tcp_listen(c, "::1", 0, &p2), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(p2, 0);
+    CHECK_EQ(count_fds(), fds);
+    int s = tcp_connect(port);
+    wait_conns(c, 1);
+    uint8_t tok[KV_TOKEN_BYTES] = {1};
+    const uint64_t ms = 1000000;
+    CHECK_EQ(kv_tcp_link_add(c, 7, tok, 1, 0, 0, 500 * ms, 0), KV_LLM_PARAM_INVALID);            /* lease 0 */
+    CHECK_EQ(kv_tcp_link_add(c, 7, tok, 1, 0, 400 * ms, 0, 0), KV_LLM_PARAM_INVALID);            /* fence 0 */
+    CHECK_EQ(kv_tcp_link_add(c, 7, tok, 1, 0, 4000000 * ms, 500 * ms, 0), KV_LLM_PARAM_INVALID); /* > 1 h */
+    CHECK_EQ(kv_tcp_link_add(c, 7, tok, 1, 0, 400 * ms, 500 * ms, 50 * ms), KV_LLM_SUCCESS);
+    close(s);
+    kv_core_free(c);
+    CHECK_EQ(count_fds(), fds - 1 - 3); /* the listener, epoll, eventfd and the core's eventfd went */
+}
+
+/* accept() failing for want of descriptors must not make the I/O thread spin
+ * (the queued connection keeps a level-triggered listener readable): it stops
+ * listening for a while (tcp_accept_paused), then takes the connections once
+ * descriptors are free again. In a child process (its own descriptor limit). */
+static void test_accept_emfile(void) {
+    int sync[2], back[2];
+    CHECK(pipe(sync) == 0 && pipe(back) == 0);
+    fflush(stdout);
+    fflush(stderr);
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        g_test = "accept_emfile (child)";
+        close(sync[0]);
+        close(back[1]);
+        kv_core *c = mk(1, 64 * KiB);
+        uint16_t port = tcp_listen_local(c);
+        /* use up every descriptor */
+        struct rlimit rl;
+        CHECK(getrlimit(RLIMIT_NOFILE, &rl) == 0);
+        rl.rlim_cur = (rlim_t)count_fds() + 16;
+        CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0);
+        int fill[64], nfill = 0;
+        while (nfill < 64 && (fill[nfill] = dup(2)) >= 0)
+            nfill++;
+        CHECK(nfill < 64 && errno == EMFILE);
+        CHECK(write(sync[1], &port, sizeof port) == (ssize_t)sizeof port);
+        char b;
+        CHECK(read(back[0], &b, 1) == 1); /* the parent connected */
+        double end = now_ms() + WAIT_MS;
+        while (stats(c).tcp_accept_paused == 0) {
+            CHECK(now_ms() < end);
+            sleep_us(1000);
+        }
+        struct rusage r0, r1;
+        CHECK(getrusage(RUSAGE_SELF, &r0) == 0);
+        double t0 = now_ms();
+        sleep_us(400000);
+        CHECK(getrusage(RUSAGE_SELF, &r1) == 0);
+        double wall = now_ms() - t0;
+        double cpu = (double)(r1.ru_utime.tv_sec - r0.ru_utime.tv_sec + r1.ru_stime.tv_sec - r0.ru_stime.tv_sec) * 1e3 +
+                     (double)(r1.ru_utime.tv_usec - r0.ru_utime.tv_usec + r1.ru_stime.tv_usec - r0.ru_stime.tv_usec) / 1e3;
+        if (cpu > wall / 4) {
+            FAILED_AT("the I/O thread spins on accept() failures: %.0f ms of CPU in %.0f ms", cpu, wall);
+            die();
+        }
+        CHECK(stats(c).tcp_accept_paused >= 2); /* it tries again every 100 ms */
+        CHECK_EQ(stats(c).tcp_conns, 0);
+        for (int i = 0; i < nfill; i++)
+            close(fill[i]);
+        wait_conns(c, 3); /* descriptors again: the queued connections are taken */
+        kv_core_free(c);
+        fflush(stdout);
+        _exit(0);
+    }
+    close(sync[1]);
+    close(back[0]);
+    uint16_t port = 0;
+    CHECK(read(sync[0], &port, sizeof port) == (ssize_t)sizeof port);
+    int s[3];
+    for (int i = 0; i < 3; i++)
+        s[i] = tcp_connect(port);
+    CHECK(write(back[1], "x", 1) == 1);
+    int wst = 0;
+    CHECK_EQ(waitpid(child, &wst, 0), child);
+    CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0);
+    for (int i = 0; i < 3; i++)
+        close(s[i]);
+    close(sync[0]);
+    close(back[1]);
+}
+
 /* ---------------------------------------------------------------- main */
 
 typedef struct {
@@ -1358,6 +1663,10 @@ int main(int argc, char **argv) {
         {"close", test_close},
         {"poll_small_max", test_poll_small_max},
         {"concurrent", test_concurrent},
+        {"pidfd", test_pidfd},
+        {"mover_lease", test_mover_lease},
+        {"tcp_api", test_tcp_api},
+        {"accept_emfile", test_accept_emfile},
     };
     const size_t nt = sizeof tests / sizeof tests[0];
     setvbuf(stdout, NULL, _IOLBF, 0);
