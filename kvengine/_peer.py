@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import hashlib
 import json
+import mmap
 import os
 import signal
 import sys
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["fill_pattern", "row_digests", "PeerProcess"]
+__all__ = ["fill_pattern", "row_digests", "map_fixed", "PeerProcess"]
 
 _PATTERN_LEN = 65537  # prime: consecutive rows of power-of-two sizes differ
 
@@ -49,12 +51,87 @@ def row_digests(tensors: list[np.ndarray]) -> list[list[str]]:
     return out
 
 
+def map_fixed(addr: int, size: int) -> int | None:
+    """Map ``size`` bytes of private anonymous memory at exactly ``addr``
+    (MAP_FIXED_NOREPLACE); ``None`` if something is there already. Never unmapped."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+    got = libc.mmap(addr, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x100000, -1, 0)   # MAP_FIXED_NOREPLACE
+    if got is None or got == ctypes.c_void_p(-1).value:
+        return None
+    if got != addr:   # a kernel without MAP_FIXED_NOREPLACE took it as a hint
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.munmap(got, size)
+        return None
+    return got
+
+
+class _HeldFaults:
+    """Anonymous memory under userfaultfd (missing-page mode): pages come in zeroed on
+    first touch, except that the first fault after ``arm()`` is held until ``release()``,
+    so the thread that touched the page (e.g. the I/O thread inside recv) stalls there.
+    Tests use it to stall a writer inside a write (a page fault on slow memory)."""
+
+    _API, _REGISTER, _COPY = 0xC018AA3F, 0xC020AA00, 0xC028AA03   # UFFDIO_* ioctls (x86_64)
+
+    def __init__(self, size: int) -> None:
+        import fcntl
+        import struct
+        import threading
+        self._fcntl, self._struct = fcntl, struct
+        self.page = mmap.PAGESIZE
+        self.size = -(-size // self.page) * self.page
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        self.fd = libc.syscall(323, os.O_CLOEXEC)   # userfaultfd(2)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "userfaultfd")
+        self.mem = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mem))
+        fcntl.ioctl(self.fd, self._API, bytearray(struct.pack("QQQ", 0xAA, 0, 0)))
+        fcntl.ioctl(self.fd, self._REGISTER, bytearray(struct.pack("QQQQ", self.addr, self.size, 1, 0)))
+        self._zero = ctypes.create_string_buffer(self.page)
+        self.armed = False
+        self.gate = threading.Event()
+        self.faults = 0
+        self.held = None          # fault number of the held fault
+        self.held_addr = None
+        self.faults_while_held = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            msg = os.read(self.fd, 32)
+            if len(msg) < 32 or msg[0] != 0x12:   # UFFD_EVENT_PAGEFAULT
+                continue
+            addr = self._struct.unpack_from("Q", msg, 16)[0] & ~(self.page - 1)
+            self.faults += 1
+            if self.armed and self.held is None:
+                self.held, self.held_addr = self.faults, addr
+                self.gate.wait()
+            elif self.held is not None and not self.gate.is_set():
+                self.faults_while_held += 1
+            try:
+                self._fcntl.ioctl(self.fd, self._COPY, bytearray(self._struct.pack(
+                    "QQQQq", addr, ctypes.addressof(self._zero), self.page, 0, 0)))
+            except OSError:   # EEXIST: another fault on that page was served first
+                pass
+
+    def release(self) -> None:
+        self.gate.set()
+
+
 class _Server:
     def __init__(self, engine) -> None:
         import kvengine as kv
         self.kv = kv
         self.engine = engine
         self.caches: dict[int, Any] = {}
+        self.bg: dict[int, Any] = {}   # push_start handles -> Transfer
+        self.held: _HeldFaults | None = None
 
     def _desc(self, m: dict):
         return self.kv.CacheDesc(m["n"], tuple(m["shape"]), m.get("dtype", "float16"))
@@ -82,6 +159,32 @@ class _Server:
             for t in self.caches[m["cache_id"]].tensors:
                 t[...] = 0
             return {}
+        if op == "register_held":   # register_kv_cache on _HeldFaults memory (pages untouched)
+            desc = self._desc(m)
+            self.held = _HeldFaults(desc.size * desc.num_tensors)
+            flat = np.frombuffer(self.held.mem, dtype=np.uint8)
+            bufs = [flat[i * desc.size:(i + 1) * desc.size] for i in range(desc.num_tensors)]
+            cache = e.register_kv_cache(desc, bufs)
+            self.caches[cache.cache_id] = cache
+            return {"cache_id": cache.cache_id}
+        if op == "held":   # arm / release the held fault, and report
+            h = self.held
+            if m.get("arm"):
+                h.armed = True
+            if m.get("release"):
+                h.release()
+            return {"faults": h.faults, "held": h.held, "held_addr": h.held_addr,
+                    "faults_while_held": h.faults_while_held, "released": h.gate.is_set()}
+        if op == "addrs":   # where the cache's tensors sit in this process (read with process_vm_readv)
+            cache = self.caches[m["cache_id"]]
+            return {"addrs": list(cache.tensor_addrs), "size": cache.desc.size}
+        if op == "canary":   # `size` bytes of `byte` at exactly `addr` ({"addr": None} if taken)
+            addr = map_fixed(m["addr"], m["size"])
+            if addr is not None:
+                ctypes.memset(addr, m["byte"], m["size"])
+            return {"addr": addr}
+        if op == "peek":     # bytes at an address of this process, as hex
+            return {"hex": ctypes.string_at(m["addr"], m["size"]).hex()}
         if op == "digest":
             return {"rows": row_digests(self.caches[m["cache_id"]].tensors)}
         if op == "unregister":
@@ -97,6 +200,22 @@ class _Server:
                                        kv.CacheIndex(m["cluster_id"], m["dst_cache_id"], m.get("dst_batch", 0)),
                                        m.get("src_batch", 0), timeout=m.get("timeout"))
             return {"status": int(await t)}
+        if op == "push_start":   # like "push" (deadline: its timeout), but answers at once with a
+            # handle for "push_wait" (PeerProcess.call takes `timeout` for itself: use `deadline`)
+            await e.wait_remote_cache(m["cluster_id"], m["dst_cache_id"], timeout=m.get("deadline"))
+            t = e.submit_push_kv_cache(self.caches[m["cache_id"]],
+                                       kv.CacheIndex(m["cluster_id"], m["dst_cache_id"], m.get("dst_batch", 0)),
+                                       m.get("src_batch", 0), timeout=m.get("deadline"))
+            handle = len(self.bg) + 1
+            self.bg[handle] = t
+            return {"handle": handle}
+        if op == "push_wait":    # the status of a push_start, or {"status": None} after "wait" s
+            t = self.bg[m["handle"]]
+            try:
+                st = await asyncio.wait_for(t._wait(), m.get("wait", 10))
+            except asyncio.TimeoutError:
+                return {"status": None}
+            return {"status": int(st)}
         if op == "wait_link_down":   # returns once the link to cluster_id is gone (or after timeout)
             try:
                 await e.wait_remote_cache(m["cluster_id"], 2**62, timeout=m.get("timeout", 10))

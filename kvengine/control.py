@@ -1,12 +1,15 @@
 """Link control plane: framing, channels, handshake and authentication helpers.
 
-A link starts on TCP (the ``listen`` address users know). Hello and welcome
-messages carry each engine's host identity; when both engines are on one host
-the client moves the link onto the server's Unix SEQPACKET socket, which can
-carry file descriptors (memfd caches are shared that way) and whose EOF tells
-at once that the peer process died. Across hosts (or with
-``transport="tcp"``) the TCP connection stays the control channel and the
-native core opens the data connections (docs/protocol.md).
+A link starts on TCP (the ``listen`` address users know): hello -> welcome ->
+attach (the client's proof) -> attached. Nothing private (pid, Unix socket name,
+data port, tokens) goes out before the peer has authenticated, and hello-phase
+frames are at most HELLO_MAX bytes. When both engines are on one host the client
+then joins the server's Unix SEQPACKET socket with a one-time token; that socket
+carries file descriptors (sealed memfd caches are shared that way), tells each
+side the other's pid from the kernel (SO_PEERCRED, never from a message), and its
+EOF tells at once that the peer process died. Across hosts (or with
+``transport="tcp"``) the TCP connection stays the control channel and the native
+core opens the data connections (docs/protocol.md).
 
 Messages are small JSON objects with a type field ``t``; nothing here moves
 payload bytes.
@@ -16,18 +19,31 @@ from __future__ import annotations
 
 import array
 import asyncio
+import fcntl
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
 import secrets
 import socket
+import stat
 import struct
 from typing import Any
 
-PROTOCOL_VERSION = 1
-MAX_FRAME = 4 << 20          # bytes of one control message
+PROTOCOL_VERSION = 2           # 2: pid from SO_PEERCRED, nothing before the proof, data-plane leases
+MAX_FRAME = 4 << 20          # bytes of one control message once the peer is authenticated
+HELLO_MAX = 4096             # bytes of one frame of the hello phase (hello, welcome, attach, attached, join)
 MAX_FDS = 512                # descriptors one message may carry
+HELLO_PHASE_MAX = 5.0        # seconds: the whole unauthenticated phase, at most (and at most link_timeout)
+MAX_PREAUTH = 64             # unauthenticated control connections at once (TCP and Unix), beyond
+MAX_PREAUTH_PER_SOURCE = 16  # ... which (or this many from one source address, or Unix uid) a newcomer
+PREAUTH_GRACE = 0.5          # evicts the oldest if it waited this many seconds; if not (a burst of
+MAX_PREAUTH_BURST = 256      # real peers), it waits too, up to this many; beyond, it is closed at once
+MAX_REMOTE_CACHES = 65536    # caches one peer may have announced at once on a link
+CLOSE_LINGER = 2.0           # seconds a closed TCP control connection may take to flush
+
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)   # Linux >= 6.5
 
 _LEN = struct.Struct("!I")
 
@@ -63,7 +79,7 @@ def encode(msg: dict) -> bytes:
 def decode(data: bytes) -> dict:
     try:
         msg = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: deep nesting
         raise ProtocolError(f"bad control message: {e}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
         raise ProtocolError("control message without a type")
@@ -87,6 +103,19 @@ def parse_address(address: str) -> tuple[str, int]:
 
 def new_nonce() -> str:
     return secrets.token_hex(16)
+
+
+_process: tuple[int, str] = (0, "")
+
+
+def process_tag() -> str:
+    """A random tag of this process (a new one after fork): a hello carries it so that the
+    server can choose the in-process transport. A claim only: the server then requires the
+    Unix peer's SO_PEERCRED pid to be its own."""
+    global _process
+    if _process[0] != os.getpid():
+        _process = (os.getpid(), secrets.token_hex(16))
+    return _process[1]
 
 
 def proof(secret: bytes, label: str, *nonces: str) -> str:
@@ -133,20 +162,33 @@ class StreamChannel:
             return True   # closed: the reader reports the loss
         return True
 
-    async def recv(self) -> tuple[dict, list[int]] | None:
-        """Next ``(msg, [])``; ``None`` at EOF. Raises ProtocolError on garbage."""
+    async def recv(self, max_frame: int = MAX_FRAME) -> tuple[dict, list[int]] | None:
+        """Next ``(msg, [])``; ``None`` at EOF. Raises ProtocolError on garbage, and on a
+        length prefix over ``max_frame`` before reading (or decoding) any of the frame."""
         try:
             head = await self.reader.readexactly(4)
             (n,) = _LEN.unpack(head)
-            if n > MAX_FRAME:
-                raise ProtocolError(f"control frame of {n} bytes exceeds {MAX_FRAME}")
+            if n > max_frame:
+                raise ProtocolError(f"control frame of {n} bytes exceeds {max_frame}")
             return decode(await self.reader.readexactly(n)), []
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
 
+    def abort(self) -> None:
+        """Close at once (RST), dropping whatever is buffered either way."""
+        try:
+            self.writer.transport.abort()
+        except (RuntimeError, OSError, AttributeError):
+            pass
+
     def close(self) -> None:
         try:
+            transport = self.writer.transport
             self.writer.close()
+            if transport.get_write_buffer_size():
+                # A peer that does not read would keep the connection (and whoever awaits
+                # drain()) forever: what it has not taken after CLOSE_LINGER is dropped.
+                asyncio.get_running_loop().call_later(CLOSE_LINGER, transport.abort)
         except (RuntimeError, OSError):  # loop already closed
             pass
 
@@ -155,10 +197,16 @@ class SeqpacketChannel:
     """JSON messages with optional file descriptors over a Unix SEQPACKET socket.
 
     One message per packet. Reading is driven by ``loop.add_reader``: the
-    receive queue holds ``(msg, fds)`` pairs, then ``None`` at EOF.
+    receive queue holds ``(msg, fds)`` pairs, then ``None`` at EOF. At most
+    ``_QUEUE_MAX`` messages wait unread (then the socket is not read until the
+    consumer catches up). ``max_frame`` / ``max_fds`` bound one message: a larger
+    one is a protocol error (the join phase uses HELLO_MAX and no descriptors).
     """
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+    _QUEUE_MAX = 64
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop,
+                 max_frame: int = MAX_FRAME, max_fds: int = MAX_FDS, hold: bool = False) -> None:
         sock.setblocking(False)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MAX_FRAME)
@@ -166,26 +214,43 @@ class SeqpacketChannel:
             pass
         self.sock = sock
         self.loop = loop
+        self.max_frame, self.max_fds = max_frame, max_fds
         self._queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
         self._eof = False
+        self._paused = False
+        self._hold = hold             # read one message, then wait for release()
         loop.add_reader(sock.fileno(), self._on_readable)
+
+    def release(self, max_frame: int = MAX_FRAME, max_fds: int = MAX_FDS) -> None:
+        """End the join phase: read on, with these limits."""
+        self.max_frame, self.max_fds = max_frame, max_fds
+        self._hold = False
+        if self._paused and not self._eof:
+            self._paused = False
+            self.loop.add_reader(self.sock.fileno(), self._on_readable)
 
     def _on_readable(self) -> None:
         while True:
+            if self._queue.qsize() >= (1 if self._hold else self._QUEUE_MAX):
+                self._paused = True
+                self.loop.remove_reader(self.sock.fileno())
+                return
             try:
-                data, fds, flags, _ = socket.recv_fds(self.sock, MAX_FRAME, MAX_FDS)
+                data, fds, flags, _ = socket.recv_fds(self.sock, self.max_frame, max(self.max_fds, 1))
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 data, fds, flags = b"", [], 0
             if not data:
-                self._finish()
-                return
-            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
                 for fd in fds:
                     os.close(fd)
-                self._queue.put_nowait(ProtocolError("truncated control message"))
+                self._finish()
+                return
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) > self.max_fds:
+                for fd in fds:
+                    os.close(fd)
+                self._queue.put_nowait(ProtocolError("control message too large (or too many descriptors)"))
                 self._finish()
                 return
             try:
@@ -200,12 +265,17 @@ class SeqpacketChannel:
     def _finish(self) -> None:
         if not self._eof:
             self._eof = True
-            self.loop.remove_reader(self.sock.fileno())
+            if not self._paused:
+                self.loop.remove_reader(self.sock.fileno())
+            self._paused = False
             self._queue.put_nowait(None)
 
     async def recv(self) -> tuple[dict, list[int]] | None:
         """Next ``(msg, fds)``; ``None`` at EOF. Raises ProtocolError on garbage."""
         item = await self._queue.get()
+        if self._paused and not self._eof and not self._hold and self._queue.qsize() < self._QUEUE_MAX // 2:
+            self._paused = False
+            self.loop.add_reader(self.sock.fileno(), self._on_readable)
         if item is None:
             self._queue.put_nowait(None)  # every later recv sees EOF too
             return None
@@ -256,9 +326,115 @@ class SeqpacketChannel:
         self._closed = True
         if not self._eof:
             self._eof = True
-            self.loop.remove_reader(self.sock.fileno())
-            self._queue.put_nowait(None)
+            if not self._paused:
+                self.loop.remove_reader(self.sock.fileno())
+            self._paused = False
+        while not self._queue.empty():   # descriptors nobody will read
+            item = self._queue.get_nowait()
+            if isinstance(item, tuple):
+                for fd in item[1]:
+                    os.close(fd)
+        self._queue.put_nowait(None)
         self.sock.close()
+
+
+# ------------------------------------------------------------ peer identity
+
+def peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of a connected Unix socket (SO_PEERCRED:
+    the kernel's record of who connected, or who listened; never a peer's claim)."""
+    pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+    if pid <= 0:
+        raise ProtocolError("the peer's pid is not visible (another pid namespace?)")
+    return pid
+
+
+def peer_uid(sock: socket.socket) -> int:
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                               struct.calcsize("3i")))[1]
+
+
+def _pidfd_pid(fd: int) -> int | None:
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("Pid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def peer_pidfd(sock: socket.socket, pid: int) -> int:
+    """A pidfd of the peer process of ``sock`` (``pid`` from :func:`peer_pid`).
+
+    SO_PEERPIDFD (Linux >= 6.5) gives the pidfd of the very process that connected,
+    with no pid-reuse window; older kernels fall back to ``os.pidfd_open(pid)``, which
+    names whatever process has that pid now: if the peer died between connect() and
+    this call and the pid was reused (by a process of a user we may write to), the
+    pidfd names that process. That window is microseconds on a live peer.
+    Raises ProtocolError if the peer is already gone or names another pid.
+    """
+    try:
+        fd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        fd = -1
+    if fd >= 0:
+        got = _pidfd_pid(fd)
+        if got == pid:
+            return fd
+        os.close(fd)
+        raise ProtocolError(f"the peer's pidfd names pid {got}, SO_PEERCRED said {pid}")
+    try:
+        return os.pidfd_open(pid)
+    except OSError as e:
+        raise ProtocolError(f"cannot open a pidfd for the peer (pid {pid}): {e}") from None
+
+
+def is_local_peer(peer: Any, local: Any) -> bool:
+    """True if a TCP peer is on this host: its address is 127.0.0.1 or ::1 (also as
+    ::ffff:127.0.0.1), or equals the local address of the connection (a host connecting
+    to one of its own addresses). Other loopback addresses (127.0.0.2, ...) do not count:
+    tests use them to play a remote peer."""
+    try:
+        p = ipaddress.ip_address(peer[0].split("%")[0])
+        l = ipaddress.ip_address(local[0].split("%")[0])
+    except (TypeError, ValueError, IndexError, AttributeError):
+        return False
+    if isinstance(p, ipaddress.IPv6Address) and p.ipv4_mapped is not None:
+        p = p.ipv4_mapped
+    if isinstance(l, ipaddress.IPv6Address) and l.ipv4_mapped is not None:
+        l = l.ipv4_mapped
+    return p in (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")) or p == l
+
+
+# ---------------------------------------------------------------- memfd checks
+
+def seal_memfd(fd: int) -> None:
+    """Fix a memfd's size for good: no shrink (a peer's mapping would SIGBUS), no grow,
+    no further seals (a peer could otherwise forbid writable mappings)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+
+
+def check_memfd(fd: int, length: int) -> None:
+    """A peer's memfd is safe to map ``length`` bytes of: a regular file of exactly
+    ``length`` bytes, every page allocated (not sparse: mapping it cannot make us
+    allocate the peer's memory), sealed against shrinking and growing."""
+    try:
+        st = os.fstat(fd)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        raise ProtocolError(f"the announced fd is not a sealable memfd: {e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ProtocolError("the announced fd is not a memfd")
+    need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    if seals & need != need:
+        raise ProtocolError("the announced memfd is not sealed against shrinking and growing")
+    if st.st_size != length:
+        raise ProtocolError(f"the announced memfd has {st.st_size} bytes, not {length}")
+    if st.st_blocks * 512 < length:
+        raise ProtocolError(f"the announced memfd is sparse ({st.st_blocks * 512} of {length} bytes allocated)")
 
 
 def unix_listener() -> tuple[socket.socket, str]:
@@ -266,7 +442,7 @@ def unix_listener() -> tuple[socket.socket, str]:
     name = "kvengine/" + secrets.token_hex(12)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     sock.bind("\0" + name)
-    sock.listen(64)
+    sock.listen(1024)   # a burst of peers joining at once (a full backlog fails their connect)
     sock.setblocking(False)
     return sock, name
 

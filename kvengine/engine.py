@@ -40,6 +40,7 @@ _PAGE = mmap.PAGESIZE
 _U64 = 2**64 - 1
 _serials = itertools.count(1)
 _warned_no_secret = False
+_warned_insecure = False
 _LOCAL_FLAGS = _native.F_EXPORT | _native.F_NOTIFY  # this engine's caches: TCP peers may name them
 _MAX_NOTIFY = 4096                                    # bytes of one push notification
 
@@ -97,16 +98,20 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         self._core = None
         self._started = False
         self._closed = False
+        self._close_task: asyncio.Task | None = None
         self._host = control.host_identity()
         self._token = control.new_nonce()
         self._caches: dict[int, _LocalState] = {}
         self._cache_ids = itertools.count(1)  # LLM-DataDist ids start at 1
         self._links: dict = {}
         self._linking: set[int] = set()
-        self._attach_tokens: dict[str, tuple] = {}
+        self._joins: dict = {}            # one-time join tokens (Unix socket) -> _Joining
+        self._preauth: dict = {}          # source -> {close function of an unauthenticated connection}
+        self._preauth_count = 0
         self._tcp_ids = itertools.count(1)
         self._tcp_ready: dict[int, asyncio.Future] = {}
         self._tcp_links: dict = {}
+        self._down_counts: dict[str, int] = {}   # native failure counters at the last link failure
         self._data_port: int | None = None
         self._freeing: dict[int, _LocalState] = {}
         self._link_waiters: dict[int, list[asyncio.Future]] = {}
@@ -129,22 +134,28 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         """Start the native core and, with ``listen``, the control servers."""
         if self._started:
             return self
-        global _warned_no_secret
+        global _warned_no_secret, _warned_insecure
         self._loop = asyncio.get_running_loop()
         self._core = _native.Core(self.options.movers, self.options.chunk_bytes)
         self._loop.add_reader(self._core.fileno(), self._drain)
         self._started = True
         LOCAL_ENGINES[self._token] = self
-        if self.options.secret is None and not _warned_no_secret:
+        if self.options.secret is None and self.options.insecure and not _warned_insecure:
+            _warned_insecure = True
+            log.warning("kvengine: no secret and insecure=True: any host that reaches this engine's "
+                        "port can link to it and read and write its registered caches")
+        elif self.options.secret is None and not _warned_no_secret:
             _warned_no_secret = True
             log.warning("kvengine: no secret configured (EngineOptions.secret or KVENGINE_SECRET): "
-                        "links are not authenticated")
+                        "links are not authenticated; only engines on this host can link")
         try:
             self._unix, self._unix_name = control.unix_listener()
             self._loop.add_reader(self._unix.fileno(), self._on_unix_accept)
             if self._listen is not None:
                 host, port = control.parse_address(self._listen)
-                self._server = await asyncio.start_server(self._on_tcp, host, port)
+                # the backlog takes a burst of connections; unauthenticated ones are bounded
+                # once accepted (links.py, "server side")
+                self._server = await asyncio.start_server(self._on_tcp, host, port, backlog=1024)
                 sockname = self._server.sockets[0].getsockname()
                 h = sockname[0]
                 self.address = f"[{h}]:{sockname[1]}" if ":" in h else f"{h}:{sockname[1]}"
@@ -163,13 +174,21 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         await self.close()
 
     async def close(self) -> None:
-        """Unlink every peer, abort every transfer (fenced), stop the movers. Idempotent.
+        """Unlink every peer, abort every transfer (fenced), stop the core. Idempotent.
 
-        Transfers still in flight resolve ``LLM_ENGINE_FINALIZED``.
+        Transfers still in flight resolve ``LLM_ENGINE_FINALIZED`` (or, if the peer
+        could not fence them, ``LLM_LINK_FAILED`` once its lease on them expired).
+        Bounded: the graceful unlinks get ``link_timeout`` in all; links still up
+        then are dropped, and unfenced transfers resolve within ``heartbeat_timeout``
+        of their abort. Cancel-safe: the closing runs in its own task, so a cancelled
+        ``close()`` keeps closing and a second call waits for the same task.
         """
-        if self._closed:
-            return
-        self._closed = True
+        if self._close_task is None:
+            self._closed = True
+            self._close_task = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
         LOCAL_ENGINES.pop(self._token, None)
         if self._server is not None:
             self._server.close()
@@ -177,14 +196,31 @@ class KvEngine(_Links, _Scheduler, _Notifications):
             if self._loop is not None:
                 self._loop.remove_reader(self._unix.fileno())
             self._unix.close()
-        if self._links:
-            await asyncio.gather(*(self._unlink_one(link, self.options.link_timeout, graceful=True)
-                                   for link in list(self._links.values())),
-                                 return_exceptions=True)
+        self._notes_close()
+        links = list(self._links.values())
+        if links:
+            opts = self.options
+            try:
+                async with asyncio.timeout(opts.link_timeout):
+                    await asyncio.gather(*(self._unlink_one(link, opts.link_timeout, graceful=True)
+                                           for link in links), return_exceptions=True)
+            except TimeoutError:
+                log.warning("close: links %s did not unlink within link_timeout %.2f s; dropping them",
+                            [link.cluster_id for link in links if link.up], opts.link_timeout)
+            for link in links:
+                self._link_down(link, S.LLM_ENGINE_FINALIZED)
+            # a transfer whose peer did not fence it resolves when the peer's lease on
+            # it has expired: natively, within heartbeat_timeout of its abort
+            waits = [asyncio.ensure_future(t._fenced()) for t in set(self._pending.values())
+                     if t._status is None]
+            if waits:
+                _, late = await asyncio.wait(waits, timeout=opts.heartbeat_timeout)
+                for w in late:
+                    w.cancel()
         for task in list(self._tasks):
             task.cancel()
         if self._core is not None:
-            self._core.close()          # aborts every job, joins the movers
+            self._core.close()          # aborts every job, joins the movers and the I/O thread
             self._loop.remove_reader(self._core.fileno())
             self._drain()
             for t in list(self._pending.values()):  # nothing should be left; never leave a waiter
@@ -356,8 +392,9 @@ class KvEngine(_Links, _Scheduler, _Notifications):
 
         New transfers naming it fail at once with ``LLM_KV_CACHE_NOT_EXIST``.
         The memory stays referenced until transfers in flight on it have finished
-        (bounded by their deadlines) and every linked peer has confirmed it will not
-        touch it any more. Returns a future that is done then; awaiting it is optional.
+        (bounded by their deadlines and fences) and every linked peer has confirmed it
+        will not touch it any more; a peer that does not confirm within ``link_timeout``
+        is unlinked. Returns a future that is done then; awaiting it is optional.
         """
         self._check_open()
         state = self._caches.pop(cache_id, None)
@@ -383,10 +420,13 @@ class KvEngine(_Links, _Scheduler, _Notifications):
             unsure = [link for link, r in zip(links, replies)
                       if r is None and link.up and link.transport == "shm" and state.memfd is None]
             if unsure:
-                log.warning("unregister_kv_cache(%s): clusters %s did not confirm; the memory stays "
-                            "referenced until their links are down", state.cache.cache_id,
-                            [link.cluster_id for link in unsure])
-                await asyncio.gather(*(asyncio.shield(link.gone) for link in unsure))
+                # Waiting for such a link to go down by itself could take forever (a peer
+                # that answers pings but not cache_del): drop it, which fences our side.
+                log.warning("unregister_kv_cache(%s): clusters %s did not confirm within %.2f s; "
+                            "dropping their links", state.cache.cache_id,
+                            [link.cluster_id for link in unsure], self.options.link_timeout)
+                for link in unsure:
+                    self._link_down(link, S.LLM_LINK_FAILED)
         finally:
             self._release_local(state)
         if state.released is not None:
@@ -495,7 +535,8 @@ class KvEngine(_Links, _Scheduler, _Notifications):
                 local.cache.desc, rc.desc, src_batch_index, dst_index.batch_index, size, ext_param, op="push"),
                 local.cache._regions, rc.regions)
             return self._launch(link, local, rc, *segs, tmo, prio, note,
-                                f"push_kv_cache to cluster {dst_index.cluster_id} cache {dst_index.cache_id}")
+                                f"push_kv_cache to cluster {dst_index.cluster_id} cache {dst_index.cache_id}",
+                                link.lease_id)
         return self._transfer("push_kv_cache", go)
 
     def submit_pull_kv_cache(self, src_index: CacheIndex, cache: Cache, batch_index: int = 0,
@@ -532,7 +573,8 @@ class KvEngine(_Links, _Scheduler, _Notifications):
                 local.cache.desc, rc.desc, src_blocks, dst_blocks, ext_param, op="push"),
                 local.cache._regions, rc.regions)
             return self._launch(link, local, rc, *segs, tmo, prio, note,
-                                f"push_kv_blocks to cluster {dst_key.cluster_id} cache {dst_key.cache_id}")
+                                f"push_kv_blocks to cluster {dst_key.cluster_id} cache {dst_key.cache_id}",
+                                link.lease_id)
         return self._transfer("push_kv_blocks", go)
 
     def submit_pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: Sequence[int],
@@ -630,6 +672,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
                       for (cid, tr), p in self._per_link.items()},
             "notifications": self._notes_stats(),
             "control_refused": self._counts["control_refused"],
+            "control_pending": self._preauth_count,
             "caches": len(self._caches),
         }
         if self._core is not None:
@@ -650,11 +693,14 @@ def _allocate_memory(desc: CacheDesc, cluster_id: int) -> tuple[int, mmap.mmap, 
     """A pre-faulted shared mapping for ``desc``: (memfd, mmap, length, tensor stride)."""
     stride = -(-desc.size // _PAGE) * _PAGE
     length = stride * desc.num_tensors
-    fd = os.memfd_create(f"kvengine-cache-{cluster_id}", os.MFD_CLOEXEC)
+    fd = os.memfd_create(f"kvengine-cache-{cluster_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, length)
         mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # Sealed before any peer sees it: a peer that keeps the fd cannot shrink it (our
+        # mapping would SIGBUS) or grow it, nor add seals (control.check_memfd).
+        control.seal_memfd(fd)
     except OSError as e:
         os.close(fd)
         raise error_for(S.LLM_OUT_OF_MEMORY, f"cannot allocate {length} bytes of shared memory: {e}")

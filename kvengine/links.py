@@ -1,10 +1,13 @@
 """Links: handshake, authentication, cache tables, heartbeats, unlink.
 
 ``_Links`` is the link half of :class:`kvengine.KvEngine` (a mixin: it uses the
-engine's core, loop, registry and options). A link is set up over TCP; on one
-host it then moves to a Unix SEQPACKET socket (memfds travel there), across
-hosts (or with ``transport="tcp"``) the TCP connection stays the control
-channel and the native core opens ``tcp_streams`` data connections.
+engine's core, loop, registry and options). A link is set up over TCP (hello,
+welcome, attach, attached: the peer authenticates before it learns anything or
+reserves its cluster id); on one host it then moves to a Unix SEQPACKET socket
+(join; memfds travel there, the peer's pid comes from SO_PEERCRED), across hosts
+(or with ``transport="tcp"``) the TCP connection stays the control channel and the
+native core opens ``tcp_streams`` data connections. Without a secret only peers on
+this host may link (``EngineOptions.insecure`` lifts that).
 Protocol: docs/protocol.md.
 """
 
@@ -13,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import mmap
 import os
 import secrets
 import socket
+import time
 import weakref
 from typing import Any, Iterable, Sequence
 
@@ -29,6 +34,7 @@ from .types import CacheDesc, ClusterInfo, param_invalid
 log = logging.getLogger("kvengine")
 
 _U64 = 2**64 - 1
+_PAGE = mmap.PAGESIZE
 _serials = itertools.count(1)
 # Engines of this process by token, for the in-process ("local") transport.
 LOCAL_ENGINES: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
@@ -80,15 +86,16 @@ class RemoteCache:
 class Link:
     __slots__ = ("cluster_id", "ch", "transport", "peer_pid", "peer_token", "remote", "inflight",
                  "reader", "beat", "pending", "up", "closing", "address", "_reqs", "waiters", "tcp_id",
-                 "last_rx", "heap", "inflight_bytes", "gone")
+                 "last_rx", "heap", "inflight_bytes", "gone", "pidfd", "lease_id", "lease_until")
 
     def __init__(self, cluster_id: int, ch: Any, transport: str, peer_pid: int, peer_token: str,
-                 address: str) -> None:
+                 address: str, pidfd: int | None = None) -> None:
         self.cluster_id = cluster_id
         self.ch = ch                  # SeqpacketChannel (local, shm) or StreamChannel (tcp)
         self.transport = transport
-        self.peer_pid = peer_pid
-        self.peer_token = peer_token
+        self.peer_pid = peer_pid      # shm/local: from SO_PEERCRED on the Unix socket; tcp: 0
+        self.peer_token = peer_token  # local: the peer engine's token (LOCAL_ENGINES); else ""
+        self.pidfd = pidfd            # shm: a pidfd of the peer process (CMA regions name it)
         self.address = address
         self.remote: dict[int, RemoteCache] = {}
         self.inflight: set[Transfer] = set()
@@ -104,6 +111,79 @@ class Link:
         self.heap: list = []          # the scheduler's queue: (key, Transfer)
         self.inflight_bytes = 0       # bytes handed to the core, not yet completed
         self.gone = asyncio.get_running_loop().create_future()   # done when the link is down
+        self.lease_id = 0             # shm: the core's mover lease for pushes into the peer (0: none)
+        self.lease_until = 0          # its end, CLOCK_BOOTTIME ns
+
+
+def boot_ns() -> int:
+    """The mover leases' clock (the core's): CLOCK_BOOTTIME, which counts suspended time too."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+def mover_lease_ns(heartbeat_timeout: float) -> int:
+    """How long one echoed ping lets our movers write into a shm peer.
+
+    The mover lease: on a shm link our movers write straight into the peer's
+    memory, so a pushing process that was stopped mid-push and resumes after the
+    peer dropped the link would go on writing rows the peer may already reuse.
+    Each ping we send carries our clock; the peer echoes it in a pong; the lease
+    then runs until that clock + this. The peer drops a silent link only after
+    heartbeat_timeout without a message from us, and its last echo answered a ping
+    it received (so after we sent it): by then the lease, shorter than
+    heartbeat_timeout, is over, and our movers start no new chunk (the one in
+    progress, at most chunk_bytes per mover, is the residue; docs/security.md).
+    """
+    return int(0.75 * heartbeat_timeout * 1e9)
+
+
+class _Joining:
+    """Server side: a client that authenticated on TCP (attach) and was given a one-time
+    join token for the Unix socket (local/shm), or whose TCP link is being set up."""
+
+    __slots__ = ("cluster_id", "transport", "streams", "peer_token", "expiry")
+
+    def __init__(self, cluster_id: int, transport: str, streams: int, peer_token: str) -> None:
+        self.cluster_id = cluster_id
+        self.transport = transport
+        self.streams = streams
+        self.peer_token = peer_token
+        self.expiry: asyncio.TimerHandle | None = None
+
+
+_TRANSPORTS = ("auto", "local", "shm", "tcp")
+NO_SECRET_MSG = ("without a secret an engine links only with engines on its own host: set "
+                 "EngineOptions.secret (or KVENGINE_SECRET) on both engines, or "
+                 "EngineOptions(insecure=True) to link without authentication")
+
+
+def _is_hex(v: Any, n: int) -> bool:
+    if not isinstance(v, str) or len(v) != n:
+        return False
+    try:
+        bytes.fromhex(v)
+    except ValueError:
+        return False
+    return True
+
+
+def _int_in(v: Any, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def hello_problem(h: dict) -> str | None:
+    """What is malformed in a hello (None: nothing). Unknown fields are ignored."""
+    checks = (("cluster", lambda v: _int_in(v, 0, _U64)), ("role", lambda v: _int_in(v, 0, 2**31)),
+              ("host", lambda v: isinstance(v, str) and len(v) <= 256),
+              ("process", lambda v: isinstance(v, str) and len(v) <= 64),
+              ("transport", lambda v: v in _TRANSPORTS),
+              ("streams", lambda v: _int_in(v, 1, _native.MAX_STREAMS)),
+              ("auth", lambda v: isinstance(v, bool)), ("nonce", lambda v: _is_hex(v, 32)))
+    for name, ok in checks:
+        if name not in h:
+            return f"malformed hello: no {name!r}"
+        if not ok(h[name]):
+            return f"malformed hello: bad {name!r}"
+    return None
 
 
 async def _const(value):
@@ -170,18 +250,22 @@ class _Links:
         if cid in self._linking:
             return S.LLM_PROCESSING_LINK
         self._linking.add(cid)
-        tcp = uch = link = None
+        tcp = uch = link = pidfd = None
+        opts = self.options
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(host, port)
                 tcp = StreamChannel(reader, writer)
+                if opts.secret is None and not opts.insecure and not control.is_local_peer(
+                        writer.get_extra_info("peername"), writer.get_extra_info("sockname")):
+                    log.warning("link to cluster %s at %s: %s", cid, info.address, NO_SECRET_MSG)
+                    return S.LLM_LINK_FAILED
                 nonce = control.new_nonce()
                 await tcp.send({"t": "hello", "v": control.PROTOCOL_VERSION, "cluster": self.cluster_id,
-                                "role": int(self.role), "host": self._host, "pid": os.getpid(),
-                                "token": self._token, "transport": self.options.transport,
-                                "streams": self.options.tcp_streams,
-                                "auth": self.options.secret is not None, "nonce": nonce})
-                item = await tcp.recv()
+                                "role": int(self.role), "host": self._host, "process": control.process_tag(),
+                                "transport": opts.transport, "streams": opts.tcp_streams,
+                                "auth": opts.secret is not None, "nonce": nonce})
+                item = await tcp.recv(control.HELLO_MAX)
                 if item is None:
                     log.warning("link to cluster %s at %s: connection closed during hello", cid, info.address)
                     return S.LLM_LINK_FAILED
@@ -196,33 +280,61 @@ class _Links:
                     log.warning("link to cluster %s: the engine at %s is cluster %s", cid, info.address,
                                 w.get("cluster"))
                     return S.LLM_LINK_FAILED
-                if not control.check_proof(self.options.secret, w.get("proof"), "server", nonce,
+                if not control.check_proof(opts.secret, w.get("proof"), "server", nonce,
                                            str(w.get("nonce"))):
                     log.warning("link to cluster %s: peer failed authentication", cid)
                     return S.LLM_LINK_FAILED
-                transport = w.get("transport")
-                proof = (control.proof(self.options.secret, "client", str(w["nonce"]), nonce)
-                         if self.options.secret is not None else None)
-                attach = {"t": "attach", "token": w["token"], "proof": proof}
+                transport, streams = w.get("transport"), w.get("streams")
+                if transport not in ("local", "shm", "tcp") or not _int_in(streams, 1, _native.MAX_STREAMS) \
+                        or opts.transport not in ("auto", transport):
+                    raise ProtocolError(f"bad welcome (transport {transport!r}, streams {streams!r})")
+                attach: dict[str, Any] = {"t": "attach", "proof": (
+                    control.proof(opts.secret, "client", str(w["nonce"]), nonce)
+                    if opts.secret is not None else None)}
+                if transport == "local":
+                    attach["ptoken"] = self._token
+                await tcp.send(attach)
+                item = await tcp.recv(control.HELLO_MAX)
+                if item is None:
+                    log.warning("link to cluster %s at %s: connection closed during attach", cid, info.address)
+                    return S.LLM_LINK_FAILED
+                a = item[0]
+                if a["t"] == "reject":
+                    log.warning("link to cluster %s refused: %s", cid, a.get("msg"))
+                    return _status_or(a.get("status"), S.LLM_LINK_FAILED)
+                if a["t"] != "attached":
+                    raise ProtocolError(f"unexpected reply {a['t']!r} to attach")
                 if transport == "tcp":
-                    await tcp.send(attach)
-                    link = Link(cid, tcp, transport, int(w["pid"]), str(w["ptoken"]), info.address)
+                    if not _int_in(a.get("data_port"), 1, 65535) or \
+                            not _is_hex(a.get("data_token"), 2 * _native.TOKEN_BYTES):
+                        raise ProtocolError("bad attached message")
+                    w.update(data_port=a["data_port"], data_token=a["data_token"])   # the offer, whole
+                    link = Link(cid, tcp, transport, 0, "", info.address)
                     tcp = None
-                    streams = int(w["streams"])
-                    if not 1 <= streams <= _native.MAX_STREAMS:
-                        raise ProtocolError(f"bad stream count {streams}")
                     link.tcp_id = next(self._tcp_ids)   # before the table: its regions name the link
+                    hbt = self.options.heartbeat_timeout   # the lease fence: docs/protocol.md
                     st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(str(w["data_token"])), streams,
-                                                 self.options.tcp_window_bytes)
+                                                 self.options.tcp_window_bytes, lease=0.4 * hbt,
+                                                 fence=0.5 * hbt, margin=0.05 * hbt)
                     if st:
                         raise ProtocolError(f"cannot add the data link (status {st:#x})")
                     connect = lambda: self._connect_streams(link, host, int(w["data_port"]), streams)
                     status = await self._establish(link, True, connect)
                 else:
-                    uch = await control.unix_connect(str(w["unix"]), self._loop)
-                    await uch.send(attach)
-                    link = Link(cid, uch, transport, int(w["pid"]), str(w["ptoken"]), info.address)
-                    uch = None
+                    if not isinstance(a.get("unix"), str) or not isinstance(a.get("join"), str):
+                        raise ProtocolError("bad attached message")
+                    uch = await control.unix_connect(a["unix"], self._loop)
+                    pid = control.peer_pid(uch.sock)   # who listens there, from the kernel
+                    ptoken = ""
+                    if transport == "local":
+                        ptoken = str(a.get("ptoken"))
+                        if pid != os.getpid() or ptoken not in LOCAL_ENGINES:
+                            raise ProtocolError("transport 'local' but the peer is not an engine of this process")
+                    else:
+                        pidfd = control.peer_pidfd(uch.sock, pid)
+                    await uch.send({"t": "join", "token": a["join"]})
+                    link = Link(cid, uch, transport, pid, ptoken, info.address, pidfd)
+                    uch = pidfd = None
                     # TCP stays open until the link is up: its EOF tells the server to drop a
                     # reservation we abandoned.
                     status = await self._establish(link, True)
@@ -241,6 +353,8 @@ class _Links:
                 tcp.close()
             if uch is not None:
                 uch.close()
+            if pidfd is not None:
+                os.close(pidfd)
             if link is not None:
                 self._abandon(link)
 
@@ -273,7 +387,16 @@ class _Links:
         if link.tcp_id:
             self._core.tcp_link_close(link.tcp_id, int(S.LLM_LINK_FAILED))
             link.tcp_id = 0
+        self._close_pidfd(link)
         link.ch.close()
+
+    @staticmethod
+    def _close_pidfd(link: Link) -> None:
+        # After the link's regions were removed: the core holds its own reference (a dup)
+        # for regions a job still uses.
+        if link.pidfd is not None:
+            os.close(link.pidfd)
+            link.pidfd = None
 
     async def _establish(self, link: Link, client: bool, connect=None) -> S:
         """Exchange cache tables and go live on both ends.
@@ -283,6 +406,7 @@ class _Links:
         The server records the link, then says "up"; the client records it on "up", so
         when link_clusters returns both ends can transfer.
         """
+        t_start = boot_ns()   # before our first message: the peer heard from us after this
         if connect is None:
             await self._announce(link, list(self._caches.values()), ready=True)
         status = await self._read_table(link)
@@ -302,6 +426,15 @@ class _Links:
             if not client:
                 await link.ch.send({"t": "reject", "status": int(S.LLM_ALREADY_LINK), "msg": "already linked"})
             return S.LLM_ALREADY_LINK if not self._closed else S.LLM_ENGINE_FINALIZED
+        if link.transport == "shm":
+            # the first mover lease counts from before our first message of this exchange:
+            # the peer's silence clock starts after it heard one (mover_lease_ns)
+            until = t_start + mover_lease_ns(self.options.heartbeat_timeout)
+            st, lid = self._core.lease_add(until)
+            if st:
+                log.warning("link to cluster %s: no mover lease (status %#x)", link.cluster_id, st)
+                return _status_or(st, S.LLM_LINK_FAILED)
+            link.lease_id, link.lease_until = lid, until
         self._links[link.cluster_id] = link
         if link.tcp_id:
             self._tcp_links[link.tcp_id] = link
@@ -367,8 +500,10 @@ class _Links:
         A memfd is mapped (and pre-faulted) in a worker thread: the loop keeps serving."""
         try:
             cache_id = msg["id"]
-            if not isinstance(cache_id, int) or cache_id in link.remote:
+            if not _int_in(cache_id, 0, _U64) or cache_id in link.remote:
                 raise ProtocolError(f"bad or repeated cache id {cache_id!r}")
+            if len(link.remote) >= control.MAX_REMOTE_CACHES:
+                raise ProtocolError(f"more than {control.MAX_REMOTE_CACHES} caches announced")
             try:
                 desc = CacheDesc.from_wire(msg["desc"])
             except (LLMError, KeyError, TypeError, ValueError) as e:
@@ -392,14 +527,16 @@ class _Links:
                         not all(isinstance(a, int) and 0 < a < 2**64 - size for a in addrs):
                     raise ProtocolError("bad tensor addresses")
                 regions, placement = group_regions(addrs, size)
+                if link.pidfd is None:
+                    raise ProtocolError("a 'cma' cache on a link without a peer process")
                 kinds = (_native.REGION_PROCESS, link.peer_pid, 0)
             elif kind == "memfd":
                 length, stride = msg.get("len"), msg.get("stride")
-                if len(fds) != 1 or not isinstance(length, int) or not isinstance(stride, int) \
-                        or stride < size or length != stride * n:
+                # the layout is fixed by the descriptor (so is the size we map), and the
+                # memfd must be sealed at exactly that size and fully allocated
+                if len(fds) != 1 or stride != -(-size // _PAGE) * _PAGE or length != stride * n:
                     raise ProtocolError("bad memfd cache descriptor")
-                if os.fstat(fds[0]).st_size < length:
-                    raise ProtocolError("memfd smaller than announced")
+                control.check_memfd(fds[0], length)
                 st, addr = await self._loop.run_in_executor(None, _native.map_fd, fds[0], length)
                 if st:
                     raise ProtocolError(f"cannot map the peer's cache (status {st:#x})")
@@ -409,6 +546,7 @@ class _Links:
             elif kind == "tcp":
                 regions, placement = msg.get("regions"), msg.get("placement")
                 ok = (isinstance(regions, list) and isinstance(placement, list) and len(placement) == n
+                      and 1 <= len(regions) <= n
                       and all(isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) for v in r)
                               and 0 < r[0] < 2**32 and 0 < r[1] < 2**63 for r in regions)
                       and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int)
@@ -424,6 +562,12 @@ class _Links:
             rids = []
             for base, length in regions:
                 st, rid = self._core.region_add(kinds[0], kinds[1], base, length, kinds[2])
+                if not st and kinds[0] == _native.REGION_PROCESS and hasattr(self._core, "region_pidfd"):
+                    # CMA names the peer by the pidfd of the process that connected, not by a
+                    # pid that another process could get once the peer is gone
+                    st = self._core.region_pidfd(rid, link.pidfd)
+                    if st:
+                        self._core.region_remove(rid)
                 if st:
                     for r in rids:
                         self._core.region_remove(r)
@@ -508,6 +652,11 @@ class _Links:
                 if t == "ping":
                     for fd in fds:
                         os.close(fd)
+                    ts = msg.get("ts")
+                    if ts is not None:   # the peer holds a mover lease: echo its clock at once
+                        link.ch.send_nowait({"t": "pong", "ts": ts})
+                elif t == "pong":
+                    self._on_pong(link, msg)
                 elif t == "cache_add":
                     await self._on_cache_add(link, msg, fds)
                 elif t == "cache_del":
@@ -532,9 +681,25 @@ class _Links:
                 log.warning("link %s <-> %s lost: %s", self.cluster_id, link.cluster_id, reason)
                 self._link_down(link, S.LLM_LINK_FAILED)
 
+    def _on_pong(self, link: Link, msg: dict) -> None:
+        """The peer echoed the clock of one of our pings: renew the mover lease from it
+        (from when we asked, not from now: a pong read late after a stop is stale)."""
+        ts = msg.get("ts")
+        if isinstance(ts, bool) or not isinstance(ts, int) or not 0 < ts <= boot_ns():
+            raise ProtocolError(f"bad pong {ts!r}")
+        until = ts + mover_lease_ns(self.options.heartbeat_timeout)
+        if link.lease_id and until > link.lease_until:
+            link.lease_until = until
+            self._core.lease_renew(link.lease_id, until)
+
     async def _heartbeat(self, link: Link) -> None:
-        """Ping every heartbeat_interval; a peer silent for heartbeat_timeout is lost."""
+        """Ping every heartbeat_interval; a peer silent for heartbeat_timeout is lost.
+
+        On a shm link pings carry our clock for the mover lease, and go at least every
+        third of the lease, so that it never runs out while the peer answers."""
         interval, limit = self.options.heartbeat_interval, self.options.heartbeat_timeout
+        if link.lease_id:
+            interval = min(interval, mover_lease_ns(limit) / 3e9)
         loop = self._loop
         while link.up:
             t0 = loop.time()
@@ -555,22 +720,30 @@ class _Links:
                             self.cluster_id, link.cluster_id, silent, limit)
                 self._link_down(link, S.LLM_LINK_FAILED)
                 return
-            try:
-                await link.ch.send({"t": "ping"})
-            except (ConnectionError, ProtocolError):
-                pass   # the reader sees the EOF
+            # Never wait on the peer here: a ping stuck behind a connection the peer does not
+            # read must not stop the judgement above (a ping that does not fit is skipped).
+            link.ch.send_nowait({"t": "ping", "ts": boot_ns()} if link.lease_id else {"t": "ping"})
 
     async def _request(self, link: Link, msg: dict, timeout: float) -> dict | None:
         req = next(link._reqs)
         fut = self._loop.create_future()
         link.pending[req] = fut
         try:
-            await link.ch.send(dict(msg, req=req))
-            return await asyncio.wait_for(fut, timeout)
-        except (ConnectionError, asyncio.TimeoutError, ProtocolError):
+            async with asyncio.timeout(timeout):   # the send too: the peer may not be reading
+                await link.ch.send(dict(msg, req=req))
+                return await fut
+        except (ConnectionError, TimeoutError, ProtocolError):
             return None
         finally:
             link.pending.pop(req, None)
+
+    async def _reply(self, link: Link, msg: dict) -> None:
+        """Send an answer, waiting at most link_timeout for the peer to take it."""
+        try:
+            async with asyncio.timeout(self.options.link_timeout):
+                await link.ch.send(msg)
+        except (ConnectionError, TimeoutError, ProtocolError):
+            pass
 
     async def _on_cache_del(self, link: Link, msg: dict) -> None:
         rc = link.remote.pop(msg.get("id"), None)
@@ -580,18 +753,12 @@ class _Links:
                 self._core.region_remove(rid)
             rc.keep = None
         if link.up:
-            try:
-                await link.ch.send({"t": "ok", "req": msg.get("req")})
-            except ConnectionError:
-                pass
+            await self._reply(link, {"t": "ok", "req": msg.get("req")})
 
     async def _on_unlink(self, link: Link, msg: dict) -> None:
         link.closing = True
         await self._fence_link(link, S.LLM_NOT_YET_LINK)
-        try:
-            await link.ch.send({"t": "ok", "req": msg.get("req")})
-        except ConnectionError:
-            pass
+        await self._reply(link, {"t": "ok", "req": msg.get("req")})
         self._link_down(link, S.LLM_NOT_YET_LINK)
 
     async def _fence_link(self, link: Link, status: S) -> None:
@@ -613,6 +780,9 @@ class _Links:
         for t in list(link.inflight):
             t._abort(status)
         link.heap.clear()
+        if link.lease_id:   # our movers start no more chunks into the peer's memory
+            self._core.lease_remove(link.lease_id)
+            link.lease_id = 0
         if link.tcp_id:   # closes the data streams; the link's jobs complete with `status`
             self._core.tcp_link_close(link.tcp_id, int(status))
             self._tcp_links.pop(link.tcp_id, None)
@@ -626,6 +796,7 @@ class _Links:
                 if not fut.done():
                     fut.set_result(status)
         link.waiters.clear()
+        self._close_pidfd(link)
         link.ch.close()
         for task in (link.reader, link.beat):
             if task is not None and task is not asyncio.current_task():
@@ -673,43 +844,132 @@ class _Links:
         return status
 
     # ------------------------------------------------------------ server side
+    #
+    # Before a peer authenticated it costs little and reserves nothing: hello-phase frames
+    # are at most HELLO_MAX bytes (a larger length prefix closes the connection unread),
+    # the phase lasts at most min(link_timeout, HELLO_PHASE_MAX), and the cluster id is
+    # reserved only once the attach carried a valid proof. Unauthenticated connections
+    # (TCP, and Unix before the join) are counted per source (IP address; uid on the
+    # Unix socket). A newcomer whose source already has MAX_PREAUTH_PER_SOURCE waiting
+    # closes the oldest of them if that one waited PREAUTH_GRACE. Otherwise, once
+    # MAX_PREAUTH wait in all, it closes the oldest one of the busiest source: at once if
+    # that source has more waiting than the newcomer's would (a flood from some sources
+    # does not lock others out), else if that one waited PREAUTH_GRACE. If nothing may be
+    # closed (a burst of real peers: their handshakes take milliseconds), the newcomer
+    # waits as well, up to MAX_PREAUTH_BURST in all; beyond, it is closed at once.
+
+    def _hello_window(self) -> float:
+        return min(self.options.link_timeout, control.HELLO_PHASE_MAX)
+
+    def _preauth_enter(self, source: Any, close) -> tuple | None:
+        """Count an unauthenticated connection (``close`` closes it at once); returns its
+        slot, or None if it must be closed now."""
+        now = self._loop.time()
+        mine = len(self._preauth.get(source, ()))
+        evict = None
+        if mine >= control.MAX_PREAUTH_PER_SOURCE:
+            crowded, force = source, False
+        elif self._preauth_count >= control.MAX_PREAUTH:
+            crowded = max(self._preauth, key=lambda k: len(self._preauth[k]))
+            force = len(self._preauth[crowded]) > mine + 1   # a heavier source pays, at once
+        else:
+            crowded = None
+        if crowded is not None:
+            oldest, since = next(iter(self._preauth[crowded].items()))
+            if force or now - since >= control.PREAUTH_GRACE:
+                evict = (crowded, oldest)
+            elif self._preauth_count >= control.MAX_PREAUTH_BURST:
+                return None
+        if evict is not None:
+            self._preauth_leave(evict)
+            evict[1]()   # its handler sees the EOF and counts it in control_refused
+        self._preauth.setdefault(source, {})[close] = now
+        self._preauth_count += 1
+        return source, close
+
+    def _preauth_leave(self, slot: tuple | None) -> None:
+        if slot is None:
+            return
+        source, close = slot
+        per = self._preauth.get(source)
+        if per is not None and close in per:
+            del per[close]
+            self._preauth_count -= 1
+            if not per:
+                del self._preauth[source]
 
     async def _on_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ch = StreamChannel(reader, writer)
-        reply = None
-        keep = False
-        try:
-            async with asyncio.timeout(self.options.link_timeout):
-                item = await ch.recv()
-                if item is None:   # closed (or cut short) before a whole hello
-                    self._counts["control_refused"] += 1
-                    return
-                reply = self._answer_hello(item[0])
-                await ch.send(reply)
-                if reply["t"] == "welcome":
-                    item = await ch.recv()   # tcp: the attach; shm: EOF once attached over Unix
-                    if item is not None and reply["transport"] == "tcp":
-                        keep = await self._attach(ch, item[0])
-        except (TimeoutError, ProtocolError, OSError, KeyError, TypeError, ValueError) as e:
+        peer, local = writer.get_extra_info("peername"), writer.get_extra_info("sockname")
+        slot = self._preauth_enter(peer[0] if isinstance(peer, tuple) else "?", ch.abort)
+        if slot is None:
             self._counts["control_refused"] += 1
-            log.info("control connection dropped during hello: %s", e)
+            ch.abort()
+            return
+        joining = None
+        keep = handed = False
+        try:
+            try:
+                async with asyncio.timeout(self._hello_window()):
+                    item = await ch.recv(control.HELLO_MAX)
+                    if item is None:   # closed (or cut short, or evicted) before a whole hello
+                        self._counts["control_refused"] += 1
+                        return
+                    h = item[0]
+                    reply, nonce = self._answer_hello(h, control.is_local_peer(peer, local))
+                    await ch.send(reply)
+                    if nonce is None:
+                        return
+                    item = await ch.recv(control.HELLO_MAX)
+                    if item is None:
+                        self._counts["control_refused"] += 1
+                        return
+                    reply, joining = self._answer_attach(item[0], h, reply, nonce)
+                    await ch.send(reply)
+                    if joining is None:
+                        return
+            except (TimeoutError, ProtocolError, OSError) as e:
+                self._counts["control_refused"] += 1
+                log.info("control connection dropped during hello: %s", e)
+                return
+            self._preauth_leave(slot)   # authenticated: the cluster id is reserved for it
+            slot = None
+            if joining.transport == "tcp":
+                handed = True   # _attach_tcp ends the reservation
+                keep = await self._attach_tcp(ch, joining, reply)
+            else:
+                # The client joins over Unix; it keeps this connection open until the link
+                # is up, and its EOF (or link_timeout) ends an unused reservation.
+                async with asyncio.timeout(self.options.link_timeout):
+                    await ch.recv(control.HELLO_MAX)
+        except (TimeoutError, ProtocolError, OSError, KeyError, TypeError, ValueError) as e:
+            log.info("control connection of cluster %s dropped: %s",
+                     joining.cluster_id if joining else "?", e)
         finally:
+            self._preauth_leave(slot)
             if not keep:
                 ch.close()
-            if reply is not None and reply["t"] == "welcome":
-                self._expire_attach(reply["token"])
+            if joining is not None and joining.transport != "tcp":
+                self._expire_join(reply.get("join"))
+            elif joining is not None and not handed:   # the attached never reached the client
+                self._linking.discard(joining.cluster_id)
 
-    def _answer_hello(self, h: dict) -> dict:
-        def reject(status: S, msg: str) -> dict:
-            log.warning("refusing link from cluster %s: %s", h.get("cluster"), msg)
-            return {"t": "reject", "status": int(status), "msg": msg}
+    def _answer_hello(self, h: dict, local_peer: bool) -> tuple[dict, str | None]:
+        """The reply to a hello and our nonce (None: the reply is a reject). Reserves nothing."""
+        def reject(status: S, msg: str) -> tuple[dict, None]:
+            log.warning("refusing link from cluster %.40r: %s", h.get("cluster"), msg)
+            return {"t": "reject", "status": int(status), "msg": msg}, None
 
-        if h.get("t") != "hello" or h.get("v") != control.PROTOCOL_VERSION:
+        if h.get("t") != "hello":
+            return reject(S.LLM_LINK_FAILED, f"expected a hello, got {h.get('t')!r}")
+        if h.get("v") != control.PROTOCOL_VERSION:
             return reject(S.LLM_LINK_FAILED, f"protocol version {h.get('v')!r} not supported "
                                              f"(this engine speaks {control.PROTOCOL_VERSION})")
-        cid = h.get("cluster")
-        if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid <= _U64:
-            return reject(S.LLM_PARAM_INVALID, "bad cluster id")
+        problem = hello_problem(h)
+        if problem is not None:
+            return reject(S.LLM_PARAM_INVALID if problem.endswith("'cluster'") else S.LLM_LINK_FAILED,
+                          problem)
+        cid = h["cluster"]
         if cid == self.cluster_id:
             return reject(S.LLM_PARAM_INVALID, f"cluster id {cid} is this engine's own")
         if self._closed:
@@ -718,11 +978,13 @@ class _Links:
             return reject(S.LLM_ALREADY_LINK, f"cluster {cid} is already linked")
         if cid in self._linking:
             return reject(S.LLM_PROCESSING_LINK, f"a link with cluster {cid} is being set up")
-        if bool(h.get("auth")) != (self.options.secret is not None):
+        if h["auth"] != (self.options.secret is not None):
             return reject(S.LLM_LINK_FAILED, "authentication mismatch: one engine has a secret, the other not")
-        same_host = h.get("host") == self._host
-        same_process = same_host and h.get("pid") == os.getpid() and h.get("token") in LOCAL_ENGINES
-        prefs = {h.get("transport"), self.options.transport} - {"auto"}
+        if self.options.secret is None and not self.options.insecure and not local_peer:
+            return reject(S.LLM_LINK_FAILED, NO_SECRET_MSG)
+        same_host = h["host"] == self._host
+        same_process = same_host and h["process"] == control.process_tag()
+        prefs = {h["transport"], self.options.transport} - {"auto"}
         if len(prefs) > 1:
             return reject(S.LLM_LINK_FAILED, f"transports conflict: {sorted(prefs)}")
         want = prefs.pop() if prefs else None
@@ -736,26 +998,53 @@ class _Links:
             transport = "local"
         else:
             transport = "shm"
-        token = control.new_nonce()
+        if transport == "tcp" and self._data_port is None:
+            return reject(S.LLM_LINK_FAILED, "this engine has no data port")
         nonce = control.new_nonce()
-        streams = h.get("streams")
-        streams = min(streams, self.options.tcp_streams) if isinstance(streams, int) and streams >= 1 else 1
-        data_token = secrets.token_hex(_native.TOKEN_BYTES)
-        self._linking.add(cid)
-        expiry = self._loop.call_later(self.options.link_timeout, self._expire_attach, token)
-        self._attach_tokens[token] = (cid, h, transport, nonce, expiry, data_token, streams)
         return {"t": "welcome", "v": control.PROTOCOL_VERSION, "cluster": self.cluster_id,
-                "pid": os.getpid(), "ptoken": self._token, "transport": transport,
-                "unix": self._unix_name, "token": token, "nonce": nonce,
-                "data_port": self._data_port, "data_token": data_token, "streams": streams,
-                "proof": (control.proof(self.options.secret, "server", str(h.get("nonce")), nonce)
-                          if self.options.secret is not None else None)}
+                "transport": transport, "nonce": nonce, "streams": min(h["streams"], self.options.tcp_streams),
+                "proof": (control.proof(self.options.secret, "server", h["nonce"], nonce)
+                          if self.options.secret is not None else None)}, nonce
 
-    def _expire_attach(self, token: str) -> None:
-        entry = self._attach_tokens.pop(token, None)
-        if entry is not None:
-            entry[4].cancel()
-            self._linking.discard(entry[0])
+    def _answer_attach(self, msg: dict, h: dict, welcome: dict, nonce: str) -> tuple[dict, _Joining | None]:
+        """Check the attach's proof; then reserve the cluster id and say where to go next."""
+        cid, transport = h["cluster"], welcome["transport"]
+
+        def reject(status: S, why: str) -> tuple[dict, None]:
+            log.warning("refusing link from cluster %s: %s", cid, why)
+            return {"t": "reject", "status": int(status), "msg": why}, None
+
+        if msg.get("t") != "attach":
+            return reject(S.LLM_LINK_FAILED, f"expected an attach, got {msg.get('t')!r}")
+        if not control.check_proof(self.options.secret, msg.get("proof"), "client", nonce, h["nonce"]):
+            return reject(S.LLM_LINK_FAILED, "authentication failed")
+        ptoken = msg.get("ptoken") if transport == "local" else ""
+        if not isinstance(ptoken, str) or len(ptoken) > 64:
+            return reject(S.LLM_LINK_FAILED, "malformed attach: bad 'ptoken'")
+        if self._closed:
+            return reject(S.LLM_LINK_FAILED, "engine closing")
+        if cid in self._links:
+            return reject(S.LLM_ALREADY_LINK, f"cluster {cid} is already linked")
+        if cid in self._linking:
+            return reject(S.LLM_PROCESSING_LINK, f"a link with cluster {cid} is being set up")
+        self._linking.add(cid)
+        joining = _Joining(cid, transport, welcome["streams"], ptoken)
+        if transport == "tcp":
+            return {"t": "attached", "data_port": self._data_port,
+                    "data_token": secrets.token_hex(_native.TOKEN_BYTES)}, joining
+        token = control.new_nonce()
+        joining.expiry = self._loop.call_later(self.options.link_timeout, self._expire_join, token)
+        self._joins[token] = joining
+        reply = {"t": "attached", "unix": self._unix_name, "join": token}
+        if transport == "local":
+            reply["ptoken"] = self._token
+        return reply, joining
+
+    def _expire_join(self, token: Any) -> None:
+        joining = self._joins.pop(token, None) if isinstance(token, str) else None
+        if joining is not None:
+            joining.expiry.cancel()
+            self._linking.discard(joining.cluster_id)
 
     def _on_unix_accept(self) -> None:
         while True:
@@ -766,51 +1055,83 @@ class _Links:
             except OSError as e:
                 log.warning("unix accept failed: %s", e)
                 return
-            self._spawn(self._on_unix_conn(SeqpacketChannel(sock, self._loop)))
+            # the join phase: one small message, no descriptors
+            ch = SeqpacketChannel(sock, self._loop, max_frame=control.HELLO_MAX, max_fds=0, hold=True)
+            try:
+                source = f"unix:{control.peer_uid(sock)}"
+            except OSError:
+                source = "unix:?"
+            slot = self._preauth_enter(source, ch.close)
+            if slot is None:
+                self._counts["control_refused"] += 1
+                ch.close()
+                continue
+            self._spawn(self._on_unix_conn(ch, slot))
 
-    async def _on_unix_conn(self, ch: SeqpacketChannel) -> None:
+    async def _on_unix_conn(self, ch: SeqpacketChannel, slot: tuple) -> None:
         keep = False
+        link = None
+        pidfd = None
+        joining = None
         try:
-            async with asyncio.timeout(self.options.link_timeout):
+            async with asyncio.timeout(self._hello_window()):
                 item = await ch.recv()
-                if item is None:
-                    return
-                msg, fds = item
-                for fd in fds:
-                    os.close(fd)
-                keep = await self._attach(ch, msg)
+            if item is None:
+                return
+            msg = item[0]
+            joining = self._joins.pop(msg.get("token"), None) if msg.get("t") == "join" and \
+                isinstance(msg.get("token"), str) else None
+            if joining is None:
+                await ch.send({"t": "reject", "status": int(S.LLM_LINK_FAILED), "msg": "unknown join token"})
+                return
+            joining.expiry.cancel()
+            self._preauth_leave(slot)
+            slot = None
+            pid = control.peer_pid(ch.sock)   # the kernel's word, never the peer's
+            if joining.transport == "local":
+                if pid != os.getpid() or joining.peer_token not in LOCAL_ENGINES:
+                    raise ProtocolError("transport 'local' but the peer is not an engine of this process")
+            else:
+                pidfd = control.peer_pidfd(ch.sock, pid)
+            ch.release()
+            link = Link(joining.cluster_id, ch, joining.transport, pid, joining.peer_token, "", pidfd)
+            pidfd = None
+            async with asyncio.timeout(self.options.link_timeout):
+                keep = await self._establish(link, False) == S.LLM_SUCCESS
+            if keep:
+                link = None
         except (TimeoutError, ProtocolError, OSError, KeyError, TypeError, ValueError) as e:
             log.warning("link attach failed: %s", e)
         finally:
+            self._preauth_leave(slot)
+            if joining is not None:
+                self._linking.discard(joining.cluster_id)
+            if pidfd is not None:
+                os.close(pidfd)
+            if link is not None:
+                link.ch = _Detached(ch)
+                self._abandon(link)
             if not keep:
                 ch.close()
 
-    async def _attach(self, ch: Any, msg: dict) -> bool:
-        """Server side: check the client's attach (token and HMAC proof), then link."""
-        entry = self._attach_tokens.pop(msg.get("token"), None) if msg.get("t") == "attach" else None
-        if entry is None:
-            await ch.send({"t": "reject", "status": int(S.LLM_LINK_FAILED), "msg": "unknown link token"})
-            return False
-        cid, hello, transport, nonce, expiry, data_token, streams = entry
-        expiry.cancel()
+    async def _attach_tcp(self, ch: StreamChannel, joining: _Joining, attached: dict) -> bool:
+        """Server side of a TCP link after a valid attach: the data link, then the tables."""
+        cid, streams, data_token = joining.cluster_id, joining.streams, attached["data_token"]
         link = None
         try:
-            if not control.check_proof(self.options.secret, msg.get("proof"), "client", nonce,
-                                       str(hello.get("nonce"))):
-                log.warning("refusing link from cluster %s: authentication failed", cid)
-                await ch.send({"t": "reject", "status": int(S.LLM_LINK_FAILED),
-                               "msg": "authentication failed"})
-                return False
-            link = Link(cid, ch, transport, int(hello["pid"]), str(hello["token"]), "")
-            if transport == "tcp":   # data streams presenting this token are bound to the link
-                link.tcp_id = next(self._tcp_ids)
-                st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(data_token), streams,
-                                             self.options.tcp_window_bytes)
-                if st:
-                    raise ProtocolError(f"cannot add the data link (status {st:#x})")
-            if await self._establish(link, False) == S.LLM_SUCCESS:
-                link = None
-                return True
+            link = Link(cid, ch, "tcp", 0, "", "")
+            # data streams presenting this token are bound to the link
+            link.tcp_id = next(self._tcp_ids)
+            hbt = self.options.heartbeat_timeout   # the lease fence: docs/protocol.md
+            st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(data_token), streams,
+                                         self.options.tcp_window_bytes, lease=0.4 * hbt,
+                                         fence=0.5 * hbt, margin=0.05 * hbt)
+            if st:
+                raise ProtocolError(f"cannot add the data link (status {st:#x})")
+            async with asyncio.timeout(self.options.link_timeout):
+                if await self._establish(link, False) == S.LLM_SUCCESS:
+                    link = None
+                    return True
             return False
         finally:
             self._linking.discard(cid)
@@ -831,11 +1152,31 @@ class _Links:
                 fut.set_result(S.LLM_LINK_FAILED)
             link = self._tcp_links.get(link_id)
             if link is not None and link.up and not link.closing:
-                log.warning("link %s <-> %s lost: a data stream failed (%s)", self.cluster_id,
-                            link.cluster_id, _status_or(status, S.LLM_LINK_FAILED).name)
+                log.warning("link %s <-> %s lost: a data stream failed (%s)%s", self.cluster_id,
+                            link.cluster_id, _status_or(status, S.LLM_LINK_FAILED).name, self._why_down())
                 self._link_down(link, S.LLM_LINK_FAILED)
             # closing: an unlink is under way and finishes the link itself (the peer may
             # close its streams before its "ok" reached us)
+
+
+    def _why_down(self) -> str:
+        """What the core counted since the last link failure, as advice for the log."""
+        st = self._core.stats()
+        seen = self._down_counts
+        now = {k: st.get(k, 0) for k in ("tcp_lease_expired", "tcp_fence_expired", "tcp_stalled",
+                                         "tcp_bad_frames")}
+        self._down_counts = now
+        grew = [k for k in now if now[k] > seen.get(k, 0)]
+        hints = {
+            "tcp_lease_expired": "; our lease on a data stream expired before the peer renewed it: "
+                                 "a stalled receiver, or a link slower than about (tcp_window_bytes + "
+                                 "chunk_bytes) / (0.3 * heartbeat_timeout): raise heartbeat_timeout or lower "
+                                 "tcp_window_bytes (docs/protocol.md, Leases)",
+            "tcp_fence_expired": "; the peer did not acknowledge an abort within 0.5 * heartbeat_timeout",
+            "tcp_stalled": "; a data stream made no progress for heartbeat_timeout",
+            "tcp_bad_frames": "; the peer sent a malformed or impossible frame",
+        }
+        return "".join(hints[k] for k in grew)
 
 
 class _Detached:

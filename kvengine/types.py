@@ -268,6 +268,10 @@ class EngineOptions:
     sync_kv_timeout: default deadline of a transfer (LLM-DataDist's 1000 ms).
     link_timeout: default deadline of link/unlink calls.
     secret: shared secret for authenticated links (default: ``$KVENGINE_SECRET``).
+    insecure: without a secret, an engine links only with engines on its own host (the
+      peer's address is 127.0.0.1, ::1 or the connection's own local address); ``True``
+      links with anyone who reaches the port, unauthenticated: any such host can then
+      read and write every registered cache. Default False (docs/security.md).
     transport: ``"auto"`` (local in one process, shm on one host, tcp across hosts),
       ``"local"``, ``"shm"`` or ``"tcp"`` (forced; both ends must agree or say auto).
     movers: native copy threads.
@@ -307,6 +311,7 @@ class EngineOptions:
     piece_bytes: int | None = None
     max_queued: int = 1 << 16
     max_notifications: int = 1 << 16
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         for name in ("sync_kv_timeout", "link_timeout", "heartbeat_interval", "heartbeat_timeout"):
@@ -335,6 +340,8 @@ class EngineOptions:
         _check_int("EngineOptions.chunk_bytes", self.chunk_bytes, 4096, 64 << 20)
         if self.secret is not None and not isinstance(self.secret, (bytes, bytearray)):
             raise param_invalid("EngineOptions.secret must be bytes")
+        if not isinstance(self.insecure, bool):
+            raise param_invalid(f"EngineOptions.insecure must be a bool, got {self.insecure!r}")
 
 
 def as_int_list(name: str, seq: Sequence[int]) -> list[int]:
