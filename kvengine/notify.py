@@ -40,6 +40,14 @@ class _Notifications:
     def _notes_stats(self) -> dict:
         return dict(self._note_counts, pending=len(self._notes))
 
+    def _notes_close(self) -> None:
+        """The engine is closing: every waiter ends (``wait_notification`` raises
+        ``LLM_ENGINE_FINALIZED``, ``notifications()`` stops)."""
+        waiters, self._note_waiters = self._note_waiters, []
+        for _, fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
     def _send_notify(self, link: Any, payload: bytes) -> None:
         """Tell the destination; called when the push completed successfully."""
         if not link.up:
@@ -91,18 +99,23 @@ class _Notifications:
         entry = (match, fut)
         self._note_waiters.append(entry)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), tmo)
+            note = await asyncio.wait_for(asyncio.shield(fut), tmo)
+            if note is None:
+                raise error_for(S.LLM_ENGINE_FINALIZED, "the engine was closed")
+            return note
         except asyncio.TimeoutError:
             raise error_for(S.LLM_TIMEOUT, f"no notification {match!r} within {tmo:g} s") from None
         finally:
             if entry in self._note_waiters:
                 self._note_waiters.remove(entry)
-            if fut.done() and not fut.cancelled() and asyncio.current_task().cancelling():
+            if fut.done() and not fut.cancelled() and fut.result() is not None \
+                    and asyncio.current_task().cancelling():
                 self._notes.appendleft(fut.result())   # cancelled after delivery: keep it
 
     async def notifications(self) -> AsyncIterator[Notification]:
         """``async for note in engine.notifications():`` every notification, as it arrives
-        (shares the buffer with :meth:`wait_notification`: each is delivered once)."""
+        (shares the buffer with :meth:`wait_notification`: each is delivered once).
+        The iteration ends when the engine closes."""
         while not self._closed:
             fut = self._loop.create_future()
             if self._notes:
@@ -115,4 +128,6 @@ class _Notifications:
             finally:
                 if entry in self._note_waiters:
                     self._note_waiters.remove(entry)
+            if note is None:   # the engine closed
+                return
             yield note

@@ -107,15 +107,18 @@ class _Scheduler:
     """Queueing half of KvEngine (mixin: uses the engine's core, loop and options)."""
 
     def _launch(self, link: Any, local: Any, remote: Any, segs: array.array, total: int, timeout: float,
-                priority: int, notify: bytes | None, what: str) -> Transfer:
+                priority: int, notify: bytes | None, what: str, lease: int = 0) -> Transfer:
+        """``lease``: the link's mover lease (shm pushes write into the peer's memory only
+        while the peer keeps renewing it; links.py, "mover lease"), 0 for none."""
         t = Transfer(self, what)
+        t._lease = lease
         opts = self.options
         now = self._loop.time()   # deadlines: the loop's clock (timers use it)
         if total <= opts.inline_threshold and link.transport != "tcp":
             # below a thread hand-off's cost: copy now, on this thread (local and shm only)
             t._link, t._notify = link, notify
             t._t_queued = t._t_started = perf_counter()   # latency: a fine clock (uvloop's ticks in ms)
-            st, done, nbytes = self._core.submit(next(self._jobs), segs, opts.inline_threshold)
+            st, done, nbytes = self._core.submit(next(self._jobs), segs, opts.inline_threshold, 0, lease)
             assert done or st, "kv_core_submit copies a local job of at most inline_max bytes inline"
             t._finish(st, nbytes)
             return t
@@ -146,7 +149,7 @@ class _Scheduler:
                 continue
             segs, n = t._next_piece(piece)
             job = next(jobs)
-            st, _, _ = core.submit(job, segs, 0, t._rank)
+            st, _, _ = core.submit(job, segs, 0, t._rank, t._lease)
             if not t._t_started:
                 t._t_started = perf_counter()
             if st:

@@ -19,7 +19,7 @@ import asyncio
 from time import perf_counter
 from typing import Any
 
-from .status import LLMStatusCode as S, error_for
+from .status import LLMStatusCode as S, _to_status as status_of, error_for
 
 __all__ = ["Transfer"]
 
@@ -36,7 +36,7 @@ class Transfer:
     __slots__ = ("_engine", "_what", "_status", "_fut", "_timer", "_link", "_refs", "_timeout",
                  "_message", "nbytes", "_segs", "_cur", "_off", "_left", "_jobs", "_fail", "_key",
                  "_notify", "_t_queued", "_t_started", "_total", "_inq", "_on_done", "priority", "deadline",
-                 "_rank", "_ran", "__weakref__")
+                 "_rank", "_ran", "_lease", "__weakref__")
 
     def __init__(self, engine: Any, what: str) -> None:
         self._engine = engine
@@ -66,6 +66,7 @@ class Transfer:
         self.deadline = 0.0
         self._rank = 0         # the native queue's order (scheduler.rank)
         self._ran = False      # some piece went out (not aborted unstarted)
+        self._lease = 0        # the link's mover lease (shm pushes), 0 for none
 
     # ------------------------------------------------------------- scheduler side
 
@@ -132,12 +133,13 @@ class Transfer:
         if link is not None:
             link.inflight_bytes -= size
         self.nbytes += nbytes
+        if status == S.LLM_LINK_FAILED and ran:
+            # the core could not fence this piece (the peer never acknowledged the
+            # abort): it completed once the peer's lease expired, and the link is gone.
+            # Not LLM_TIMEOUT/LLM_CANCELLED, which promise a usable link.
+            self._fail = S.LLM_LINK_FAILED
         if status and self._fail is None:
-            try:
-                st = S(status)
-            except ValueError:
-                st = S.LLM_FAILED
-            self._abort(st)   # the other pieces stop too
+            self._abort(status_of(status))   # the other pieces stop too
             return
         if not self._jobs and (self._left == 0 or self._fail is not None) and self._status is None:
             self._finish(self._fail or S.LLM_SUCCESS, self.nbytes)
@@ -145,10 +147,7 @@ class Transfer:
     def _finish(self, status: int, nbytes: int, message: str = "") -> None:
         if self._status is not None:
             return
-        try:
-            st = S(status)
-        except ValueError:
-            st = S.LLM_FAILED
+        st = status_of(status)
         self._status = st
         self.nbytes = nbytes
         self._message = message
@@ -212,6 +211,9 @@ class Transfer:
         if self._status == S.LLM_CANCELLED:
             return f"{self._what} was cancelled; no byte of it lands after this status"
         if self._status == S.LLM_LINK_FAILED:
+            if self._ran:
+                return (f"{self._what}: the link to the peer was lost; no byte of it lands after this "
+                        f"status (the peer acknowledged the abort, or its lease on the link expired)")
             return f"{self._what}: the link to the peer was lost"
         if self._status == S.LLM_NOT_YET_LINK:
             return f"{self._what}: the link was torn down"
@@ -240,7 +242,7 @@ class Transfer:
                 await self._fenced()
             except asyncio.CancelledError:
                 self._abort(S.LLM_CANCELLED)
-                while self._status is None:  # the fence: bounded by one native chunk
+                while self._status is None:  # the fence: bounded (heartbeat_timeout at most)
                     try:
                         await self._fenced()
                     except asyncio.CancelledError:
