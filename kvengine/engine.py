@@ -202,7 +202,8 @@ class KvEngine(_Links, _Scheduler, _Notifications):
             opts = self.options
             try:
                 async with asyncio.timeout(opts.link_timeout):
-                    await asyncio.gather(*(self._unlink_one(link, opts.link_timeout, graceful=True)
+                    await asyncio.gather(*(self._unlink_one(link, opts.link_timeout, graceful=True,
+                                                            fence_status=S.LLM_ENGINE_FINALIZED)
                                            for link in links), return_exceptions=True)
             except TimeoutError:
                 log.warning("close: links %s did not unlink within link_timeout %.2f s; dropping them",

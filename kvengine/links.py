@@ -832,10 +832,11 @@ class _Links:
         done = await asyncio.gather(*results)
         return overall(done), done
 
-    async def _unlink_one(self, link: Link, timeout: float, graceful: bool) -> S:
+    async def _unlink_one(self, link: Link, timeout: float, graceful: bool,
+                          fence_status: S = S.LLM_NOT_YET_LINK) -> S:
         status = S.LLM_SUCCESS
         link.closing = True
-        await self._fence_link(link, S.LLM_NOT_YET_LINK)
+        await self._fence_link(link, fence_status)
         if graceful and link.up:
             reply = await self._request(link, {"t": "unlink"}, timeout)
             if reply is None:
