@@ -6,6 +6,7 @@
 #endif
 #include "kv_internal.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
@@ -406,9 +407,17 @@ int kv__job_complete(kv_core *c, kv_job *j, uint32_t status) {
 /* If nothing more will be copied for `j`, complete it.
  * Caller holds the lock. Returns 1 if the eventfd must be signalled. */
 static int job_maybe_finish(kv_core *c, kv_job *j) {
-    if (!j->claimed_all || j->active)
+    if (j->state != KV_JS_DRAINING || j->active)
         return 0;
+    j->state = KV_JS_DONE;
     return kv__job_complete(c, j, KV_LLM_SUCCESS);
+}
+
+/* A mover job stops handing out chunks (all claimed, failed or aborted). */
+static void job_drain(kv_core *c, kv_job *j) {
+    assert(j->state == KV_JS_QUEUED || j->state == KV_JS_DRAINING);
+    j->state = KV_JS_DRAINING;
+    queue_remove(c, j);
 }
 
 static void *mover_main(void *arg) {
@@ -425,8 +434,7 @@ static void *mover_main(void *arg) {
         if (!lease_ok(c, j->lease)) { /* its peer may have stopped answering: no more chunks */
             if (j->status == KV_LLM_SUCCESS)
                 j->status = KV_LLM_LINK_FAILED;
-            j->claimed_all = 1;
-            queue_remove(c, j);
+            job_drain(c, j);
             if (job_maybe_finish(c, j)) {
                 pthread_mutex_unlock(&c->mu);
                 kv__signal_loop(c);
@@ -443,8 +451,7 @@ static void *mover_main(void *arg) {
         if (j->cur_off == s->len) {
             j->cur_off = 0;
             if (++j->cur_seg == j->nsegs) {
-                j->claimed_all = 1;
-                queue_remove(c, j);
+                job_drain(c, j);
             }
         }
         j->active++;
@@ -459,8 +466,7 @@ static void *mover_main(void *arg) {
             j->done_bytes += n;
         } else if (j->status == KV_LLM_SUCCESS) {
             j->status = st;
-            j->claimed_all = 1;
-            queue_remove(c, j);
+            job_drain(c, j);
         }
         if (job_maybe_finish(c, j)) {
             pthread_mutex_unlock(&c->mu);
@@ -619,6 +625,7 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
     unsigned b = bucket(job_id);
     j->hnext = c->hash[b];
     c->hash[b] = j;
+    j->state = KV_JS_QUEUED;
     kv__rank_insert(&c->qhead, &c->qtail, j); /* movers claim chunks of the head job */
     c->st.jobs_submitted++;
     c->st.jobs_live++;
@@ -631,8 +638,7 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
 static int abort_locked(kv_core *c, kv_job *j, uint32_t status) {
     if (j->status == KV_LLM_SUCCESS)
         j->status = status;
-    j->claimed_all = 1;
-    queue_remove(c, j);
+    job_drain(c, j);
     c->st.jobs_aborted++;
     return job_maybe_finish(c, j);
 }
@@ -648,7 +654,7 @@ uint32_t kv_core_abort(kv_core *c, uint64_t job_id, uint32_t status) {
         st = KV_LLM_PARAM_INVALID;
     else if (j->tcp) /* the I/O thread fences it: ABORT, then ABORT_ACK from the peer */
         st = kv__tcp_abort(c, j, status, &sig);
-    else if (j->claimed_all && j->status != KV_LLM_SUCCESS)
+    else if (j->state == KV_JS_DRAINING && j->status != KV_LLM_SUCCESS)
         st = KV_LLM_PARAM_INVALID;
     else
         sig = abort_locked(c, j, status);
@@ -738,7 +744,7 @@ void kv_core_close(kv_core *c) {
         kv_job *j = c->hash[b];
         while (j) {
             kv_job *next = j->hnext;
-            if (!j->tcp && !j->claimed_all) /* jobs on their last chunks finish normally */
+            if (!j->tcp && j->state == KV_JS_QUEUED) /* jobs on their last chunks finish normally */
                 abort_locked(c, j, KV_LLM_ENGINE_FINALIZED);
             j = next;
         }

@@ -48,8 +48,10 @@ typedef struct kv_ptrack {
     uint8_t *rconn;   /* per chunk: the stream (index in the link) its READ went out on */
 } kv_ptrack;
 
-/* TCP job states (kv_job.tstate); the I/O thread owns every transition except
- * INBOX -> DONE and INBOX/SENDING/SENT -> ABORT_REQ (kv_core_abort). */
+/* Job states (kv_job.state), one per job. TCP jobs: INBOX .. FENCING, then DONE;
+ * the I/O thread owns every transition except INBOX -> DONE and
+ * INBOX/SENDING/SENT -> ABORT_REQ (kv_core_abort). Mover jobs: QUEUED ->
+ * DRAINING -> DONE, under c->mu. */
 enum {
     KV_JS_INBOX = 1, /* handed to the I/O thread, not yet taken: no frame of it exists */
     KV_JS_SENDING,   /* in the link's send queue: frames (DATA or READ) being claimed */
@@ -57,6 +59,9 @@ enum {
     KV_JS_ABORT_REQ, /* kv_core_abort asked; the I/O thread has not acted yet */
     KV_JS_ABORTING,  /* push: ABORT queued on every stream, ABORT_ACKs awaited until `due` */
     KV_JS_FENCING,   /* push: its link failed unfenced; completes at `due` (the lease release) */
+    KV_JS_QUEUED,    /* mover job: in the movers' queue, chunks left to claim */
+    KV_JS_DRAINING,  /* mover job: nothing more to claim (all claimed, failed or aborted); completes
+                        when the last chunk in progress (`active`) ends: the fence */
     KV_JS_DONE       /* completed (posted) */
 };
 
@@ -72,13 +77,12 @@ struct kv_job {
     uint64_t rank;     /* TCP send order: lowest first */
     uint32_t lease;    /* mover lease (kv_lease_add), 0: none */
     int active;        /* movers copying a chunk of this job */
-    int claimed_all;   /* mover jobs: no more chunks to hand out (done, failed or aborted) */
     int queued;        /* in a qnext/qprev queue (the movers' or a link's send queue) */
     uint32_t status;   /* first failure, or the abort status */
     /* TCP jobs (owned by the I/O thread once handed over) */
     uint32_t link_id;
     int tcp, is_pull;
-    int tstate;        /* KV_JS_* */
+    int state;         /* KV_JS_* */
     uint64_t frames;   /* frames (DATA or READ) started on the wire */
     kv_ptrack *pt;     /* TCP pull: answer tracking */
     uint32_t ack_wait; /* push, ABORTING: streams (bit = index in the link) whose ABORT_ACK is awaited */

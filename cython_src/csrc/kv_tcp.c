@@ -268,9 +268,9 @@ static const unsigned js_next[KV_JS_DONE] = {
 /* The one place a TCP job changes state: checked (unless NDEBUG). */
 static void js_to(kv_job *j, int to) {
 #ifndef NDEBUG
-    assert(j->tstate >= KV_JS_INBOX && j->tstate < KV_JS_DONE && (js_next[j->tstate] & (1u << to)));
+    assert(j->state >= KV_JS_INBOX && j->state < KV_JS_DONE && (js_next[j->state] & (1u << to)));
 #endif
-    j->tstate = to;
+    j->state = to;
 }
 
 /* The abort list (ABORT_REQ) and the timed list (ABORTING, FENCING) share anext/aprev. */
@@ -436,11 +436,11 @@ static int tcp_complete(kv_net *n, kv_link *l, kv_job *j, uint32_t status) {
      * or an abort with frames == 0; found by tests/native/fuzz_tcp.c). */
     if (l && !l->dead && j->is_pull)
         discard_payloads(l, n->c, F_RDATA, j->id);
-    if (j->tstate == KV_JS_INBOX)
+    if (j->state == KV_JS_INBOX)
         inbox_del(n, j);
-    else if (j->tstate == KV_JS_ABORT_REQ)
+    else if (j->state == KV_JS_ABORT_REQ)
         alist_del(&n->ab_head, j);
-    else if (j->tstate == KV_JS_ABORTING || j->tstate == KV_JS_FENCING)
+    else if (j->state == KV_JS_ABORTING || j->state == KV_JS_FENCING)
         alist_del(&n->tm_head, j);
     js_to(j, KV_JS_DONE);
     return kv__job_complete(n->c, j, status);
@@ -548,7 +548,7 @@ static int link_fail(kv_net *n, kv_link *l, uint32_t status, int post_down) {
         kv_job *j = c->hash[b];
         while (j) {
             kv_job *next = j->hnext;
-            if (!j->tcp || j->link_id != l->id || j->tstate == KV_JS_INBOX || j->tstate == KV_JS_FENCING) {
+            if (!j->tcp || j->link_id != l->id || j->state == KV_JS_INBOX || j->state == KV_JS_FENCING) {
                 j = next; /* inbox jobs: next round; fencing ones: already */
                 continue;
             }
@@ -561,9 +561,9 @@ static int link_fail(kv_net *n, kv_link *l, uint32_t status, int post_down) {
                 } else {
                     if (j->queued)
                         sq_remove(l, j);
-                    if (j->tstate == KV_JS_ABORT_REQ)
+                    if (j->state == KV_JS_ABORT_REQ)
                         alist_del(&n->ab_head, j);
-                    else if (j->tstate == KV_JS_ABORTING)
+                    else if (j->state == KV_JS_ABORTING)
                         alist_del(&n->tm_head, j);
                     js_to(j, KV_JS_FENCING);
                     j->due = release;
@@ -646,7 +646,7 @@ static int next_frame(kv_net *n, kv_conn *k) {
     if (!push_ok && !l->sq_pulls)
         return 0;
     for (kv_job *j = l->sq_head; j; j = j->qnext) {
-        if (j->tstate != KV_JS_SENDING) /* ABORT_REQ: the I/O thread acts on it this round */
+        if (j->state != KV_JS_SENDING) /* ABORT_REQ: the I/O thread acts on it this round */
             continue;
         if (j->is_pull && k->reads_out >= KV_READ_WINDOW * chunk)
             continue;
@@ -942,7 +942,7 @@ static int on_rdata(kv_net *n, kv_conn *k, int *sig) {
     kv_rx *t;
     int64_t q;
     if (j && j->tcp && j->is_pull && j->link_id == l->id &&
-        (j->tstate == KV_JS_SENDING || j->tstate == KV_JS_SENT || j->tstate == KV_JS_ABORT_REQ)) {
+        (j->state == KV_JS_SENDING || j->state == KV_JS_SENT || j->state == KV_JS_ABORT_REQ)) {
         if ((q = pull_claim(j->pt, h, k->idx)) < 0)
             return BAD();
         k->pdst = (uint8_t *)(uintptr_t)(j->segs[h->region].dst + h->offset);
@@ -970,12 +970,12 @@ static int on_ack(kv_net *n, kv_conn *k, int *sig) {
      * and completing now would release the source while sendmsg still reads it
      * (heap-use-after-free found by tests/native/fuzz_tcp.c) */
     int all = j->cur_seg == j->nsegs;
-    if (!all || !(j->tstate == KV_JS_SENT || j->tstate == KV_JS_ABORT_REQ || j->tstate == KV_JS_ABORTING) ||
-        (j->tstate == KV_JS_ABORTING && j->acked) || data_in_flight(l, j->id))
+    if (!all || !(j->state == KV_JS_SENT || j->state == KV_JS_ABORT_REQ || j->state == KV_JS_ABORTING) ||
+        (j->state == KV_JS_ABORTING && j->acked) || data_in_flight(l, j->id))
         return BAD();
     if (!h->status)
         j->done_bytes = j->total; /* the receiver counted every byte in place */
-    if (j->tstate == KV_JS_ABORTING) { /* fenced by ACK; its ABORT_ACKs still come: wait for them */
+    if (j->state == KV_JS_ABORTING) { /* fenced by ACK; its ABORT_ACKs still come: wait for them */
         j->acked = 1;
         return 1;
     }
@@ -1034,7 +1034,7 @@ static int on_abort_ack(kv_net *n, kv_conn *k, int *sig) {
         return 1;
     }
     kv_job *j = kv__job_find(n->c, h->xfer);
-    if (!j || !j->tcp || j->is_pull || j->link_id != l->id || j->tstate != KV_JS_ABORTING || !(j->ack_wait & bit))
+    if (!j || !j->tcp || j->is_pull || j->link_id != l->id || j->state != KV_JS_ABORTING || !(j->ack_wait & bit))
         return BAD();
     j->ack_wait &= ~bit;
     if (j->ack_wait)
@@ -1089,13 +1089,13 @@ static int on_rerr(kv_net *n, kv_conn *k, int *sig) {
     kv_link *l = k->link;
     kv_job *j = kv__job_find(n->c, h->xfer);
     if (j && j->tcp && j->is_pull && j->link_id == l->id &&
-        (j->tstate == KV_JS_SENDING || j->tstate == KV_JS_SENT || j->tstate == KV_JS_ABORT_REQ) && j->frames) {
+        (j->state == KV_JS_SENDING || j->state == KV_JS_SENT || j->state == KV_JS_ABORT_REQ) && j->frames) {
         /* a READ named a region the peer no longer exports: the pull ends with
          * that status (aborted: tombstone; the READ's window returns with the
          * stream's ABORT_ACK, not by this frame's length) */
         if (j->status == KV_LLM_SUCCESS)
             j->status = h->status ? h->status : KV_LLM_FAILED;
-        if (j->tstate != KV_JS_ABORT_REQ) {
+        if (j->state != KV_JS_ABORT_REQ) {
             js_to(j, KV_JS_ABORT_REQ);
             alist_add(&n->ab_head, j);
         }
@@ -1260,7 +1260,7 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
             return 1;
         n->received += k->plen;
         kv_job *j = kv__job_find(c, k->pxfer);
-        if (j && j->is_pull && j->tstate != KV_JS_DONE) {
+        if (j && j->is_pull && j->state != KV_JS_DONE) {
             j->done_bytes += k->plen;
             if (j->done_bytes >= j->total)
                 *sig |= tcp_complete(n, l, j, KV_LLM_SUCCESS);
@@ -1520,7 +1520,7 @@ static int timers(kv_net *n, uint64_t t, uint64_t *next) {
     }
     /* a push aborted here whose ABORT_ACKs are not all in by its fence: the link fails */
     for (kv_job *j = n->tm_head; j;) {
-        if (j->tstate == KV_JS_ABORTING && t >= j->due) {
+        if (j->state == KV_JS_ABORTING && t >= j->due) {
             kv_link *l = link_find(n, j->link_id);
             c->st.tcp_fence_expired++;
             sig |= l ? link_fail(n, l, KV_LLM_LINK_FAILED, 1) : tcp_complete(n, NULL, j, KV_LLM_LINK_FAILED);
@@ -1532,7 +1532,7 @@ static int timers(kv_net *n, uint64_t t, uint64_t *next) {
     /* pushes of failed links whose peer's lease is over */
     for (kv_job *j = n->tm_head; j;) {
         kv_job *nj = j->anext;
-        if (j->tstate == KV_JS_FENCING && t >= j->due)
+        if (j->state == KV_JS_FENCING && t >= j->due)
             sig |= tcp_complete(n, NULL, j, j->status);
         else if (j->due < nx)
             nx = j->due;
@@ -1816,7 +1816,7 @@ uint32_t kv__tcp_submit(kv_core *c, kv_job *j) {
     if (j->is_pull && !(j->pt = ptrack_new(j, c->chunk)))
         return KV_LLM_OUT_OF_MEMORY;
     kv__job_hash(c, j);
-    j->tstate = KV_JS_INBOX;
+    j->state = KV_JS_INBOX;
     j->inext = NULL;
     j->iprev = n->in_tail;
     if (n->in_tail)
@@ -1830,12 +1830,12 @@ uint32_t kv__tcp_submit(kv_core *c, kv_job *j) {
 
 uint32_t kv__tcp_abort(kv_core *c, kv_job *j, uint32_t status, int *sig) {
     kv_net *n = c->net;
-    if (j->tstate != KV_JS_INBOX && j->tstate != KV_JS_SENDING && j->tstate != KV_JS_SENT)
+    if (j->state != KV_JS_INBOX && j->state != KV_JS_SENDING && j->state != KV_JS_SENT)
         return KV_LLM_PARAM_INVALID; /* aborting, fencing: its completion is on its way */
     if (j->status == KV_LLM_SUCCESS)
         j->status = status;
     c->st.jobs_aborted++;
-    if (j->tstate == KV_JS_INBOX) { /* nothing of it exists on the wire: done */
+    if (j->state == KV_JS_INBOX) { /* nothing of it exists on the wire: done */
         *sig = tcp_complete(n, NULL, j, status);
         return KV_LLM_SUCCESS;
     }
