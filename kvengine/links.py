@@ -197,6 +197,20 @@ def _status_or(value: Any, default: S) -> S:
         return default
 
 
+async def _hello_reply(ch: StreamChannel, cid: int, address: str, phase: str) -> dict | S:
+    """The server's answer in the hello phase, or the status to return: the
+    connection closed, or the server rejected us."""
+    item = await ch.recv(control.HELLO_MAX)
+    if item is None:
+        log.warning("link to cluster %s at %s: connection closed during %s", cid, address, phase)
+        return S.LLM_LINK_FAILED
+    msg = item[0]
+    if msg["t"] == "reject":
+        log.warning("link to cluster %s refused: %s", cid, msg.get("msg"))
+        return _status_or(msg.get("status"), S.LLM_LINK_FAILED)
+    return msg
+
+
 def overall(results: Iterable[S]) -> S:
     for r in results:
         if r != S.LLM_SUCCESS:
@@ -265,14 +279,9 @@ class _Links:
                                 "role": int(self.role), "host": self._host, "process": control.process_tag(),
                                 "transport": opts.transport, "streams": opts.tcp_streams,
                                 "auth": opts.secret is not None, "nonce": nonce})
-                item = await tcp.recv(control.HELLO_MAX)
-                if item is None:
-                    log.warning("link to cluster %s at %s: connection closed during hello", cid, info.address)
-                    return S.LLM_LINK_FAILED
-                w = item[0]
-                if w["t"] == "reject":
-                    log.warning("link to cluster %s refused: %s", cid, w.get("msg"))
-                    return _status_or(w.get("status"), S.LLM_LINK_FAILED)
+                w = await _hello_reply(tcp, cid, info.address, "hello")
+                if not isinstance(w, dict):
+                    return w
                 if w["t"] != "welcome" or w.get("v") != control.PROTOCOL_VERSION:
                     log.warning("link to cluster %s: unexpected reply %r", cid, w.get("t"))
                     return S.LLM_LINK_FAILED
@@ -294,14 +303,9 @@ class _Links:
                 if transport == "local":
                     attach["ptoken"] = self._token
                 await tcp.send(attach)
-                item = await tcp.recv(control.HELLO_MAX)
-                if item is None:
-                    log.warning("link to cluster %s at %s: connection closed during attach", cid, info.address)
-                    return S.LLM_LINK_FAILED
-                a = item[0]
-                if a["t"] == "reject":
-                    log.warning("link to cluster %s refused: %s", cid, a.get("msg"))
-                    return _status_or(a.get("status"), S.LLM_LINK_FAILED)
+                a = await _hello_reply(tcp, cid, info.address, "attach")
+                if not isinstance(a, dict):
+                    return a
                 if a["t"] != "attached":
                     raise ProtocolError(f"unexpected reply {a['t']!r} to attach")
                 if transport == "tcp":

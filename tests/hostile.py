@@ -134,12 +134,32 @@ def close_all() -> None:
         c.close()
 
 
-class Control:
-    """A raw TCP control connection."""
+class _Stream:
+    """A raw TCP connection of a test: closed by close() or close_all()."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         OPEN.add(self)
+
+    async def closed(self, timeout: float = 5.0) -> bool:
+        """Read and drop until EOF/reset; False if the connection is still open after timeout."""
+        try:
+            async with asyncio.timeout(timeout):
+                while await self.reader.read(65536):
+                    pass
+        except TimeoutError:
+            return False
+        except ConnectionError:
+            pass
+        return True
+
+    def close(self) -> None:
+        OPEN.discard(self)
+        self.writer.close()
+
+
+class Control(_Stream):
+    """A raw TCP control connection."""
 
     @classmethod
     async def open(cls, address: str, source: str | None = None) -> "Control":
@@ -161,21 +181,6 @@ class Control:
                 if msg.get("t") not in skip:
                     return msg
 
-    async def closed(self, timeout: float = 5.0) -> bool:
-        """Read and drop until EOF/reset; False if the connection is still open after timeout."""
-        try:
-            async with asyncio.timeout(timeout):
-                while await self.reader.read(65536):
-                    pass
-        except TimeoutError:
-            return False
-        except ConnectionError:
-            pass
-        return True
-
-    def close(self) -> None:
-        OPEN.discard(self)
-        self.writer.close()
 
 
 async def _readable(sock: socket.socket) -> None:
@@ -397,13 +402,12 @@ def parse(hdr: bytes) -> dict:
             "offset2": offset2}
 
 
-class Data:
+class Data(_Stream):
     """A raw data-plane connection."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+        super().__init__(reader, writer)
         self.early: list = []   # frames that came before the HELLO_ACK (recv_frame returns them first)
-        OPEN.add(self)
 
     @classmethod
     async def open(cls, host: str, port: int, token: bytes | None = None, ack: bool = True,
@@ -440,17 +444,3 @@ class Data:
                 return None
         return hdr, payload
 
-    async def closed(self, timeout: float = 5.0) -> bool:
-        try:
-            async with asyncio.timeout(timeout):
-                while await self.reader.read(65536):
-                    pass
-        except TimeoutError:
-            return False
-        except ConnectionError:
-            pass
-        return True
-
-    def close(self) -> None:
-        OPEN.discard(self)
-        self.writer.close()
