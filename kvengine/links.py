@@ -959,6 +959,16 @@ class _Links:
             elif joining is not None and not handed:   # the attached never reached the client
                 self._linking.discard(joining.cluster_id)
 
+    def _cluster_busy(self, cid: int) -> tuple[S, str] | None:
+        """Why a link with ``cid`` cannot be set up now, or None."""
+        if self._closed:
+            return S.LLM_LINK_FAILED, "engine closing"
+        if cid in self._links:
+            return S.LLM_ALREADY_LINK, f"cluster {cid} is already linked"
+        if cid in self._linking:
+            return S.LLM_PROCESSING_LINK, f"a link with cluster {cid} is being set up"
+        return None
+
     def _answer_hello(self, h: dict, local_peer: bool) -> tuple[dict, str | None]:
         """The reply to a hello and our nonce (None: the reply is a reject). Reserves nothing."""
         def reject(status: S, msg: str) -> tuple[dict, None]:
@@ -977,12 +987,9 @@ class _Links:
         cid = h["cluster"]
         if cid == self.cluster_id:
             return reject(S.LLM_PARAM_INVALID, f"cluster id {cid} is this engine's own")
-        if self._closed:
-            return reject(S.LLM_LINK_FAILED, "engine closing")
-        if cid in self._links:
-            return reject(S.LLM_ALREADY_LINK, f"cluster {cid} is already linked")
-        if cid in self._linking:
-            return reject(S.LLM_PROCESSING_LINK, f"a link with cluster {cid} is being set up")
+        busy = self._cluster_busy(cid)
+        if busy is not None:
+            return reject(*busy)
         if h["auth"] != (self.options.secret is not None):
             return reject(S.LLM_LINK_FAILED, "authentication mismatch: one engine has a secret, the other not")
         if self.options.secret is None and not self.options.insecure and not local_peer:
@@ -1026,12 +1033,9 @@ class _Links:
         ptoken = msg.get("ptoken") if transport == "local" else ""
         if not isinstance(ptoken, str) or len(ptoken) > 64:
             return reject(S.LLM_LINK_FAILED, "malformed attach: bad 'ptoken'")
-        if self._closed:
-            return reject(S.LLM_LINK_FAILED, "engine closing")
-        if cid in self._links:
-            return reject(S.LLM_ALREADY_LINK, f"cluster {cid} is already linked")
-        if cid in self._linking:
-            return reject(S.LLM_PROCESSING_LINK, f"a link with cluster {cid} is being set up")
+        busy = self._cluster_busy(cid)   # again: it may have changed since the hello
+        if busy is not None:
+            return reject(*busy)
         self._linking.add(cid)
         joining = _Joining(cid, transport, welcome["streams"], ptoken)
         if transport == "tcp":

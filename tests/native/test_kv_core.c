@@ -185,8 +185,9 @@ static void check_quiet_stats(kv_core *c) {
     CHECK(s.jobs_aborted <= s.jobs_submitted);
 }
 
-static int count_tasks(void) {
-    DIR *d = opendir("/proc/self/task");
+/* Entries of a /proc directory (threads in task/, descriptors in fd/). */
+static int count_entries(const char *dir) {
+    DIR *d = opendir(dir);
     CHECK(d != NULL);
     int n = 0;
     struct dirent *e;
@@ -196,6 +197,8 @@ static int count_tasks(void) {
     closedir(d);
     return n;
 }
+
+static int count_tasks(void) { return count_entries("/proc/self/task"); }
 
 /* A joined thread can linger in /proc/self/task for a moment after join. */
 static int wait_tasks(int want) {
@@ -1412,17 +1415,7 @@ static int xpidfd_open(pid_t pid) {
     return (int)syscall(SYS_pidfd_open, pid, 0);
 }
 
-static int count_fds(void) {
-    DIR *d = opendir("/proc/self/fd");
-    CHECK(d != NULL);
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL)
-        if (e->d_name[0] != '.')
-            n++;
-    closedir(d);
-    return n;
-}
+static int count_fds(void) { return count_entries("/proc/self/fd"); }
 
 /* A KV_REGION_PROCESS region names its process by pid; once that process has
  * exited the pid may be another process's. Here the region's pid is our own
