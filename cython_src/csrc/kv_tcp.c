@@ -52,9 +52,11 @@ enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_
 #define KV_READ_WINDOW 4             /* chunks of READ outstanding per connection */
 #define KV_SCRATCH (1u << 20)
 #define KV_RECV_BUDGET (16u << 20)   /* bytes read from one connection per wake-up */
+#ifndef KV_RECV_PLACE
 #define KV_RECV_PLACE (256u << 10)   /* most DATA one recv() writes into place: what a receiver stalled
                                         inside that recv (page fault, preemption, SIGSTOP right after
                                         its lease check) can still land after its lease ended */
+#endif
 #define KV_TICK_NS 100000000ull      /* the I/O thread looks at its timers at least this often */
 #define KV_ACCEPT_PAUSE_NS 100000000ull /* accept() out of descriptors/memory: stop listening this long */
 #define KV_MIN_LEASE_NS 1000000ull      /* lease and fence: 1 ms .. 1 h */
