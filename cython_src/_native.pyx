@@ -88,10 +88,11 @@ cdef class Core:
     def region_remove(self, uint32_t region_id):
         return kvc.kv_region_remove(self.c, region_id)
 
-    def region_pidfd(self, uint32_t region_id, int pidfd):
-        """Attach a pidfd of a REGION_PROCESS region's process (the core keeps a dup): once that
-        process has exited, CMA through its pid fails LLM_LINK_FAILED instead. Returns a status."""
-        return kvc.kv_region_pidfd(self.c, region_id, pidfd)
+    def region_pidfd(self, uint32_t region_id, int pidfd, uint64_t key=0):
+        """Attach a pidfd of a REGION_PROCESS region's process (the core keeps a dup, one per
+        nonzero ``key``: a link's regions share it): once that process has exited, CMA through
+        its pid fails LLM_LINK_FAILED instead. Returns a status."""
+        return kvc.kv_region_pidfd(self.c, region_id, pidfd, key)
 
     def submit(self, uint64_t job_id, const uint64_t[::1] segs, uint64_t inline_max, uint64_t rank=0,
                uint32_t lease=0):

@@ -86,7 +86,7 @@ class RemoteCache:
 class Link:
     __slots__ = ("cluster_id", "ch", "transport", "peer_pid", "peer_token", "remote", "inflight",
                  "reader", "beat", "pending", "up", "closing", "address", "_reqs", "waiters", "tcp_id",
-                 "last_rx", "heap", "inflight_bytes", "gone", "pidfd", "lease_id", "lease_until")
+                 "last_rx", "heap", "inflight_bytes", "gone", "pidfd", "lease_id", "lease_until", "serial")
 
     def __init__(self, cluster_id: int, ch: Any, transport: str, peer_pid: int, peer_token: str,
                  address: str, pidfd: int | None = None) -> None:
@@ -112,6 +112,7 @@ class Link:
         self.inflight_bytes = 0       # bytes handed to the core, not yet completed
         self.gone = asyncio.get_running_loop().create_future()   # done when the link is down
         self.lease_id = 0             # shm: the core's mover lease for pushes into the peer (0: none)
+        self.serial = next(_serials)  # never reused: names this link's pidfd in the core
         self.lease_until = 0          # its end, CLOCK_BOOTTIME ns
 
 
@@ -566,10 +567,11 @@ class _Links:
             rids = []
             for base, length in regions:
                 st, rid = self._core.region_add(kinds[0], kinds[1], base, length, kinds[2])
-                if not st and kinds[0] == _native.REGION_PROCESS and hasattr(self._core, "region_pidfd"):
+                if not st and kinds[0] == _native.REGION_PROCESS:
                     # CMA names the peer by the pidfd of the process that connected, not by a
-                    # pid that another process could get once the peer is gone
-                    st = self._core.region_pidfd(rid, link.pidfd)
+                    # pid that another process could get once the peer is gone (one duplicate
+                    # per link in the core, keyed by the link's serial)
+                    st = self._core.region_pidfd(rid, -1 if link.pidfd is None else link.pidfd, link.serial)
                     if st:
                         self._core.region_remove(rid)
                 if st:

@@ -601,3 +601,27 @@ async def test_a_burst_of_real_peers_from_one_host_links(transport):
         for p in ps:
             await p.close()
         await d.close()
+
+
+async def test_a_peer_with_many_caller_owned_caches_costs_one_pidfd_per_link():
+    """CMA regions carry the peer's pidfd into the core: one shared duplicate per link, not
+    one per region, or a peer with many registered caches would use up our descriptors
+    (320 regions here; the default soft limit is 1024)."""
+    e = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0",
+                          kv.EngineOptions(transport="shm")).start()
+    peer = await PeerProcess.start(cluster_id=2, transport="shm")
+    try:
+        ids = [(await peer.call("register", n=8, shape=[1, 4096], dtype="uint8"))["cache_id"]
+               for _ in range(40)]
+        before = len(os.listdir("/proc/self/fd"))
+        st, _ = await e.link_clusters([kv.ClusterInfo(2, peer.address)])
+        assert st == S.LLM_SUCCESS
+        for cid in ids:
+            await e.wait_remote_cache(2, cid, timeout=10)
+        grown = len(os.listdir("/proc/self/fd")) - before
+        assert grown < 16, f"{grown} descriptors for one link with {8 * len(ids)} CMA regions"
+        src = e.allocate_cache(kv.CacheDesc(8, (1, 4096), "uint8"))
+        await e.push_kv_cache(src, kv.CacheIndex(2, ids[-1], 0), timeout=5)   # CMA still works
+    finally:
+        await e.close()
+        await peer.close()

@@ -28,13 +28,23 @@ kv_region *kv__region_get(kv_core *c, uint32_t id) {
     return c->regions[id];
 }
 
+static void pidref_put(kv_core *c, kv_pidref *p) {
+    if (!p || --p->refs > 0)
+        return;
+    kv_pidref **pp = &c->pidrefs;
+    while (*pp != p)
+        pp = &(*pp)->next;
+    *pp = p->next;
+    close(p->fd);
+    free(p);
+}
+
 static int region_release(kv_core *c, uint32_t id) {
     kv_region *r = c->regions[id];
     int sig = 0;
     if (r->flags & KV_REGION_F_UNMAP)
         munmap((void *)(uintptr_t)r->addr, (size_t)r->len); /* nothing to do on failure */
-    if (r->pidfd >= 0)
-        close(r->pidfd);
+    pidref_put(c, r->pidref);
     if (r->notify) {
         sig = kv__post_event(c, r->notify);
         r->notify = NULL;
@@ -91,7 +101,6 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
     r->kind = kind;
     r->flags = flags;
     r->notify = ev;
-    r->pidfd = -1;
     pthread_mutex_lock(&c->mu);
     if (c->closed) {
         pthread_mutex_unlock(&c->mu);
@@ -143,24 +152,39 @@ uint32_t kv_region_remove(kv_core *c, uint32_t id) {
     return KV_LLM_SUCCESS;
 }
 
-uint32_t kv_region_pidfd(kv_core *c, uint32_t id, int pidfd) {
+uint32_t kv_region_pidfd(kv_core *c, uint32_t id, int pidfd, uint64_t key) {
     if (pidfd < 0)
         return KV_LLM_PARAM_INVALID;
-    int fd = fcntl(pidfd, F_DUPFD_CLOEXEC, 3);
-    if (fd < 0)
-        return errno == EMFILE || errno == ENFILE ? KV_LLM_OUT_OF_MEMORY : KV_LLM_PARAM_INVALID;
     pthread_mutex_lock(&c->mu);
     kv_region *r = kv__region_get(c, id);
     uint32_t st = KV_LLM_SUCCESS;
+    kv_pidref *p = NULL;
     if (!r || r->removed)
         st = KV_LLM_KV_CACHE_NOT_EXIST;
-    else if (r->kind != KV_REGION_PROCESS || r->pidfd >= 0)
+    else if (r->kind != KV_REGION_PROCESS || r->pidref)
         st = KV_LLM_PARAM_INVALID; /* once: jobs may hold the first one */
-    else
-        r->pidfd = fd;
+    if (st == KV_LLM_SUCCESS && key)
+        for (p = c->pidrefs; p && p->key != key; p = p->next)
+            ;
+    if (st == KV_LLM_SUCCESS && !p) {
+        p = calloc(1, sizeof *p);
+        int fd = p ? fcntl(pidfd, F_DUPFD_CLOEXEC, 3) : -1;
+        if (fd < 0) {
+            st = !p || errno == EMFILE || errno == ENFILE ? KV_LLM_OUT_OF_MEMORY : KV_LLM_PARAM_INVALID;
+            free(p);
+            p = NULL;
+        } else {
+            p->key = key;
+            p->fd = fd;
+            p->next = c->pidrefs;
+            c->pidrefs = p;
+        }
+    }
+    if (st == KV_LLM_SUCCESS) {
+        p->refs++;
+        r->pidref = p;
+    }
     pthread_mutex_unlock(&c->mu);
-    if (st != KV_LLM_SUCCESS)
-        close(fd);
     return st;
 }
 
@@ -524,7 +548,8 @@ static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_rseg 
         out[i].src_kind = (int8_t)sr->kind;
         out[i].dst_kind = (int8_t)dr->kind;
         out[i].pid = sr->kind != KV_REGION_LOCAL ? sr->pid : dr->pid;
-        out[i].pidfd = sr->kind == KV_REGION_PROCESS ? sr->pidfd : dr->kind == KV_REGION_PROCESS ? dr->pidfd : -1;
+        const kv_region *pr = sr->kind == KV_REGION_PROCESS ? sr : dr->kind == KV_REGION_PROCESS ? dr : NULL;
+        out[i].pidfd = pr && pr->pidref ? pr->pidref->fd : -1; /* lives while the job holds the region */
         out[i].rrid = (uint32_t)(sr->kind == KV_REGION_TCP ? sr->addr : dr->addr);
         sr->refs++;
         dr->refs++;
@@ -769,8 +794,7 @@ void kv_core_free(kv_core *c) {
             continue;
         if (r->flags & KV_REGION_F_UNMAP)
             munmap((void *)(uintptr_t)r->addr, (size_t)r->len);
-        if (r->pidfd >= 0)
-            close(r->pidfd);
+        pidref_put(c, r->pidref);
         free(r->notify);
         free(r);
     }

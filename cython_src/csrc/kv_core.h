@@ -101,11 +101,15 @@ uint32_t kv_region_add(kv_core *core, int kind, int32_t pid, uint64_t addr, uint
 uint32_t kv_region_remove(kv_core *core, uint32_t region_id);
 /* Attach a pidfd (pidfd_open) of the process a KV_REGION_PROCESS region lives
  * in: the core dup()s it (the caller keeps `pidfd`) and closes its copy when
- * the region is released. Before each process_vm_readv/writev a mover polls
- * it: once that process has exited (its pid may name another process by then)
- * the job fails KV_LLM_LINK_FAILED instead of touching that pid. Once per
- * region, before jobs use it (jobs submitted earlier do not see it). */
-uint32_t kv_region_pidfd(kv_core *core, uint32_t region_id, int pidfd);
+ * the last region holding it is released. Regions given the same nonzero `key`
+ * share the first call's duplicate (one descriptor per link rather than per
+ * region: a peer with many caches cannot exhaust our descriptors); a key must
+ * never name another process later (0: a private duplicate). Before each
+ * process_vm_readv/writev a mover polls it: once that process has exited (its
+ * pid may name another process by then) the job fails KV_LLM_LINK_FAILED
+ * instead of touching that pid. Once per region, before jobs use it (jobs
+ * submitted earlier do not see it). */
+uint32_t kv_region_pidfd(kv_core *core, uint32_t region_id, int pidfd, uint64_t key);
 
 /* mmap(MAP_SHARED|MAP_POPULATE) `len` bytes of `fd`, read-write. */
 uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr);

@@ -12,6 +12,15 @@
 
 typedef struct kv_job kv_job;
 
+/* One duplicate of a peer's pidfd, shared by the regions given the same key
+ * (a link's CMA regions: one descriptor per link, not per region). */
+typedef struct kv_pidref {
+    uint64_t key;
+    int fd;
+    uint64_t refs; /* regions holding it */
+    struct kv_pidref *next;
+} kv_pidref;
+
 typedef struct {
     uint64_t addr;   /* LOCAL/PROCESS: address; TCP: the peer's region id */
     uint64_t len;
@@ -20,7 +29,7 @@ typedef struct {
     unsigned flags;  /* KV_REGION_F_* */
     int removed;
     uint64_t refs;   /* jobs and frames using it */
-    int pidfd;       /* PROCESS: kv_region_pidfd's dup, closed on release; -1: none */
+    kv_pidref *pidref; /* PROCESS: the peer's pidfd (kv_region_pidfd), released with the region; NULL: none */
     kv_job *notify;  /* preallocated KV_EVENT_REGION_FREED record (F_NOTIFY) */
 } kv_region;
 
@@ -109,6 +118,7 @@ struct kv_core {
     uint64_t chunk;
 
     kv_region **regions; /* index = id; NULL once released */
+    kv_pidref *pidrefs;  /* every live pidref */
     size_t nregions;     /* next id */
     size_t region_cap;
 

@@ -1456,14 +1456,17 @@ static void test_pidfd(void) {
     int fds0 = count_fds();
     uint32_t rl = add_local(c, src, N), rld = add_local(c, dst, N);
     uint32_t rp = add_proc(c, getpid(), dst, N), rps = add_proc(c, getpid(), src, N);
+    uint32_t rp0 = add_proc(c, getpid(), dst, N);
     /* validation */
-    CHECK_EQ(kv_region_pidfd(c, rl, dead), KV_LLM_PARAM_INVALID);   /* not a PROCESS region */
-    CHECK_EQ(kv_region_pidfd(c, 9999, dead), KV_LLM_KV_CACHE_NOT_EXIST);
-    CHECK_EQ(kv_region_pidfd(c, rp, -1), KV_LLM_PARAM_INVALID);
-    CHECK_EQ(kv_region_pidfd(c, rp, dead), KV_LLM_SUCCESS);
-    CHECK_EQ(kv_region_pidfd(c, rp, dead), KV_LLM_PARAM_INVALID);   /* once */
-    CHECK_EQ(kv_region_pidfd(c, rps, dead), KV_LLM_SUCCESS);
-    CHECK_EQ(count_fds(), fds0 + 2); /* its own dups */
+    CHECK_EQ(kv_region_pidfd(c, rl, dead, 7), KV_LLM_PARAM_INVALID);   /* not a PROCESS region */
+    CHECK_EQ(kv_region_pidfd(c, 9999, dead, 7), KV_LLM_KV_CACHE_NOT_EXIST);
+    CHECK_EQ(kv_region_pidfd(c, rp, -1, 7), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_region_pidfd(c, rp, dead, 7), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_pidfd(c, rp, dead, 7), KV_LLM_PARAM_INVALID);   /* once */
+    CHECK_EQ(kv_region_pidfd(c, rps, dead, 7), KV_LLM_SUCCESS);
+    CHECK_EQ(count_fds(), fds0 + 1); /* one dup, shared by the regions of key 7 (one per link) */
+    CHECK_EQ(kv_region_pidfd(c, rp0, dead, 0), KV_LLM_SUCCESS);
+    CHECK_EQ(count_fds(), fds0 + 2); /* key 0: a dup of its own */
     /* the child is alive: CMA goes through (to our own pid, here) */
     uint64_t w[KV_SEG_WORDS];
     seg(w, rl, 0, rp, 0, N);
@@ -1498,9 +1501,11 @@ static void test_pidfd(void) {
     (void)rld;
     check_no_more(c);
     check_quiet_stats(c);
+    CHECK_EQ(kv_region_remove(c, rp0), KV_LLM_SUCCESS);
     CHECK_EQ(kv_region_remove(c, rp), KV_LLM_SUCCESS);
+    CHECK_EQ(count_fds(), fds0 - 2 + 1); /* ours are closed (the pipe and the pidfd); rps still holds the shared dup */
     CHECK_EQ(kv_region_remove(c, rps), KV_LLM_SUCCESS);
-    CHECK_EQ(count_fds(), fds0 - 2); /* released: closed (ours too: the pipe and the pidfd) */
+    CHECK_EQ(count_fds(), fds0 - 2); /* the last region of key 7 released it */
     kv_core_free(c);
     xunmap(src, N);
     xunmap(dst, N);
