@@ -904,3 +904,50 @@ async def test_lying_frames_fail_the_link_and_the_victim_keeps_working():
         for s in sessions:
             s.close()
         await close_all([prefill], [victim])
+
+
+async def test_an_unfinished_data_frame_cannot_pin_a_cache():
+    """Finding 7: an authenticated peer starts a DATA frame into our cache and never sends
+    the rest (it keeps answering pings). The frame held the cache's region forever, so
+    unregister_kv_cache never completed. Now the stream fails after making no progress for
+    about heartbeat_timeout, the region is released, and the unregister completes."""
+    victim = await tcp_prefill()
+    s = None
+    loop = asyncio.get_running_loop()
+    try:
+        mine = victim.allocate_cache(kv.CacheDesc(1, (1, 1 << 20), np.uint8))
+        s, theirs = await hostile_link(victim.address, HOSTILE, (), streams=1)
+        add = theirs[mine.cache_id]
+        rid = add["regions"][add["placement"][0][0]][0]
+        d = s.data[0]
+        granted = False
+        for _ in range(100):   # the victim asks us for a lease before it writes our DATA
+            item = await d.recv_frame(timeout=5)
+            assert item is not None, "the victim closed the data stream"
+            if item[0]["type"] == hostile.LEASE_REQ:
+                d.send(hostile.header(hostile.LEASE, offset=item[0]["offset"]))
+                granted = True
+                break
+        assert granted, "no LEASE_REQ from the victim"
+        size, first = 1 << 20, 4096
+        # one whole frame, then the header of a second one and 10 of its bytes, in one write:
+        # once the victim counted the first frame's bytes it has taken the second header too
+        d.send(hostile.header(hostile.DATA, region=rid, xfer=1, offset=0, length=first, total=size)
+               + b"\x5a" * first
+               + hostile.header(hostile.DATA, region=rid, xfer=1, offset=first, length=size - first,
+                                total=size)
+               + b"\x5a" * 10)   # ... and never the rest
+        await poll_until(lambda: received(victim) >= first, 5, "the victim took the first frame")
+        assert victim._core.stats()["tcp_stalled"] == 0
+        t0 = loop.time()
+        fut = victim.unregister_kv_cache(mine.cache_id)
+        bound = LINK_TIMEOUT + HBT + SLACK
+        done, _ = await asyncio.wait([fut], timeout=bound + 5)
+        assert done, f"unregister_kv_cache still pending {bound + 5:.1f} s later: the frame pins the region"
+        assert loop.time() - t0 <= bound, f"unregister took {loop.time() - t0:.2f} s (bound {bound:.2f} s)"
+        assert victim._core.stats()["tcp_stalled"] >= 1
+        assert HOSTILE not in victim.stats()["links"]
+    finally:
+        if s is not None:
+            s.close()
+        await close_all([victim])
