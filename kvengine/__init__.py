@@ -5,19 +5,35 @@ compiled core; ``KvEngine`` and friends load it on first use (a missing build
 then raises an ImportError that says how to build it).
 """
 
-from .status import *  # noqa: F401,F403  (LLMStatusCode, LLMError and one class per code)
-from .status import __all__ as _status_all
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import status
+from .status import *  # noqa: F401,F403  (LLMStatusCode, LLMError, LINK_USABLE_AFTER, one class per code)
 from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, ClusterInfo, DataType,
                     EngineOptions, KvCacheExtParam, Placement, Role)
 
+if TYPE_CHECKING:   # loaded lazily (they need the compiled core): see __getattr__
+    from .engine import KvEngine
+    from .layers import LayerStream
+    from .notify import Notification
+    from .transfer import Transfer
+
 __version__ = "0.1.0"
 
-_NATIVE = {"KvEngine": "engine", "Transfer": "transfer", "Notification": "notify", "LayerStream": "layers"}
-
+# The public names: the engine and what its calls take and return, then the statuses
+# and their exceptions (kvengine.status.__all__). Helpers such as error_for, raise_for
+# and STATUS_TABLE stay in kvengine.status.
 __all__ = [
-    "KvEngine", "Transfer", "Notification", "LayerStream", "EngineOptions", "Role", "Placement", "DataType",
-    "CacheDesc", "Cache", "CacheIndex", "BlocksCacheKey", "KvCacheExtParam", "ClusterInfo", "__version__",
-] + list(_status_all)
+    "KvEngine", "Transfer", "Notification", "LayerStream",
+    "EngineOptions", "Role", "Placement", "DataType",
+    "CacheDesc", "Cache", "CacheIndex", "BlocksCacheKey", "KvCacheExtParam", "ClusterInfo",
+    "__version__",
+]
+__all__ += status.__all__
+
+_NATIVE = {"KvEngine": "engine", "Transfer": "transfer", "Notification": "notify", "LayerStream": "layers"}
 
 
 def __getattr__(name: str):

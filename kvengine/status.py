@@ -16,14 +16,47 @@ import enum
 __all__ = [
     "LLMStatusCode",
     "LLMError",
-    "error_for",
-    "raise_for",
-    "STATUS_TABLE",
     "LINK_USABLE_AFTER",
+    "LLMFailedError",
+    "LLMWaitProcessTimeoutError",
+    "LLMKvCacheNotExistError",
+    "LLMRepeatRequestError",
+    "LLMRequestAlreadyCompletedError",
+    "LLMParamInvalidError",
+    "LLMEngineFinalizedError",
+    "LLMNotYetLinkError",
+    "LLMAlreadyLinkError",
+    "LLMLinkFailedError",
+    "LLMUnlinkFailedError",
+    "LLMNotifyPromptUnlinkFailedError",
+    "LLMClusterNumExceedLimitError",
+    "LLMProcessingLinkError",
+    "LLMDeviceOutOfMemoryError",
+    "LLMPrefixAlreadyExistError",
+    "LLMPrefixNotExistError",
+    "LLMSeqLenOverLimitError",
+    "LLMNoFreeBlockError",
+    "LLMBlocksOutOfMemoryError",
+    "LLMCacheIncompatibleError",
+    "LLMCacheKeyAlreadyExistError",
+    "LLMCopyCacheFailedError",
+    "LLMCacheIdAlreadyExistError",
+    "LLMExistLinkError",
+    "LLMFeatureNotEnabledError",
+    "LLMTimeoutError",
+    "LLMLinkBusyError",
+    "LLMOutOfMemoryError",
+    "LLMDeviceMemError",
+    "LLMSuspectRemoteError",
+    "LLMUnknownError",
+    "LLMCancelledError",
 ]
+# Also used inside kvengine, not re-exported by the package: STATUS_TABLE, error_for, raise_for.
 
 # One row per code: (Python name, value, exception class name, extra base, meaning).
-# The exception classes and the enum are both built from this table.
+# The single source of truth: the enum is built from it, and each exception class
+# declared below gets its status and docstring from its row (_bind_classes checks
+# at import that the declarations and the table agree, class for class).
 STATUS_TABLE: tuple[tuple[str, int, str, type | None, str], ...] = (
     ("LLM_SUCCESS", 0x0, "", None, "success"),
     ("LLM_FAILED", 0xFFFFFFFF, "LLMFailedError", None, "generic failure"),
@@ -86,7 +119,24 @@ _CPP_ALIASES = {
     "LLM_SEQ_LEN_OVER_LIMIT": "LLM_SEQ_LENOVERLIMIT",
 }
 
-LLMStatusCode = enum.IntEnum(
+
+
+class _NamedIntEnum(enum.IntEnum):
+    """An IntEnum that prints by name: ``str()`` and ``format()`` give the member's name
+    (Python 3.11's IntEnum gives the number); ``int()``, ``==`` and numeric format specs
+    (``f"{code:#x}"``, ``f"{code:d}"``) still give the number; ``repr()`` shows both."""
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        try:
+            return format(self.name, spec)
+        except ValueError:   # a numeric spec: "d", "#x", "08b", ...
+            return int.__format__(self, spec)
+
+
+LLMStatusCode = _NamedIntEnum(
     "LLMStatusCode",
     [(name, value) for name, value, *_ in STATUS_TABLE]
     + [(alias, dict((n, v) for n, v, *_ in STATUS_TABLE)[target])
@@ -131,32 +181,78 @@ class LLMError(Exception):
         return (error_for, (self.status, self.message))
 
 
+# One class per non-success code, declared statically so IDEs and type checkers see
+# them. Each takes its ``status`` and docstring from its STATUS_TABLE row
+# (_bind_classes); the extra base (TimeoutError, ValueError, ...) must be the row's.
+
+class LLMFailedError(LLMError): ...
+class LLMWaitProcessTimeoutError(LLMError, TimeoutError): ...
+class LLMKvCacheNotExistError(LLMError): ...
+class LLMRepeatRequestError(LLMError): ...
+class LLMRequestAlreadyCompletedError(LLMError): ...
+class LLMParamInvalidError(LLMError, ValueError): ...
+class LLMEngineFinalizedError(LLMError): ...
+class LLMNotYetLinkError(LLMError): ...
+class LLMAlreadyLinkError(LLMError): ...
+class LLMLinkFailedError(LLMError, ConnectionError): ...
+class LLMUnlinkFailedError(LLMError): ...
+class LLMNotifyPromptUnlinkFailedError(LLMError): ...
+class LLMClusterNumExceedLimitError(LLMError): ...
+class LLMProcessingLinkError(LLMError): ...
+class LLMDeviceOutOfMemoryError(LLMError, MemoryError): ...
+class LLMPrefixAlreadyExistError(LLMError): ...
+class LLMPrefixNotExistError(LLMError): ...
+class LLMSeqLenOverLimitError(LLMError): ...
+class LLMNoFreeBlockError(LLMError): ...
+class LLMBlocksOutOfMemoryError(LLMError, MemoryError): ...
+class LLMCacheIncompatibleError(LLMError): ...
+class LLMCacheKeyAlreadyExistError(LLMError): ...
+class LLMCopyCacheFailedError(LLMError): ...
+class LLMCacheIdAlreadyExistError(LLMError): ...
+class LLMExistLinkError(LLMError): ...
+class LLMFeatureNotEnabledError(LLMError): ...
+class LLMTimeoutError(LLMError, TimeoutError): ...
+class LLMLinkBusyError(LLMError): ...
+class LLMOutOfMemoryError(LLMError, MemoryError): ...
+class LLMDeviceMemError(LLMError): ...
+class LLMSuspectRemoteError(LLMError): ...
+class LLMUnknownError(LLMError): ...
+class LLMCancelledError(LLMError): ...
+
+
 _MEANING: dict[LLMStatusCode, str] = {}
 _CLASS_BY_STATUS: dict[LLMStatusCode, type[LLMError]] = {}
 
 
-def _build_classes() -> None:
-    seen_names: set[str] = set()
+def _bind_classes() -> None:
+    """Give each declared class its row's status and docstring; fail the import if the
+    declarations and STATUS_TABLE disagree (a missing, extra or misbased class)."""
+    declared = {name: obj for name, obj in globals().items()
+                if isinstance(obj, type) and issubclass(obj, LLMError) and obj is not LLMError}
+    bound: set[str] = set()
     for name, value, cls_name, extra_base, meaning in STATUS_TABLE:
         status = LLMStatusCode(value)
         _MEANING[status] = meaning
         if not cls_name:
             continue
-        if cls_name in seen_names:  # pragma: no cover - guarded by tests
-            raise RuntimeError(f"duplicate exception class {cls_name}")
-        seen_names.add(cls_name)
-        bases = (LLMError, extra_base) if extra_base else (LLMError,)
-        cls = type(cls_name, bases, {
-            "status": status,
-            "__doc__": f"{name} ({value:#x}): {meaning}.",
-            "__module__": __name__,
-        })
+        cls = declared.get(cls_name)
+        if cls is None or cls_name in bound:
+            raise RuntimeError(f"{name}: class {cls_name} not declared in status.py, or named twice")
+        expected = (LLMError, extra_base) if extra_base else (LLMError,)
+        if cls.__bases__ != expected:
+            raise RuntimeError(f"{cls_name} must derive from {expected}, not {cls.__bases__}")
+        cls.status = status
+        cls.__doc__ = f"{name} ({value:#x}): {meaning}."
         _CLASS_BY_STATUS[status] = cls
-        globals()[cls_name] = cls
-        __all__.append(cls_name)
+        bound.add(cls_name)
+    if set(declared) != bound:
+        raise RuntimeError(f"exception classes without a STATUS_TABLE row: {sorted(set(declared) - bound)}")
+    listed = set(__all__) - {"LLMStatusCode", "LLMError", "LINK_USABLE_AFTER"}
+    if listed != bound:
+        raise RuntimeError(f"__all__ and the exception classes differ: {sorted(listed ^ bound)}")
 
 
-_build_classes()
+_bind_classes()
 
 
 def _to_status(code: int) -> LLMStatusCode:

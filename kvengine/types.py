@@ -15,12 +15,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .status import LLMStatusCode, error_for
+from .status import LLMStatusCode, _NamedIntEnum, error_for
 
 __all__ = [
     "Role", "Placement", "DataType", "CacheDesc", "Cache", "CacheIndex",
     "BlocksCacheKey", "KvCacheExtParam", "ClusterInfo", "EngineOptions",
-    "LayerRange",
 ]
 
 _U32 = 2**32 - 1
@@ -46,8 +45,8 @@ class Placement(enum.IntEnum):
     DEVICE = 1
 
 
-class DataType(enum.IntEnum):
-    """LLM-DataDist (GE) data type ids."""
+class DataType(_NamedIntEnum):
+    """LLM-DataDist (GE) data type ids; ``str()`` and ``format()`` give the name (``DT_BF16``)."""
     DT_FLOAT = 0
     DT_FLOAT16 = 1
     DT_INT8 = 2
@@ -220,9 +219,6 @@ class Cache:
 
     def __repr__(self) -> str:
         return f"Cache(cache_id={self.cache_id}, desc={self.desc})"
-
-
-LayerRange = "tuple[int, int] | range | None"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,13 @@
 """Status codes and their exceptions (kvengine/status.py, cython_src/csrc/kv_status.h).
 
-The expected values are written out from LLM-DataDist's status table
-(shared/llm_datadist_api.md section 3), not read back from kvengine.
+The expected values are written out from LLM-DataDist's status table (the
+LLM-DataDist API reference, "LLMStatusCode"; summarised in docs/llm_datadist.md,
+"Statuses"), not read back from kvengine.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import pickle
 import re
@@ -21,7 +23,7 @@ LLMError = status.LLMError
 REPO = Path(__file__).resolve().parents[1]
 KV_STATUS_H = REPO / "cython_src" / "csrc" / "kv_status.h"
 
-# LLM-DataDist section 3, literally: (Python name, hex, decimal). Hex and decimal are both
+# LLM-DataDist's LLMStatusCode table, literally: (Python name, hex, decimal). Hex and decimal are both
 # copied from the doc so a typo in either shows up in test_doc_table_is_self_consistent.
 DOC_TABLE = [
     ("LLM_SUCCESS", 0x0, 0),
@@ -69,7 +71,7 @@ CPP_ALIASES = {
 # kvengine's own additions (not in LLM-DataDist).
 KVENGINE_EXTRA = {"LLM_CANCELLED"}
 
-# Names the public API promises (DESIGN.md section 2) for some codes.
+# Names the public API promises (docs/api.md, "Statuses and exceptions") for some codes.
 NAMED_CLASSES = {
     "LLM_PARAM_INVALID": "LLMParamInvalidError",
     "LLM_NOT_YET_LINK": "LLMNotYetLinkError",
@@ -115,6 +117,25 @@ def test_is_an_int_enum():
     assert LLMStatusCode.LLM_SUCCESS == 0
     assert not LLMStatusCode.LLM_SUCCESS
     assert LLMStatusCode.LLM_FAILED
+
+
+@pytest.mark.parametrize("code", CANONICAL, ids=lambda c: c.name)
+def test_codes_print_by_name_and_compare_by_number(code):
+    value = DOC_CODES.get(code.name, int(code))
+    assert str(code) == code.name
+    assert f"{code}" == code.name and format(code) == code.name and "%s" % code == code.name
+    assert f"[{code:>40}]" == f"[{code.name:>40}]"       # string specs apply to the name
+    assert f"{code:#x}" == f"{value:#x}" and f"{code:d}" == str(value)   # numeric ones to the number
+    assert int(code) == value and code == value and hash(code) == hash(value)
+    assert repr(code) == f"<LLMStatusCode.{code.name}: {value}>"
+
+
+def test_aliases_and_messages_print_by_name():
+    import kvengine as kv
+    assert str(kv.LLMStatusCode.LLM_SUCCESS) == "LLM_SUCCESS"
+    assert f"status {kv.LLMStatusCode.LLM_TIMEOUT}" == "status LLM_TIMEOUT"
+    assert str(LLMStatusCode.LLM_WAIT_PROC_TIMEOUT) == "LLM_WAIT_PROCESS_TIMEOUT"   # the Python spelling
+    assert str([LLMStatusCode.LLM_SUCCESS]) == "[<LLMStatusCode.LLM_SUCCESS: 0>]"   # containers use repr
 
 
 @pytest.mark.parametrize("cpp,py", list(CPP_ALIASES.items()))
@@ -164,6 +185,49 @@ def test_every_error_code_has_exactly_one_distinct_class():
         assert cls.status is code
         # and no other class claims the same code
         assert [c for c in classes if c.status == code] == [cls]
+
+
+def _declared_classes() -> dict[str, list[str]]:
+    """The exception classes status.py declares in its source: name -> base names."""
+    tree = ast.parse((REPO / "kvengine" / "status.py").read_text())
+    return {node.name: [ast.unparse(b) for b in node.bases]
+            for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+@pytest.mark.parametrize("row", [r for r in status.STATUS_TABLE if r[2]], ids=lambda r: r[0])
+def test_each_code_has_exactly_its_statically_declared_class(row):
+    """Type checkers and IDEs read the source: every class is a `class X(LLMError[, Base])`
+    statement, with the table's bases, and error_for gives that very class for the code."""
+    name, value, cls_name, extra_base, meaning = row
+    declared = _declared_classes()
+    assert cls_name in declared, f"{cls_name} is not declared by a class statement"
+    assert declared[cls_name] == ["LLMError"] + ([extra_base.__name__] if extra_base else [])
+    cls = getattr(status, cls_name)
+    assert cls.__bases__ == ((LLMError, extra_base) if extra_base else (LLMError,))
+    assert cls.status is LLMStatusCode(value) is LLMStatusCode[name]
+    assert type(status.error_for(value)) is cls
+    assert meaning in cls.__doc__
+    assert [c for c in declared if c != "LLMError" and c.startswith("LLM")
+            and getattr(status, c).status == value] == [cls_name]
+
+
+def test_declared_classes_are_exactly_the_table_rows():
+    declared = {n for n, bases in _declared_classes().items() if bases and bases[0] == "LLMError"}
+    assert declared == {row[2] for row in status.STATUS_TABLE if row[2]}
+    assert set(status.__all__) == declared | {"LLMStatusCode", "LLMError", "LINK_USABLE_AFTER"}
+
+
+def test_package_all_is_the_public_surface():
+    import kvengine as kv
+    assert len(kv.__all__) == len(set(kv.__all__))
+    for helper in ("STATUS_TABLE", "error_for", "raise_for", "status", "LayerRange"):
+        assert helper not in kv.__all__
+    assert not hasattr(kv, "error_for") and not hasattr(kv, "STATUS_TABLE")
+    assert set(status.__all__) <= set(kv.__all__)   # the statuses and their exceptions
+    for name in set(kv.__all__) - set(kv._NATIVE):   # (the native ones load the compiled core)
+        assert getattr(kv, name) is not None, name
+    assert {"KvEngine", "Transfer", "EngineOptions", "CacheDesc", "DataType", "LLMTimeoutError",
+            "LINK_USABLE_AFTER"} <= set(kv.__all__)
 
 
 @pytest.mark.parametrize("code", ERROR_CODES, ids=lambda c: c.name)

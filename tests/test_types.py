@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import json
 import math
 import sys
@@ -19,7 +21,8 @@ DataType, CacheDesc, Placement, Role = types.DataType, types.CacheDesc, types.Pl
 EngineOptions = types.EngineOptions
 ParamInvalid = status.LLMParamInvalidError
 
-# LLM-DataDist's DataType values are GE ids (llm_datadist_api.md section 1.2).
+# LLM-DataDist's DataType values are GE ids (LLM-DataDist API reference, "DataType";
+# docs/llm_datadist.md, "Types").
 GE_IDS = {
     "DT_FLOAT": 0, "DT_FLOAT16": 1, "DT_INT8": 2, "DT_INT32": 3, "DT_UINT8": 4, "DT_INT16": 6,
     "DT_UINT16": 7, "DT_UINT32": 8, "DT_INT64": 9, "DT_UINT64": 10, "DT_DOUBLE": 11,
@@ -63,6 +66,19 @@ def test_datatype_itemsize_and_numpy_dtype(name):
         assert dt.numpy_dtype == np.dtype(NUMPY[name])
     else:  # bf16: ml_dtypes.bfloat16 when installed, else raw uint16
         assert dt.numpy_dtype.name in ("bfloat16", "uint16")
+
+
+@pytest.mark.parametrize("name", list(GE_IDS))
+def test_datatype_prints_by_name(name):
+    dt = DataType[name]
+    assert str(dt) == name and f"{dt}" == name and f"{dt:<10}|" == f"{name:<10}|"
+    assert int(dt) == GE_IDS[name] and dt == GE_IDS[name] and f"{dt:d}" == str(GE_IDS[name])
+    assert repr(dt) == f"<DataType.{name}: {GE_IDS[name]}>"
+    assert json.dumps({"dtype": dt}) == '{"dtype": %d}' % GE_IDS[name]   # the wire keeps the id
+
+
+def test_layer_range_alias_is_gone():
+    assert not hasattr(types, "LayerRange") and "LayerRange" not in types.__all__
 
 
 def test_role_and_placement_values():
@@ -371,3 +387,66 @@ def test_engine_options_timeouts_invalid(field, bad):
 def test_engine_options_invalid(field, bad):
     with pytest.raises(ParamInvalid, match=field):
         EngineOptions(**{field: bad})
+
+
+# ---------------------------------------------------------------------------------------------
+# the typed surface: py.typed and the stub of the compiled core
+
+PKG = Path(types.__file__).resolve().parent
+
+
+def test_package_is_marked_typed_and_ships_the_marker():
+    assert (PKG / "py.typed").is_file()
+    assert (PKG / "_native.pyi").is_file()
+    import tomllib
+    project = tomllib.loads((PKG.parent / "pyproject.toml").read_text())
+    assert project["project"]["requires-python"] == ">=3.11"
+    data = project["tool"]["setuptools"]["package-data"]["kvengine"]
+    assert "py.typed" in data and "*.pyi" in data
+
+
+def _stub() -> tuple[dict[str, ast.AST], dict[str, ast.FunctionDef]]:
+    tree = ast.parse((PKG / "_native.pyi").read_text())
+    top: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            top[node.name] = node
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            top[node.target.id] = node
+    core = top["Core"]
+    assert isinstance(core, ast.ClassDef)
+    methods = {n.name: n for n in core.body if isinstance(n, ast.FunctionDef)}
+    return top, methods
+
+
+def _public(obj) -> set[str]:
+    return {n for n in vars(obj) if not n.startswith("_") and not inspect.ismodule(getattr(obj, n))}
+
+
+def _stub_params(fn: ast.FunctionDef) -> list[tuple[str, str | None]]:
+    args = fn.args.args
+    defaults = [None] * (len(args) - len(fn.args.defaults)) + [ast.unparse(d) for d in fn.args.defaults]
+    return [(a.arg, d) for a, d in zip(args, defaults)]
+
+
+def _compiled_params(fn) -> list[tuple[str, str | None]]:
+    return [(p.name, None if p.default is p.empty else repr(p.default))
+            for p in inspect.signature(fn).parameters.values()]
+
+
+def _norm(params):   # the stub may spell a default as an expression (1 << 20)
+    return [(n, None if d is None else repr(eval(d))) for n, d in params]
+
+
+def test_native_stub_names_every_public_name_of_the_compiled_module():
+    native = pytest.importorskip("kvengine.native")._native
+    top, methods = _stub()
+    assert set(top) == _public(native)
+    assert set(methods) - {"__init__"} == _public(native.Core)
+    for name, node in top.items():   # constants are ints, as declared
+        if isinstance(node, ast.AnnAssign):
+            assert type(getattr(native, name)) is int, name
+    assert _norm(_stub_params(top["map_fd"])) == _compiled_params(native.map_fd)
+    for name, fn in methods.items():
+        if name != "__init__":
+            assert _norm(_stub_params(fn)) == _compiled_params(getattr(native.Core, name)), name

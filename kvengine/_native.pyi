@@ -1,0 +1,66 @@
+"""Type stub of the compiled core ``kvengine._native`` (source: cython_src/_native.pyx).
+
+Every status is an ``int`` LLM status code (``0`` is success; kvengine/status.py).
+``tests/test_types.py`` checks that this stub and the compiled module name the same
+functions, constants and ``Core`` methods, with the same parameters.
+"""
+
+from typing import Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+# region kinds (``Core.region_add(kind, ...)``)
+REGION_LOCAL: Final[int]
+REGION_PROCESS: Final[int]
+REGION_TCP: Final[int]
+# uint64 words per segment in ``Core.submit(segs=...)``
+SEG_WORDS: Final[int]
+# region flags
+F_UNMAP: Final[int]
+F_EXPORT: Final[int]
+F_NOTIFY: Final[int]
+# completion flag: the job failed before any byte moved
+DONE_UNSTARTED: Final[int]
+# completion job ids with the EVENT bit set are events, not jobs
+EVENT: Final[int]
+EVENT_LINK_READY: Final[int]
+EVENT_LINK_DOWN: Final[int]
+EVENT_REGION_FREED: Final[int]
+EVENT_ID_MASK: Final[int]
+EVENT_KIND_MASK: Final[int]
+# TCP data connections per link, at most
+MAX_STREAMS: Final[int]
+# length of a TCP link token
+TOKEN_BYTES: Final[int]
+
+def map_fd(fd: int, length: int) -> tuple[int, int]:
+    """mmap a shared, pre-faulted read-write view of ``fd``: returns ``(status, addr)``."""
+
+class Core:
+    """One native core: region table, mover threads, completion eventfd."""
+
+    def __init__(self, movers: int = 2, chunk_bytes: int = 1 << 20) -> None: ...
+    def fileno(self) -> int: ...
+    def region_add(self, kind: int, pid: int, addr: int, length: int, flags: int = 0) -> tuple[int, int]:
+        """Returns ``(status, region_id)``."""
+    def region_remove(self, region_id: int) -> int: ...
+    def region_pidfd(self, region_id: int, pidfd: int, key: int = 0) -> int: ...
+    def submit(self, job_id: int, segs: NDArray[np.uint64] | memoryview, inline_max: int, rank: int = 0,
+               lease: int = 0) -> tuple[int, bool, int]:
+        """Start a job: returns ``(status, done_inline, nbytes)``."""
+    def lease_add(self, until_ns: int) -> tuple[int, int]:
+        """Returns ``(status, lease_id)``."""
+    def lease_renew(self, lease_id: int, until_ns: int) -> int: ...
+    def lease_remove(self, lease_id: int) -> int: ...
+    def abort(self, job_id: int, status: int) -> int: ...
+    def poll(self) -> list[tuple[int, int, int, int]]:
+        """Ready completions: ``[(job_id, status, nbytes, flags), ...]``."""
+    def close(self) -> None: ...
+    def tcp_listen(self, ip: str, port: int) -> tuple[int, int]:
+        """Returns ``(status, bound_port)``."""
+    def tcp_link_add(self, link_id: int, token: bytes, nstreams: int, window: int = 0,
+                     lease: float = 0.8, fence: float = 1.0, margin: float = 0.1) -> int: ...
+    def tcp_conn_add(self, fd: int, link_id: int) -> int: ...
+    def tcp_link_close(self, link_id: int, status: int) -> int: ...
+    def stats(self) -> dict[str, int]: ...
