@@ -106,16 +106,31 @@ _BENCH = {
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvengine", description="KV-cache transfer engine")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="two engines on this host move a Llama-shaped KV cache")
-    d.add_argument("--layers", type=int, default=16)
-    d.add_argument("--tokens", type=int, default=1024)
-    d.add_argument("--kv-heads", type=int, default=8)
-    d.add_argument("--head-dim", type=int, default=128)
-    d.add_argument("--batch", type=int, default=4)
-    d.add_argument("--dtype", default="float16")
-    d.add_argument("--transport", default="auto", choices=["auto", "shm"])
-    d.add_argument("--timeout", type=float, default=10.0)
-    d.add_argument("--uvloop", action="store_true", help="run on uvloop")
+    d = sub.add_parser("demo", help="two engines on this host move a Llama-shaped KV cache",
+                       description="A decode engine in a child process and a prefill engine here link "
+                                   "(HMAC-authenticated); the prefill side pushes a Llama-shaped KV cache "
+                                   "layer by layer and row by row, the decode side checks every byte.")
+    d.add_argument("--layers", type=int, default=16,
+                   help="model layers; the cache holds a K and a V tensor per layer (default: %(default)s)")
+    d.add_argument("--tokens", type=int, default=1024,
+                   help="tokens per sequence (dim 1 of each tensor) (default: %(default)s)")
+    d.add_argument("--kv-heads", type=int, default=8,
+                   help="key/value heads per layer (default: %(default)s)")
+    d.add_argument("--head-dim", type=int, default=128,
+                   help="dimension of one head (default: %(default)s)")
+    d.add_argument("--batch", type=int, default=4,
+                   help="sequences (cache rows): row 0 is pushed layer by layer, the others whole "
+                        "and concurrently (default: %(default)s)")
+    d.add_argument("--dtype", default="float16",
+                   help="element type, a numpy name: float16, float32, int8, ... "
+                        "(default: %(default)s)")
+    d.add_argument("--transport", default="auto", choices=["auto", "shm"],
+                   help="transport of the link: auto (shm here: two processes on one host) or shm "
+                        "forced (default: %(default)s)")
+    d.add_argument("--timeout", type=float, default=10.0,
+                   help="deadline of each push, in seconds (default: %(default)s)")
+    d.add_argument("--uvloop", action="store_true",
+                   help="run on uvloop instead of asyncio's default loop (default: %(default)s)")
     b = sub.add_parser("bench", add_help=False,
                        help="benchmarks: kvengine bench throughput|latency|load [--quick] ... (--help after one)",
                        description="kvengine bench throughput|latency|load [options]; each takes --help")

@@ -134,6 +134,26 @@ def check_proof(secret: bytes | None, got: Any, label: str, *nonces: str) -> boo
 
 # ---------------------------------------------------------------------- channels
 
+_HTTP_STARTS = (b"GET ", b"POST", b"PUT ", b"HEAD", b"DELE", b"OPTI", b"PATC", b"CONN", b"TRAC",
+                b"PRI ", b"HTTP")
+
+
+def frame_too_large(head: bytes, n: int, max_frame: int) -> str:
+    """The error for a length prefix over ``max_frame``, naming a stranger when the 4
+    bytes are not a length at all (an HTTP request, a TLS handshake, a text protocol)."""
+    what = None
+    if head in _HTTP_STARTS:
+        what = "HTTP"
+    elif head[0] == 0x16 and head[1] == 0x03:
+        what = "a TLS handshake"
+    elif all(32 <= b < 127 or b in b"\t\r\n" for b in head):
+        what = "text"
+    if what is None:
+        return f"control frame of {n} bytes exceeds {max_frame}"
+    return (f"not a kvengine peer: the first bytes look like {what} ({head!r}), not a frame length "
+            f"(read as {n} bytes, over the {max_frame} allowed)")
+
+
 class StreamChannel:
     """Length-prefixed JSON frames over an asyncio stream: the hello phase, and the
     whole control channel of a TCP-transport link."""
@@ -169,7 +189,7 @@ class StreamChannel:
             head = await self.reader.readexactly(4)
             (n,) = _LEN.unpack(head)
             if n > max_frame:
-                raise ProtocolError(f"control frame of {n} bytes exceeds {max_frame}")
+                raise ProtocolError(frame_too_large(head, n, max_frame))
             return decode(await self.reader.readexactly(n)), []
         except (asyncio.IncompleteReadError, ConnectionError):
             return None

@@ -17,6 +17,7 @@ import math
 import mmap
 import os
 import socket
+import threading
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -132,7 +133,8 @@ class KvEngine(_Links, _Scheduler, _Notifications):
 
     async def start(self) -> "KvEngine":
         """Start the native core and, with ``listen``, the control servers."""
-        if self._started:
+        if self._started or self._closed:
+            self._check_open()   # closed, or started on another loop: say so
             return self
         global _warned_no_secret, _warned_insecure
         self._loop = asyncio.get_running_loop()
@@ -155,7 +157,11 @@ class KvEngine(_Links, _Scheduler, _Notifications):
                 host, port = control.parse_address(self._listen)
                 # the backlog takes a burst of connections; unauthenticated ones are bounded
                 # once accepted (links.py, "server side")
-                self._server = await asyncio.start_server(self._on_tcp, host, port, backlog=1024)
+                try:
+                    self._server = await asyncio.start_server(self._on_tcp, host, port, backlog=1024)
+                except OSError as e:   # port in use, address not on this host, unresolvable name
+                    raise error_for(S.LLM_LINK_FAILED,
+                                    f"cannot listen on {self._listen!r}: {_os_error(e)}") from e
                 sockname = self._server.sockets[0].getsockname()
                 h = sockname[0]
                 self.address = f"[{h}]:{sockname[1]}" if ":" in h else f"{h}:{sockname[1]}"
@@ -183,6 +189,8 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         of their abort. Cancel-safe: the closing runs in its own task, so a cancelled
         ``close()`` keeps closing and a second call waits for the same task.
         """
+        if self._loop is not None:
+            self._check_loop()
         if self._close_task is None:
             self._closed = True
             self._close_task = asyncio.get_running_loop().create_task(self._close())
@@ -243,6 +251,30 @@ class KvEngine(_Links, _Scheduler, _Notifications):
             raise error_for(S.LLM_ENGINE_FINALIZED, "the engine is closed")
         if not self._started:
             raise error_for(S.LLM_FAILED, "the engine is not started: use `async with` or `await engine.start()`")
+        self._check_loop()
+
+    def _check_loop(self) -> None:
+        """Raise unless the caller runs on the loop that started the engine.
+
+        The engine's futures, readers and timers belong to that loop: a call from
+        another thread or loop would fail deep inside asyncio ("attached to a
+        different loop") or wait forever.
+        """
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            return
+        where = ("a thread with no running event loop" if running is None
+                 else f"another event loop ({type(running).__name__} in thread "
+                      f"{threading.current_thread().name!r})")
+        raise error_for(S.LLM_FAILED,
+                        f"KvEngine {self.cluster_id} was called from {where}; it runs on the event loop "
+                        f"that started it ({type(self._loop).__name__}): call it there, or from another "
+                        f"thread submit the coroutine to that loop: "
+                        f"asyncio.run_coroutine_threadsafe(coro, engine_loop).result() "
+                        f"(plain methods: engine_loop.call_soon_threadsafe)")
 
     def _spawn(self, coro) -> asyncio.Task:
         task = self._loop.create_task(coro)
@@ -688,6 +720,13 @@ class KvEngine(_Links, _Scheduler, _Notifications):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "started" if self._started else "new"
         return f"<KvEngine cluster={self.cluster_id} role={self.role.name} address={self.address} {state}>"
+
+
+def _os_error(e: OSError) -> str:
+    """``[Errno 98] Address already in use`` style text of an OSError."""
+    if e.errno and e.errno > 0 and not isinstance(e, socket.gaierror):
+        return f"[Errno {e.errno}] {os.strerror(e.errno)}"
+    return str(e) or type(e).__name__
 
 
 def _allocate_memory(desc: CacheDesc, cluster_id: int) -> tuple[int, mmap.mmap, int, int]:

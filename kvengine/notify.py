@@ -116,6 +116,7 @@ class _Notifications:
         """``async for note in engine.notifications():`` every notification, as it arrives
         (shares the buffer with :meth:`wait_notification`: each is delivered once).
         The iteration ends when the engine closes."""
+        self._check_open()   # also: called from the engine's own loop
         while not self._closed:
             fut = self._loop.create_future()
             if self._notes:

@@ -34,6 +34,19 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def fmt_seconds(s: float) -> str:
+    """A duration that never reads "0 s": 12 s, 2.5 s, 340 ms, 4.2 ms, 80 us."""
+    if s >= 10:
+        return f"{s:.0f} s"
+    if s >= 1:
+        return f"{s:.1f} s"
+    if s >= 0.01:
+        return f"{s * 1e3:.0f} ms"
+    if s >= 0.001:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.0f} us"
+
+
 def short_bytes(n: int) -> str:
     """4M, 32K, ..."""
     for unit, k in (("G", 1 << 30), ("M", MiB), ("K", KiB)):
@@ -71,7 +84,7 @@ class Progress:
                 self.bar.set_postfix_str(note, refresh=False)
             self.bar.update(1)
         elif self.n % self.every == 0 or self.n == self.total:
-            print(f"  {self.desc}: {self.n}/{self.total} ({time.perf_counter() - self._t0:.0f} s) {note}",
+            print(f"  {self.desc}: {self.n}/{self.total} ({fmt_seconds(time.perf_counter() - self._t0)}) {note}",
                   flush=True)
 
     def write(self, msg: str) -> None:
@@ -129,7 +142,7 @@ def foreign_load(a: tuple, b: tuple) -> dict:
 
 
 def load_line(ld: dict) -> str:
-    return (f"other processes used {ld['other_cpu_s']:.1f} CPU-s during the {ld['wall_s']:.0f} s measured "
+    return (f"other processes used {ld['other_cpu_s']:.1f} CPU-s during the {fmt_seconds(ld['wall_s'])} measured "
             f"({ld['other_vcpu_fraction'] * 100:.0f}% of one vCPU; this benchmark {ld['own_cpu_s']:.1f} CPU-s, "
             f"hypervisor steal {ld['steal_cpu_s']:.1f} CPU-s)"
             + ("  <-- the machine was busy: figures are depressed and noisier"

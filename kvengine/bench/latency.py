@@ -32,7 +32,8 @@ import numpy as np
 
 from . import peers as P
 from .baselines import RawSocket, Streams
-from .common import KiB, Progress, busy_processes, cpu_snapshot, foreign_load, get_runner, meta, save_outputs
+from .common import (KiB, Progress, busy_processes, cpu_snapshot, fmt_seconds, foreign_load, get_runner, meta,
+                     save_outputs)
 from .harness import KvSide, close_all, footer, ratio, summary, table, us
 from .throughput import KV, MEMCPY, RAW, STREAMS, add_common_args, col_name, resolve_common
 
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     lines = report(r)
     print("\n".join(lines))
-    print(f"total {r['meta']['wall_s']:.0f} s")
+    print(f"total {fmt_seconds(r['meta']['wall_s'])}")
     r["report"] = lines
     slim = {k: v for k, v in r.items() if k != "samples_us"}   # the plot needs them, the JSON not
     wrote = save_outputs(args.json_path, args.png_path, slim, plot, r)

@@ -40,8 +40,8 @@ import numpy as np
 
 from . import peers as P
 from .baselines import ParallelMemcpy, RawSocket, Streams, memcpy_seconds
-from .common import (KiB, MiB, Progress, busy_processes, cpu_snapshot, fmt_bytes, foreign_load, get_runner,
-                     meta, out_paths, parse_bytes, save_outputs, short_bytes)
+from .common import (KiB, MiB, Progress, busy_processes, cpu_snapshot, fmt_bytes, fmt_seconds, foreign_load,
+                     get_runner, meta, out_paths, parse_bytes, save_outputs, short_bytes)
 from .harness import MODEL, TRANSPORTS, KvSide, close_all, footer, gbps, model_label, ratio, table
 
 KV = "kvengine"
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     lines = report(r, args.reps)
     print("\n".join(lines))
-    print(f"total {r['meta']['wall_s']:.0f} s")
+    print(f"total {fmt_seconds(r['meta']['wall_s'])}")
     r["report"] = lines
     for s in r["sizes"]:
         for c in s["results"].values():
