@@ -103,7 +103,7 @@ cdef class Core:
         cdef uint64_t nbytes = 0
         cdef uint32_t st
         if segs.shape[0] == 0 or segs.shape[0] % kvc.KV_SEG_WORDS:
-            return 0x5010B005, True, 0
+            return kvc.KV_LLM_PARAM_INVALID, True, 0
         with nogil:  # may copy up to inline_max bytes on this thread
             st = kvc.kv_core_submit_leased(self.c, job_id, &segs[0], nsegs, inline_max, rank, lease, &done,
                                            &nbytes)
@@ -156,7 +156,7 @@ cdef class Core:
         """Declare a TCP link. ``lease``, ``fence``, ``margin`` in seconds (kvengine passes
         0.4, 0.5 and 0.05 * heartbeat_timeout; the defaults are those of the default 2 s)."""
         if len(token) != kvc.KV_TOKEN_BYTES or not (0 <= lease <= 3600 and 0 <= fence <= 3600 and 0 <= margin <= 3600):
-            return 0x5010B005
+            return kvc.KV_LLM_PARAM_INVALID
         return kvc.kv_tcp_link_add(self.c, link_id, <const unsigned char *>token, nstreams, window,
                                    <uint64_t>(lease * 1e9), <uint64_t>(fence * 1e9), <uint64_t>(margin * 1e9))
 

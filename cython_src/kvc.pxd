@@ -6,6 +6,7 @@ cdef extern from "kv_core.h" nogil:
     int KV_REGION_PROCESS
     int KV_REGION_TCP
     int KV_SEG_WORDS
+    unsigned int KV_LLM_PARAM_INVALID  # kv_status.h, checked against status.py by tests/test_status.py
     unsigned KV_REGION_F_UNMAP
     unsigned KV_REGION_F_EXPORT
     unsigned KV_DONE_UNSTARTED

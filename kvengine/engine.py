@@ -13,7 +13,6 @@ import array
 import asyncio
 import itertools
 import logging
-import math
 import mmap
 import os
 import socket
@@ -30,7 +29,7 @@ from .notify import Notification, _Notifications
 from .status import LLMError, LLMStatusCode as S, error_for
 from .transfer import Transfer
 from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, EngineOptions, KvCacheExtParam,
-                    Placement, Role, param_invalid)
+                    Placement, Role, check_timeout, param_invalid)
 
 
 __all__ = ["KvEngine"]
@@ -167,7 +166,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
                 self.address = f"[{h}]:{sockname[1]}" if ":" in h else f"{h}:{sockname[1]}"
                 st, self._data_port = self._core.tcp_listen(h, 0)   # the TCP data plane
                 if st:
-                    raise error_for(S(st), f"cannot listen for data connections on {h}")
+                    raise error_for(st, f"cannot listen for data connections on {h}")
         except BaseException:
             await self.close()
             raise
@@ -342,7 +341,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         st, rid = self._core.region_add(_native.REGION_LOCAL, 0, addr, length, _LOCAL_FLAGS)
         if st:
             os.close(fd)
-            raise error_for(S(st), "cannot register the allocated cache")
+            raise error_for(st, "cannot register the allocated cache")
         cache_id = next(self._cache_ids)
         cache = Cache(cache_id, desc, tensors, [addr + t * stride for t in range(desc.num_tensors)],
                       [(rid, t * stride) for t in range(desc.num_tensors)], keep=(mm, base),
@@ -372,7 +371,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
             if st:
                 for r in rids:
                     self._core.region_remove(r)
-                raise error_for(S(st), "cannot register the buffers")
+                raise error_for(st, "cannot register the buffers")
             rids.append(rid)
         npd = desc.dtype.numpy_dtype
         views = [a.view(npd).reshape(desc.shape) if a.dtype.itemsize and a.nbytes == desc.size else a
@@ -504,12 +503,7 @@ class KvEngine(_Links, _Scheduler, _Notifications):
         return link, rc
 
     def _deadline(self, timeout: Any) -> float:
-        if timeout is None:
-            return self.options.sync_kv_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 \
-                or math.isinf(timeout):
-            raise param_invalid(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return float(timeout)
+        return check_timeout(timeout, self.options.sync_kv_timeout)
 
     def _segments(self, key: tuple | None, make, src_regions, dst_regions) -> tuple[array.array, int]:
         """The packed plan and its byte count (memoized for exact-typed keys)."""

@@ -27,9 +27,9 @@ from typing import Any, Iterable, Sequence
 from . import control
 from .native import _native
 from .control import ProtocolError, SeqpacketChannel, StreamChannel
-from .status import LLMError, LLMStatusCode as S, error_for
+from .status import LLMError, LLMStatusCode as S, error_for, to_status
 from .transfer import Transfer
-from .types import CacheDesc, ClusterInfo, param_invalid
+from .types import CacheDesc, ClusterInfo, check_timeout
 
 log = logging.getLogger("kvengine")
 
@@ -191,13 +191,6 @@ async def _const(value):
     return value
 
 
-def _status_or(value: Any, default: S) -> S:
-    try:
-        return S(value)
-    except ValueError:
-        return default
-
-
 async def _hello_reply(ch: StreamChannel, cid: int, address: str, phase: str) -> dict | S:
     """The server's answer in the hello phase, or the status to return: the
     connection closed, or the server rejected us."""
@@ -208,7 +201,7 @@ async def _hello_reply(ch: StreamChannel, cid: int, address: str, phase: str) ->
     msg = item[0]
     if msg["t"] == "reject":
         log.warning("link to cluster %s refused: %s", cid, msg.get("msg"))
-        return _status_or(msg.get("status"), S.LLM_LINK_FAILED)
+        return to_status(msg.get("status"), S.LLM_LINK_FAILED)
     return msg
 
 
@@ -245,11 +238,7 @@ class _Links:
         return overall(results), results
 
     def _link_timeout(self, timeout: Any) -> float:
-        if timeout is None:
-            return self.options.link_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise param_invalid(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return float(timeout)
+        return check_timeout(timeout, self.options.link_timeout)
 
     async def _link_one(self, info: ClusterInfo, timeout: float) -> S:
         cid = info.remote_cluster_id
@@ -381,7 +370,7 @@ class _Links:
                     raise
                 st = self._core.tcp_conn_add(sock.detach(), link.tcp_id)   # the core owns the fd now
                 if st:
-                    return _status_or(st, S.LLM_LINK_FAILED)
+                    return to_status(st, S.LLM_LINK_FAILED)
             return await ready
         finally:
             self._tcp_ready.pop(link.tcp_id, None)
@@ -426,7 +415,7 @@ class _Links:
             if item is None or item[0].get("t") != "up":
                 msg = item[0] if item else {}
                 log.warning("link to cluster %s refused: %s", link.cluster_id, msg.get("msg", "closed"))
-                return _status_or(msg.get("status"), S.LLM_LINK_FAILED)
+                return to_status(msg.get("status"), S.LLM_LINK_FAILED)
         if self._closed or link.cluster_id in self._links:
             if not client:
                 await link.ch.send({"t": "reject", "status": int(S.LLM_ALREADY_LINK), "msg": "already linked"})
@@ -438,7 +427,7 @@ class _Links:
             st, lid = self._core.lease_add(until)
             if st:
                 log.warning("link to cluster %s: no mover lease (status %#x)", link.cluster_id, st)
-                return _status_or(st, S.LLM_LINK_FAILED)
+                return to_status(st, S.LLM_LINK_FAILED)
             link.lease_id, link.lease_until = lid, until
         self._links[link.cluster_id] = link
         if link.tcp_id:
@@ -462,7 +451,7 @@ class _Links:
             msg, fds = item
             if msg["t"] == "reject":
                 log.warning("link to cluster %s refused: %s", link.cluster_id, msg.get("msg"))
-                return _status_or(msg.get("status"), S.LLM_LINK_FAILED)
+                return to_status(msg.get("status"), S.LLM_LINK_FAILED)
             if msg["t"] == "ready":
                 return S.LLM_SUCCESS
             if msg["t"] != "cache_add":
@@ -1164,7 +1153,7 @@ class _Links:
             link = self._tcp_links.get(link_id)
             if link is not None and link.up and not link.closing:
                 log.warning("link %s <-> %s lost: a data stream failed (%s)%s", self.cluster_id,
-                            link.cluster_id, _status_or(status, S.LLM_LINK_FAILED).name, self._why_down())
+                            link.cluster_id, to_status(status, S.LLM_LINK_FAILED).name, self._why_down())
                 self._link_down(link, S.LLM_LINK_FAILED)
             # closing: an unlink is under way and finishes the link itself (the peer may
             # close its streams before its "ok" reached us)

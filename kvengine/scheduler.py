@@ -33,7 +33,7 @@ from time import perf_counter
 from typing import Any
 
 from .native import _native
-from .status import LLMStatusCode as S
+from .status import LLMStatusCode as S, to_status
 from .transfer import Transfer
 
 __all__ = ["Histogram"]
@@ -154,7 +154,7 @@ class _Scheduler:
                 t._t_started = perf_counter()
             if st:
                 t._left = 0
-                t._abort(S(st) if st in S._value2member_map_ else S.LLM_FAILED)
+                t._abort(to_status(st))
                 continue
             t._jobs[job] = n
             pending[job] = t

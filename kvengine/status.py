@@ -255,12 +255,17 @@ def _bind_classes() -> None:
 _bind_classes()
 
 
-def _to_status(code: int) -> LLMStatusCode:
+def to_status(code: object, default: LLMStatusCode = LLMStatusCode.LLM_FAILED) -> LLMStatusCode:
+    """The one conversion of a number (native, or from a peer's message) to a status:
+    ``default`` for anything that is not a known code. LLM-DataDist's Python layer maps
+    any unknown native code to LLM_FAILED, the default."""
     try:
         return LLMStatusCode(code)
-    except ValueError:
-        # LLM-DataDist's Python layer maps any unknown native code to LLM_FAILED.
-        return LLMStatusCode.LLM_FAILED
+    except (ValueError, TypeError):
+        return default
+
+
+_to_status = to_status
 
 
 def error_for(status: int, message: str = "") -> LLMError:

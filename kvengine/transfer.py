@@ -19,7 +19,7 @@ import asyncio
 from time import perf_counter
 from typing import Any
 
-from .status import LLMStatusCode as S, _to_status as status_of, error_for
+from .status import LLMStatusCode as S, error_for, to_status as status_of
 
 __all__ = ["Transfer"]
 

@@ -124,6 +124,17 @@ def _numpy_dtype(dt: DataType) -> np.dtype:
     return _NP_BY_DT[dt]
 
 
+def check_timeout(value: Any, default: float, name: str = "timeout") -> float:
+    """The one rule for every timeout kvengine takes: ``None`` means ``default``; else a
+    finite positive number of seconds (an infinite wait is what the engine promises
+    never to make). Raises LLMParamInvalidError naming ``name``."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise param_invalid(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
+
+
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise param_invalid(f"{name} must be an int, got {type(value).__name__}")
@@ -312,8 +323,9 @@ class EngineOptions:
     def __post_init__(self) -> None:
         for name in ("sync_kv_timeout", "link_timeout", "heartbeat_interval", "heartbeat_timeout"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-                raise param_invalid(f"EngineOptions.{name} must be a positive number of seconds")
+            if v is None:   # an option has no default to fall back on
+                raise param_invalid(f"EngineOptions.{name} must be a positive, finite number of seconds")
+            check_timeout(v, 0.0, f"EngineOptions.{name}")
         if self.transport not in ("auto", "local", "shm", "tcp"):
             raise param_invalid(
                 f"EngineOptions.transport must be 'auto', 'local', 'shm' or 'tcp', got {self.transport!r}")

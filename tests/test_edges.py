@@ -4,6 +4,7 @@
 import asyncio
 import gc
 import logging
+import math
 import os
 import re
 import socket
@@ -17,7 +18,7 @@ import pytest
 
 import kvengine as kv
 from kvengine import LLMStatusCode as S
-from conftest import link
+from conftest import link, make_pair
 from kvengine.links import LOCAL_ENGINES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,3 +173,30 @@ async def test_start_after_close_raises_instead_of_starting():
     with pytest.raises(kv.LLMEngineFinalizedError):
         await e.start()
     assert e._core is None and e.address is None
+
+
+async def test_every_timeout_follows_one_rule():
+    """One validator for every timeout: None means the option's default, anything else must
+    be a finite positive number of seconds (link_clusters used to accept inf)."""
+    p, d = await make_pair("local")
+    try:
+        for bad in (math.inf, -1, 0, True, "1", float("nan")):
+            with pytest.raises(kv.LLMParamInvalidError):
+                await p.link_clusters([kv.ClusterInfo(2, d.address)], timeout=bad)
+            with pytest.raises(kv.LLMParamInvalidError):
+                await p.wait_link(2, timeout=bad)
+            with pytest.raises(kv.LLMParamInvalidError):
+                await p.wait_notification(timeout=bad)
+            with pytest.raises(kv.LLMParamInvalidError):
+                kv.EngineOptions(link_timeout=bad)
+    finally:
+        await p.close()
+        await d.close()
+
+
+def test_one_status_conversion_with_a_default():
+    from kvengine.status import to_status
+    assert to_status(0x5010B005) is S.LLM_PARAM_INVALID
+    assert to_status(12345) is S.LLM_FAILED                        # unknown native code
+    assert to_status("LLM_SUCCESS", S.LLM_LINK_FAILED) is S.LLM_LINK_FAILED   # a peer's junk
+    assert to_status(None, S.LLM_LINK_FAILED) is S.LLM_LINK_FAILED
