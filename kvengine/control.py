@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import mmap
 import os
 import secrets
 import socket
@@ -360,19 +361,25 @@ class SeqpacketChannel:
 
 # ------------------------------------------------------------ peer identity
 
+_UCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
+
+
+def _peercred(sock: socket.socket) -> tuple[int, int, int]:
+    """SO_PEERCRED: the kernel's record of who connected (or who listened) at the
+    other end of a Unix socket; never a peer's claim."""
+    return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+
+
 def peer_pid(sock: socket.socket) -> int:
-    """The pid of the process at the other end of a connected Unix socket (SO_PEERCRED:
-    the kernel's record of who connected, or who listened; never a peer's claim)."""
-    pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                          struct.calcsize("3i")))
+    """The pid of the process at the other end of a connected Unix socket."""
+    pid = _peercred(sock)[0]
     if pid <= 0:
         raise ProtocolError("the peer's pid is not visible (another pid namespace?)")
     return pid
 
 
 def peer_uid(sock: socket.socket) -> int:
-    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                               struct.calcsize("3i")))[1]
+    return _peercred(sock)[1]
 
 
 def _pidfd_pid(fd: int) -> int | None:
@@ -430,6 +437,12 @@ def is_local_peer(peer: Any, local: Any) -> bool:
 
 
 # ---------------------------------------------------------------- memfd checks
+
+def memfd_stride(tensor_bytes: int) -> int:
+    """Where tensor i starts in a cache's memfd (i * stride): its size rounded up to a
+    page. Fixed by the descriptor, so a receiver maps exactly what the descriptor needs."""
+    return -(-tensor_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
 
 def seal_memfd(fd: int) -> None:
     """Fix a memfd's size for good: no shrink (a peer's mapping would SIGBUS), no grow,

@@ -36,7 +36,6 @@ __all__ = ["KvEngine"]
 
 log = logging.getLogger("kvengine")
 
-_PAGE = mmap.PAGESIZE
 _U64 = 2**64 - 1
 _serials = itertools.count(1)
 _warned_no_secret = False
@@ -725,7 +724,7 @@ def _os_error(e: OSError) -> str:
 
 def _allocate_memory(desc: CacheDesc, cluster_id: int) -> tuple[int, mmap.mmap, int, int]:
     """A pre-faulted shared mapping for ``desc``: (memfd, mmap, length, tensor stride)."""
-    stride = -(-desc.size // _PAGE) * _PAGE
+    stride = control.memfd_stride(desc.size)
     length = stride * desc.num_tensors
     fd = os.memfd_create(f"kvengine-cache-{cluster_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:

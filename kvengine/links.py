@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import mmap
 import os
 import secrets
 import socket
@@ -34,7 +33,6 @@ from .types import CacheDesc, ClusterInfo, check_timeout
 log = logging.getLogger("kvengine")
 
 _U64 = 2**64 - 1
-_PAGE = mmap.PAGESIZE
 _serials = itertools.count(1)
 # Engines of this process by token, for the in-process ("local") transport.
 LOCAL_ENGINES: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
@@ -187,6 +185,18 @@ def hello_problem(h: dict) -> str | None:
     return None
 
 
+def _peer_process(sock: socket.socket, transport: str, ptoken: str) -> tuple[int, int | None]:
+    """The peer process at the other end of a Unix link socket, from the kernel (never the
+    peer's word): ``(pid, pidfd)``. "local" must be this very process and ``ptoken`` one
+    of its engines (no pidfd then); "shm" gets a pidfd for CMA."""
+    pid = control.peer_pid(sock)
+    if transport == "local":
+        if pid != os.getpid() or ptoken not in LOCAL_ENGINES:
+            raise ProtocolError("transport 'local' but the peer is not an engine of this process")
+        return pid, None
+    return pid, control.peer_pidfd(sock, pid)
+
+
 async def _const(value):
     return value
 
@@ -305,27 +315,15 @@ class _Links:
                     w.update(data_port=a["data_port"], data_token=a["data_token"])   # the offer, whole
                     link = Link(cid, tcp, transport, 0, "", info.address)
                     tcp = None
-                    link.tcp_id = next(self._tcp_ids)   # before the table: its regions name the link
-                    hbt = self.options.heartbeat_timeout   # the lease fence: docs/protocol.md
-                    st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(str(w["data_token"])), streams,
-                                                 self.options.tcp_window_bytes, lease=0.4 * hbt,
-                                                 fence=0.5 * hbt, margin=0.05 * hbt)
-                    if st:
-                        raise ProtocolError(f"cannot add the data link (status {st:#x})")
+                    self._add_data_link(link, str(w["data_token"]), streams)   # before the table: its regions name the link
                     connect = lambda: self._connect_streams(link, host, int(w["data_port"]), streams)
                     status = await self._establish(link, True, connect)
                 else:
                     if not isinstance(a.get("unix"), str) or not isinstance(a.get("join"), str):
                         raise ProtocolError("bad attached message")
                     uch = await control.unix_connect(a["unix"], self._loop)
-                    pid = control.peer_pid(uch.sock)   # who listens there, from the kernel
-                    ptoken = ""
-                    if transport == "local":
-                        ptoken = str(a.get("ptoken"))
-                        if pid != os.getpid() or ptoken not in LOCAL_ENGINES:
-                            raise ProtocolError("transport 'local' but the peer is not an engine of this process")
-                    else:
-                        pidfd = control.peer_pidfd(uch.sock, pid)
+                    ptoken = str(a.get("ptoken")) if transport == "local" else ""
+                    pid, pidfd = _peer_process(uch.sock, transport, ptoken)   # who listens there
                     await uch.send({"t": "join", "token": a["join"]})
                     link = Link(cid, uch, transport, pid, ptoken, info.address, pidfd)
                     uch = pidfd = None
@@ -351,6 +349,18 @@ class _Links:
                 os.close(pidfd)
             if link is not None:
                 self._abandon(link)
+
+    def _add_data_link(self, link: Link, data_token: str, streams: int) -> None:
+        """Declare the link's TCP data plane in the core: streams presenting ``data_token``
+        are bound to it, and its lease and fence follow heartbeat_timeout (lease 0.4,
+        fence 0.5, margin 0.05 of it: docs/protocol.md, "Leases")."""
+        link.tcp_id = next(self._tcp_ids)
+        hbt = self.options.heartbeat_timeout
+        st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(data_token), streams,
+                                     self.options.tcp_window_bytes, lease=0.4 * hbt,
+                                     fence=0.5 * hbt, margin=0.05 * hbt)
+        if st:
+            raise ProtocolError(f"cannot add the data link (status {st:#x})")
 
     async def _connect_streams(self, link: Link, host: str, port: int, streams: int) -> S:
         """Client side of a TCP link: open the data connections, hand them to the core,
@@ -528,7 +538,7 @@ class _Links:
                 length, stride = msg.get("len"), msg.get("stride")
                 # the layout is fixed by the descriptor (so is the size we map), and the
                 # memfd must be sealed at exactly that size and fully allocated
-                if len(fds) != 1 or stride != -(-size // _PAGE) * _PAGE or length != stride * n:
+                if len(fds) != 1 or stride != control.memfd_stride(size) or length != stride * n:
                     raise ProtocolError("bad memfd cache descriptor")
                 control.check_memfd(fds[0], length)
                 st, addr = await self._loop.run_in_executor(None, _native.map_fd, fds[0], length)
@@ -1087,12 +1097,7 @@ class _Links:
             joining.expiry.cancel()
             self._preauth_leave(slot)
             slot = None
-            pid = control.peer_pid(ch.sock)   # the kernel's word, never the peer's
-            if joining.transport == "local":
-                if pid != os.getpid() or joining.peer_token not in LOCAL_ENGINES:
-                    raise ProtocolError("transport 'local' but the peer is not an engine of this process")
-            else:
-                pidfd = control.peer_pidfd(ch.sock, pid)
+            pid, pidfd = _peer_process(ch.sock, joining.transport, joining.peer_token)
             ch.release()
             link = Link(joining.cluster_id, ch, joining.transport, pid, joining.peer_token, "", pidfd)
             pidfd = None
@@ -1120,14 +1125,7 @@ class _Links:
         link = None
         try:
             link = Link(cid, ch, "tcp", 0, "", "")
-            # data streams presenting this token are bound to the link
-            link.tcp_id = next(self._tcp_ids)
-            hbt = self.options.heartbeat_timeout   # the lease fence: docs/protocol.md
-            st = self._core.tcp_link_add(link.tcp_id, bytes.fromhex(data_token), streams,
-                                         self.options.tcp_window_bytes, lease=0.4 * hbt,
-                                         fence=0.5 * hbt, margin=0.05 * hbt)
-            if st:
-                raise ProtocolError(f"cannot add the data link (status {st:#x})")
+            self._add_data_link(link, data_token, streams)
             async with asyncio.timeout(self.options.link_timeout):
                 if await self._establish(link, False) == S.LLM_SUCCESS:
                     link = None
@@ -1158,25 +1156,23 @@ class _Links:
             # closing: an unlink is under way and finishes the link itself (the peer may
             # close its streams before its "ok" reached us)
 
-
     def _why_down(self) -> str:
         """What the core counted since the last link failure, as advice for the log."""
         st = self._core.stats()
-        seen = self._down_counts
-        now = {k: st.get(k, 0) for k in ("tcp_lease_expired", "tcp_fence_expired", "tcp_stalled",
-                                         "tcp_bad_frames")}
-        self._down_counts = now
-        grew = [k for k in now if now[k] > seen.get(k, 0)]
-        hints = {
-            "tcp_lease_expired": "; our lease on a data stream expired before the peer renewed it: "
-                                 "a stalled receiver, or a link slower than about (tcp_window_bytes + "
-                                 "chunk_bytes) / (0.3 * heartbeat_timeout): raise heartbeat_timeout or lower "
-                                 "tcp_window_bytes (docs/protocol.md, Leases)",
-            "tcp_fence_expired": "; the peer did not acknowledge an abort within 0.5 * heartbeat_timeout",
-            "tcp_stalled": "; a data stream made no progress for heartbeat_timeout",
-            "tcp_bad_frames": "; the peer sent a malformed or impossible frame",
-        }
-        return "".join(hints[k] for k in grew)
+        seen, self._down_counts = self._down_counts, {k: st.get(k, 0) for k in _DOWN_HINTS}
+        return "".join(hint for k, hint in _DOWN_HINTS.items() if self._down_counts[k] > seen.get(k, 0))
+
+
+# Native failure counters, and what each one tells the operator when a link fails.
+_DOWN_HINTS = {
+    "tcp_lease_expired": "; our lease on a data stream expired before the peer renewed it: "
+                         "a stalled receiver, or a link slower than about (tcp_window_bytes + "
+                         "chunk_bytes) / (0.3 * heartbeat_timeout): raise heartbeat_timeout or lower "
+                         "tcp_window_bytes (docs/protocol.md, Leases)",
+    "tcp_fence_expired": "; the peer did not acknowledge an abort within 0.5 * heartbeat_timeout",
+    "tcp_stalled": "; a data stream made no progress for heartbeat_timeout",
+    "tcp_bad_frames": "; the peer sent a malformed or impossible frame",
+}
 
 
 class _Detached:

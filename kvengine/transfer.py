@@ -19,7 +19,7 @@ import asyncio
 from time import perf_counter
 from typing import Any
 
-from .status import LLMStatusCode as S, error_for, to_status as status_of
+from .status import LLMStatusCode as S, error_for, to_status
 
 __all__ = ["Transfer"]
 
@@ -139,7 +139,7 @@ class Transfer:
             # Not LLM_TIMEOUT/LLM_CANCELLED, which promise a usable link.
             self._fail = S.LLM_LINK_FAILED
         if status and self._fail is None:
-            self._abort(status_of(status))   # the other pieces stop too
+            self._abort(to_status(status))   # the other pieces stop too
             return
         if not self._jobs and (self._left == 0 or self._fail is not None) and self._status is None:
             self._finish(self._fail or S.LLM_SUCCESS, self.nbytes)
@@ -147,7 +147,7 @@ class Transfer:
     def _finish(self, status: int, nbytes: int, message: str = "") -> None:
         if self._status is not None:
             return
-        st = status_of(status)
+        st = to_status(status)
         self._status = st
         self.nbytes = nbytes
         self._message = message
