@@ -444,6 +444,24 @@ static void job_drain(kv_core *c, kv_job *j) {
     queue_remove(c, j);
 }
 
+/* A mover job fails (or is aborted) with `status`, unless it failed already: no
+ * more chunks; it completes once the chunks in progress end. */
+static void job_fail(kv_core *c, kv_job *j, uint32_t status) {
+    if (j->status == KV_LLM_SUCCESS)
+        j->status = status;
+    job_drain(c, j);
+}
+
+/* A mover's step ended: complete `j` if nothing more will be copied for it,
+ * signalling the loop outside the lock. Caller holds the lock. */
+static void mover_maybe_finish(kv_core *c, kv_job *j) {
+    if (job_maybe_finish(c, j)) {
+        pthread_mutex_unlock(&c->mu);
+        kv__signal_loop(c);
+        pthread_mutex_lock(&c->mu);
+    }
+}
+
 static void *mover_main(void *arg) {
     kv_core *c = arg;
     pthread_mutex_lock(&c->mu);
@@ -456,14 +474,8 @@ static void *mover_main(void *arg) {
             continue;
         }
         if (!lease_ok(c, j->lease)) { /* its peer may have stopped answering: no more chunks */
-            if (j->status == KV_LLM_SUCCESS)
-                j->status = KV_LLM_LINK_FAILED;
-            job_drain(c, j);
-            if (job_maybe_finish(c, j)) {
-                pthread_mutex_unlock(&c->mu);
-                kv__signal_loop(c);
-                pthread_mutex_lock(&c->mu);
-            }
+            job_fail(c, j, KV_LLM_LINK_FAILED);
+            mover_maybe_finish(c, j);
             continue;
         }
         const kv_rseg *s = &j->segs[j->cur_seg];
@@ -486,17 +498,11 @@ static void *mover_main(void *arg) {
         pthread_mutex_lock(&c->mu);
         j->active--;
         c->st.bytes_moved += st == KV_LLM_SUCCESS ? n : 0;
-        if (st == KV_LLM_SUCCESS) {
+        if (st == KV_LLM_SUCCESS)
             j->done_bytes += n;
-        } else if (j->status == KV_LLM_SUCCESS) {
-            j->status = st;
-            job_drain(c, j);
-        }
-        if (job_maybe_finish(c, j)) {
-            pthread_mutex_unlock(&c->mu);
-            kv__signal_loop(c);
-            pthread_mutex_lock(&c->mu);
-        }
+        else
+            job_fail(c, j, st);
+        mover_maybe_finish(c, j);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
@@ -661,9 +667,7 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
 
 /* A mover job (TCP jobs: kv__tcp_abort). */
 static int abort_locked(kv_core *c, kv_job *j, uint32_t status) {
-    if (j->status == KV_LLM_SUCCESS)
-        j->status = status;
-    job_drain(c, j);
+    job_fail(c, j, status);
     c->st.jobs_aborted++;
     return job_maybe_finish(c, j);
 }
