@@ -17,6 +17,7 @@ Every bound below is computed from the options."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -478,7 +479,6 @@ async def test_shm_caller_owned_memory_is_not_written_after_unregister_reported_
     prefill = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", options("shm")).start()
     peer = await PeerProcess.start(cluster_id=2, transport="shm", secret=SECRET, movers=movers,
                                    options=peer_options())
-    loop = asyncio.get_running_loop()
     bufs = [np.zeros(big.shape, np.uint8) for _ in range(big.num_tensors)]   # kept alive by the test
     try:
         mine = prefill.register_kv_cache(big, bufs)
@@ -547,15 +547,25 @@ async def hostile_link(address: str, cluster: int, table=(), streams: int = 2):
 # ------------------------------------------------------------------ 3. unbounded waits
 
 
-async def _never_reading_peer(prefill):
-    """Link a raw peer that never reads its data connections; returns (session, src)."""
-    s, _ = await hostile_link(prefill.address, HOSTILE, tcp_table(ROW))
-    await prefill.wait_link(HOSTILE, timeout=5)
-    await prefill.wait_remote_cache(HOSTILE, 1, timeout=5)
-    src = prefill.allocate_cache(ROW)
-    for i, t in enumerate(src.tensors):
-        fill_pattern(t, SRC_SEED, i)
-    return s, src
+@contextlib.asynccontextmanager
+async def never_reading():
+    """A tcp prefill engine linked to a raw peer that never reads its data connections,
+    and a filled source cache: ``(prefill, src)``; both closed at the end (close bounded
+    by close_all)."""
+    prefill = await tcp_prefill()
+    s = None
+    try:
+        s, _ = await hostile_link(prefill.address, HOSTILE, tcp_table(ROW))
+        await prefill.wait_link(HOSTILE, timeout=5)
+        await prefill.wait_remote_cache(HOSTILE, 1, timeout=5)
+        src = prefill.allocate_cache(ROW)
+        for i, t in enumerate(src.tensors):
+            fill_pattern(t, SRC_SEED, i)
+        yield prefill, src
+    finally:
+        if s is not None:
+            s.close()
+        await close_all([prefill])
 
 
 async def test_push_to_a_peer_that_never_reads_resolves_within_the_bound():
@@ -563,11 +573,8 @@ async def test_push_to_a_peer_that_never_reads_resolves_within_the_bound():
     connections, so no ABORT_ACK can come. The push with a 1 s deadline still resolves
     within deadline + heartbeat_timeout (+ slack), as LLM_LINK_FAILED (LLM_TIMEOUT would
     claim a fence the peer never acknowledged), and close() returns within link_timeout."""
-    prefill = await tcp_prefill()
-    s = None
     loop = asyncio.get_running_loop()
-    try:
-        s, src = await _never_reading_peer(prefill)
+    async with never_reading() as (prefill, src):
         base = sent(prefill)
         t0 = loop.time()
         t = prefill.submit_push_kv_cache(src, kv.CacheIndex(HOSTILE, 1, 0), timeout=DEADLINE)
@@ -582,20 +589,13 @@ async def test_push_to_a_peer_that_never_reads_resolves_within_the_bound():
         await asyncio.wait_for(prefill.close(), LINK_TIMEOUT + SLACK + 5)
         assert loop.time() - t1 <= LINK_TIMEOUT + SLACK, f"close() took {loop.time() - t1:.2f} s"
         assert prefill._core.stats()["jobs_live"] == 0
-    finally:
-        if s is not None:
-            s.close()
-        await close_all([prefill])
 
 
 async def test_cancelling_a_push_to_a_peer_that_never_reads_is_bounded():
     """Finding 3: a task awaiting push_kv_cache is cancelled while the peer neither reads nor
     acknowledges: CancelledError comes within heartbeat_timeout of the cancel."""
-    prefill = await tcp_prefill()
-    s = None
     loop = asyncio.get_running_loop()
-    try:
-        s, src = await _never_reading_peer(prefill)
+    async with never_reading() as (prefill, src):
         base = sent(prefill)
         task = asyncio.ensure_future(prefill.push_kv_cache(src, kv.CacheIndex(HOSTILE, 1, 0), timeout=30))
         await poll_until(lambda: sent(prefill) > base, 5, "the push started")
@@ -607,10 +607,6 @@ async def test_cancelling_a_push_to_a_peer_that_never_reads_is_bounded():
         assert task.cancelled(), f"not CancelledError: {task.exception()!r}"
         assert elapsed <= ABORT_BOUND, f"CancelledError came {elapsed:.2f} s after the cancel"
         assert prefill._core.stats()["jobs_live"] == 0
-    finally:
-        if s is not None:
-            s.close()
-        await close_all([prefill])
 
 
 async def test_close_cancelled_midway_against_a_peer_that_never_reads_still_closes():
@@ -619,11 +615,8 @@ async def test_close_cancelled_midway_against_a_peer_that_never_reads_still_clos
     within link_timeout + heartbeat_timeout, no job is left, the stuck push resolves without
     claiming a fence (not LLM_CANCELLED / LLM_TIMEOUT / LLM_SUCCESS), and a third close()
     is a no-op."""
-    prefill = await tcp_prefill()
-    s = None
     loop = asyncio.get_running_loop()
-    try:
-        s, src = await _never_reading_peer(prefill)
+    async with never_reading() as (prefill, src):
         base = sent(prefill)
         t = prefill.submit_push_kv_cache(src, kv.CacheIndex(HOSTILE, 1, 0), timeout=30)
         await poll_until(lambda: sent(prefill) > base, 5, "the push started")
@@ -643,10 +636,6 @@ async def test_close_cancelled_midway_against_a_peer_that_never_reads_still_clos
         t2 = loop.time()
         await asyncio.wait_for(prefill.close(), 1)
         assert loop.time() - t2 < 0.5
-    finally:
-        if s is not None:
-            s.close()
-        await close_all([prefill])
 
 
 class Receiver:
