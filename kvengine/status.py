@@ -12,6 +12,8 @@ The C core mirrors the codes it produces in ``cython_src/csrc/kv_status.h``;
 from __future__ import annotations
 
 import enum
+import numbers
+from typing import Callable
 
 __all__ = [
     "LLMStatusCode",
@@ -54,10 +56,11 @@ __all__ = [
 # Also used inside kvengine, not re-exported by the package: STATUS_TABLE, error_for, raise_for.
 
 # One row per code: (Python name, value, exception class name, extra base, meaning).
-# The single source of truth: the enum is built from it, and each exception class
-# declared below gets its status and docstring from its row (_bind_classes checks
-# at import that the declarations and the table agree, class for class).
-STATUS_TABLE: tuple[tuple[str, int, str, type | None, str], ...] = (
+# The single source of truth: the enum below spells its rows out member for member, and
+# each exception class declared below gets its status and docstring from its row
+# (_bind_classes checks at import that the enum and the classes agree with the table,
+# member for member and class for class).
+STATUS_TABLE: tuple[tuple[str, int, str, type[Exception] | None, str], ...] = (
     ("LLM_SUCCESS", 0x0, "", None, "success"),
     ("LLM_FAILED", 0xFFFFFFFF, "LLMFailedError", None, "generic failure"),
     ("LLM_WAIT_PROCESS_TIMEOUT", 0x5010B001, "LLMWaitProcessTimeoutError", TimeoutError,
@@ -114,11 +117,10 @@ STATUS_TABLE: tuple[tuple[str, int, str, type | None, str], ...] = (
 )
 
 # C++ spellings that differ from the Python ones (enum aliases).
-_CPP_ALIASES = {
+_CPP_ALIASES: dict[str, str] = {
     "LLM_WAIT_PROC_TIMEOUT": "LLM_WAIT_PROCESS_TIMEOUT",
     "LLM_SEQ_LEN_OVER_LIMIT": "LLM_SEQ_LENOVERLIMIT",
 }
-
 
 
 class _NamedIntEnum(enum.IntEnum):
@@ -136,14 +138,50 @@ class _NamedIntEnum(enum.IntEnum):
             return int.__format__(self, spec)
 
 
-LLMStatusCode = _NamedIntEnum(
-    "LLMStatusCode",
-    [(name, value) for name, value, *_ in STATUS_TABLE]
-    + [(alias, dict((n, v) for n, v, *_ in STATUS_TABLE)[target])
-       for alias, target in _CPP_ALIASES.items()],
-    module=__name__,
-)
-LLMStatusCode.__doc__ = "LLM-DataDist status codes (``ge::Status`` values)."
+class LLMStatusCode(_NamedIntEnum):
+    """LLM-DataDist status codes (``ge::Status`` values).
+
+    Written out member by member so that type checkers and IDEs see them; the order and
+    values are STATUS_TABLE's, then the C++ spellings (_CPP_ALIASES) as aliases. The
+    import fails if the two disagree (_bind_classes), and tests/test_status.py checks it.
+    """
+    LLM_SUCCESS = 0x0
+    LLM_FAILED = 0xFFFFFFFF
+    LLM_WAIT_PROCESS_TIMEOUT = 0x5010B001
+    LLM_KV_CACHE_NOT_EXIST = 0x5010B002
+    LLM_REPEAT_REQUEST = 0x5010B003
+    LLM_REQUEST_ALREADY_COMPLETED = 0x5010B004
+    LLM_PARAM_INVALID = 0x5010B005
+    LLM_ENGINE_FINALIZED = 0x5010B006
+    LLM_NOT_YET_LINK = 0x5010B007
+    LLM_ALREADY_LINK = 0x5010B008
+    LLM_LINK_FAILED = 0x5010B009
+    LLM_UNLINK_FAILED = 0x5010B00A
+    LLM_NOTIFY_PROMPT_UNLINK_FAILED = 0x5010B00B
+    LLM_CLUSTER_NUM_EXCEED_LIMIT = 0x5010B00C
+    LLM_PROCESSING_LINK = 0x5010B00D
+    LLM_DEVICE_OUT_OF_MEMORY = 0x5010B00E
+    LLM_PREFIX_ALREADY_EXIST = 0x5010B00F
+    LLM_PREFIX_NOT_EXIST = 0x5010B010
+    LLM_SEQ_LENOVERLIMIT = 0x5010B011
+    LLM_NO_FREE_BLOCK = 0x5010B012
+    LLM_BLOCKS_OUT_OF_MEMORY = 0x5010B013
+    LLM_CACHE_INCOMPATIBLE = 0x5010B014
+    LLM_CACHE_KEY_ALREADY_EXIST = 0x5010B015
+    LLM_COPY_CACHE_FAILED = 0x5010B016
+    LLM_CACHE_ID_ALREADY_EXIST = 0x5010B017
+    LLM_EXIST_LINK = 0x5010B018
+    LLM_FEATURE_NOT_ENABLED = 0x5010B019
+    LLM_TIMEOUT = 0x5010B01A
+    LLM_LINK_BUSY = 0x5010B01B
+    LLM_OUT_OF_MEMORY = 0x5010B01C
+    LLM_DEVICE_MEM_ERROR = 507053
+    LLM_SUSPECT_REMOTE_ERROR = 507057
+    LLM_UNKNOWN_ERROR = -1
+    LLM_CANCELLED = 0x5010B101
+    # C++ spellings (aliases: same value, the Python name above is the canonical one)
+    LLM_WAIT_PROC_TIMEOUT = 0x5010B001
+    LLM_SEQ_LEN_OVER_LIMIT = 0x5010B011
 
 # Statuses after which the link is still usable (kvengine's rule; LLM-DataDist
 # tells users to relink after a timeout, kvengine's fenced abort avoids that).
@@ -177,7 +215,7 @@ class LLMError(Exception):
     def status_code(self) -> LLMStatusCode:
         return self.status
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[int, str], LLMError], tuple[LLMStatusCode, str]]:
         return (error_for, (self.status, self.message))
 
 
@@ -226,7 +264,15 @@ _CLASS_BY_STATUS: dict[LLMStatusCode, type[LLMError]] = {}
 
 def _bind_classes() -> None:
     """Give each declared class its row's status and docstring; fail the import if the
-    declarations and STATUS_TABLE disagree (a missing, extra or misbased class)."""
+    declarations and STATUS_TABLE disagree (a missing, extra or misbased class, or an
+    LLMStatusCode member that is not the table's, in the table's order)."""
+    members = [(m.name, m.value) for m in LLMStatusCode]
+    rows = [(name, value) for name, value, *_ in STATUS_TABLE]
+    if members != rows:
+        raise RuntimeError(f"LLMStatusCode and STATUS_TABLE differ: {sorted(set(members) ^ set(rows))}")
+    aliases = {alias: m.name for alias, m in LLMStatusCode.__members__.items() if alias != m.name}
+    if aliases != _CPP_ALIASES:
+        raise RuntimeError(f"LLMStatusCode's aliases are not _CPP_ALIASES: {aliases}")
     declared = {name: obj for name, obj in globals().items()
                 if isinstance(obj, type) and issubclass(obj, LLMError) and obj is not LLMError}
     bound: set[str] = set()
@@ -258,11 +304,14 @@ _bind_classes()
 def to_status(code: object, default: LLMStatusCode = LLMStatusCode.LLM_FAILED) -> LLMStatusCode:
     """The one conversion of a number (native, or from a peer's message) to a status:
     ``default`` for anything that is not a known code. LLM-DataDist's Python layer maps
-    any unknown native code to LLM_FAILED, the default."""
-    try:
-        return LLMStatusCode(code)
-    except (ValueError, TypeError):
-        return default
+    any unknown native code to LLM_FAILED, the default. Only integers are codes (a bool,
+    float or string from a peer is not: ``false`` must not read as LLM_SUCCESS)."""
+    if isinstance(code, numbers.Integral) and not isinstance(code, bool):
+        try:
+            return LLMStatusCode(int(code))
+        except ValueError:
+            pass
+    return default
 
 
 _to_status = to_status

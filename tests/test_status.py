@@ -164,6 +164,28 @@ def test_status_table_rows_match_the_enum():
         assert LLMStatusCode[name] == value
 
 
+def test_enum_members_are_the_table_rows_in_order():
+    """LLMStatusCode is written out member by member (for type checkers); it must be
+    STATUS_TABLE exactly: the same names and values, in the same order, then the C++
+    spellings as aliases and nothing else."""
+    assert [(m.name, int(m)) for m in LLMStatusCode] == [(r[0], r[1]) for r in status.STATUS_TABLE]
+    aliases = {name: m.name for name, m in LLMStatusCode.__members__.items() if m.name != name}
+    assert aliases == status._CPP_ALIASES == CPP_ALIASES
+    assert list(LLMStatusCode.__members__) == [r[0] for r in status.STATUS_TABLE] + list(CPP_ALIASES)
+
+
+def test_enum_is_declared_statically():
+    """Type checkers read the source: LLMStatusCode is a class statement whose body
+    assigns every member (and alias) a literal, in the table's order."""
+    tree = ast.parse((REPO / "kvengine" / "status.py").read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LLMStatusCode"]
+    assert [ast.unparse(b) for b in cls.bases] == ["_NamedIntEnum"]
+    assigned = [(n.targets[0].id, ast.literal_eval(n.value)) for n in cls.body
+                if isinstance(n, ast.Assign)]
+    assert assigned == ([(r[0], r[1]) for r in status.STATUS_TABLE]
+                        + [(alias, int(LLMStatusCode[py])) for alias, py in CPP_ALIASES.items()])
+
+
 def test_kvengine_extras_do_not_collide_with_llm_datadist():
     for name in KVENGINE_EXTRA:
         value = int(LLMStatusCode[name])
@@ -207,7 +229,7 @@ def test_each_code_has_exactly_its_statically_declared_class(row):
     assert cls.status is LLMStatusCode(value) is LLMStatusCode[name]
     assert type(status.error_for(value)) is cls
     assert meaning in cls.__doc__
-    assert [c for c in declared if c != "LLMError" and c.startswith("LLM")
+    assert [c for c, bases in declared.items() if bases[:1] == ["LLMError"]
             and getattr(status, c).status == value] == [cls_name]
 
 
@@ -338,6 +360,14 @@ def test_unknown_codes_map_to_llm_failed(code):
         status.raise_for(code, "again")
     assert info.value.status is LLMStatusCode.LLM_FAILED
     assert "again" in str(info.value)
+
+
+def test_to_status_takes_integers_only():
+    assert status.to_status(0x5010B009) is LLMStatusCode.LLM_LINK_FAILED
+    assert status.to_status(LLMStatusCode.LLM_TIMEOUT) is LLMStatusCode.LLM_TIMEOUT
+    for junk in (False, True, 0.0, float(0x5010B009), "0", None, [0], b"\0"):
+        assert status.to_status(junk, LLMStatusCode.LLM_LINK_FAILED) is LLMStatusCode.LLM_LINK_FAILED, junk
+    assert status.to_status(12345) is LLMStatusCode.LLM_FAILED
 
 
 def test_raise_for_success_returns_the_enum():
