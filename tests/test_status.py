@@ -299,6 +299,20 @@ def test_timeout_classes_are_timeout_errors():
     assert timeouts == {LLMStatusCode.LLM_TIMEOUT, LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT}
 
 
+def test_no_status_is_a_memory_error():
+    """MemoryError is Python's "the interpreter ran out of memory": code that catches it
+    (to free caches, or to die) must not catch a full transfer queue (LLM_OUT_OF_MEMORY,
+    EngineOptions.max_queued), a full block pool or device memory (docs/decisions.md 21)."""
+    assert not issubclass(status.LLMOutOfMemoryError, MemoryError)
+    assert not isinstance(status.error_for(LLMStatusCode.LLM_OUT_OF_MEMORY, "queue full"), MemoryError)
+    assert [c for c in ERROR_CODES if isinstance(status.error_for(c), MemoryError)] == []
+    with pytest.raises(status.LLMOutOfMemoryError):
+        try:
+            status.raise_for(LLMStatusCode.LLM_OUT_OF_MEMORY, "queue full")
+        except MemoryError:   # pragma: no cover - the point of the test
+            pytest.fail("LLMOutOfMemoryError was caught as a MemoryError")
+
+
 def test_timeout_error_str_and_args():
     # TimeoutError is an OSError: its own __new__/__init__ must not mangle the message.
     exc = status.LLMTimeoutError("deadline of 1.0 s passed")
