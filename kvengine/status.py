@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import enum
 import numbers
-from typing import Callable
+from typing import Callable, Self
 
 __all__ = [
     "LLMStatusCode",
+    "LinkResult",
     "LLMError",
     "LINK_USABLE_AFTER",
     "LLMFailedError",
@@ -196,6 +197,57 @@ LINK_USABLE_AFTER = frozenset({
 })
 
 
+class LinkResult(int):
+    """One cluster's result of ``link_clusters`` / ``unlink_clusters``: its status, and
+    why it failed.
+
+    An ``int`` equal to the status code (``==``, ``hash``, ``int()``, ``bool()`` are the
+    status's: a list of results compares equal to a list of statuses), so code written
+    for bare LLMStatusCode results keeps working. ``status`` is the
+    :class:`LLMStatusCode`, ``name`` its name, ``reason`` the failure's explanation
+    (``""`` on success). ``str()`` and ``format()`` give the name, as for statuses.
+    A number that is not a known code reads as ``LLM_FAILED`` (:func:`to_status`).
+    """
+
+    _status: LLMStatusCode
+    _reason: str
+
+    def __new__(cls, status: LLMStatusCode | int, reason: str = "") -> Self:
+        if not isinstance(reason, str):
+            raise TypeError(f"LinkResult reason must be a str, got {type(reason).__name__}")
+        st = to_status(status)
+        self = super().__new__(cls, st)
+        self._status = st
+        self._reason = reason
+        return self
+
+    @property
+    def status(self) -> LLMStatusCode:
+        return self._status
+
+    @property
+    def reason(self) -> str:
+        return self._reason
+
+    @property
+    def name(self) -> str:
+        return self._status.name
+
+    def __repr__(self) -> str:
+        if self._reason:
+            return f"<LinkResult {self._status.name}: {self._reason}>"
+        return f"<LinkResult {self._status.name}>"
+
+    def __str__(self) -> str:
+        return self._status.name
+
+    def __format__(self, spec: str) -> str:
+        return format(self._status, spec)
+
+    def __reduce__(self) -> tuple[type[LinkResult], tuple[LLMStatusCode, str]]:
+        return (LinkResult, (self._status, self._reason))
+
+
 class LLMError(Exception):
     """A kvengine call failed with an LLM-DataDist status.
 
@@ -295,7 +347,7 @@ def _bind_classes() -> None:
         bound.add(cls_name)
     if set(declared) != bound:
         raise RuntimeError(f"exception classes without a STATUS_TABLE row: {sorted(set(declared) - bound)}")
-    listed = set(__all__) - {"LLMStatusCode", "LLMError", "LINK_USABLE_AFTER"}
+    listed = set(__all__) - {"LLMStatusCode", "LinkResult", "LLMError", "LINK_USABLE_AFTER"}
     if listed != bound:
         raise RuntimeError(f"__all__ and the exception classes differ: {sorted(listed ^ bound)}")
 

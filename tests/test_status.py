@@ -236,7 +236,7 @@ def test_each_code_has_exactly_its_statically_declared_class(row):
 def test_declared_classes_are_exactly_the_table_rows():
     declared = {n for n, bases in _declared_classes().items() if bases and bases[0] == "LLMError"}
     assert declared == {row[2] for row in status.STATUS_TABLE if row[2]}
-    assert set(status.__all__) == declared | {"LLMStatusCode", "LLMError", "LINK_USABLE_AFTER"}
+    assert set(status.__all__) == declared | {"LLMStatusCode", "LinkResult", "LLMError", "LINK_USABLE_AFTER"}
 
 
 def test_package_all_is_the_public_surface():
@@ -514,3 +514,79 @@ def test_pure_modules_import_without_the_native_core():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# LinkResult: a per-cluster link/unlink result, equal to its status, with a reason
+
+LinkResult = status.LinkResult
+
+
+def test_link_result_is_its_status():
+    S = LLMStatusCode
+    r = LinkResult(S.LLM_LINK_FAILED, "connection refused")
+    assert isinstance(r, int) and isinstance(r, LinkResult)
+    assert r == S.LLM_LINK_FAILED and S.LLM_LINK_FAILED == r and r == 0x5010B009
+    assert r != S.LLM_SUCCESS and r != S.LLM_TIMEOUT
+    assert int(r) == 0x5010B009 and type(int(r)) is int
+    assert hash(r) == hash(S.LLM_LINK_FAILED) == hash(0x5010B009)
+    assert r.status is S.LLM_LINK_FAILED and r.name == "LLM_LINK_FAILED"
+    assert r.reason == "connection refused"
+    assert bool(r) and not LinkResult(S.LLM_SUCCESS)
+    assert r in frozenset({S.LLM_LINK_FAILED}) and r in {S.LLM_LINK_FAILED: "x"}
+    assert {r: "x"}[S.LLM_LINK_FAILED] == "x" and {S.LLM_LINK_FAILED: "y"}[r] == "y"
+    assert r not in status.LINK_USABLE_AFTER and LinkResult(S.LLM_TIMEOUT) in status.LINK_USABLE_AFTER
+    # two results of one status are equal whatever their reasons (they compare as statuses)
+    assert r == LinkResult(S.LLM_LINK_FAILED, "another reason")
+
+
+def test_link_results_compare_with_a_list_of_statuses():
+    S = LLMStatusCode
+    per = [LinkResult(S.LLM_SUCCESS), LinkResult(S.LLM_LINK_FAILED, "nobody listening"),
+           LinkResult(S.LLM_TIMEOUT, "not linked within 3.0 s")]
+    assert per == [S.LLM_SUCCESS, S.LLM_LINK_FAILED, S.LLM_TIMEOUT]
+    assert [S.LLM_SUCCESS, S.LLM_LINK_FAILED, S.LLM_TIMEOUT] == per
+    assert per != [S.LLM_SUCCESS, S.LLM_SUCCESS, S.LLM_TIMEOUT]
+    assert per.count(S.LLM_LINK_FAILED) == 1 and per.index(S.LLM_TIMEOUT) == 2
+    assert sorted(per) == sorted([S.LLM_SUCCESS, S.LLM_LINK_FAILED, S.LLM_TIMEOUT])
+
+
+def test_link_result_reason_and_printing():
+    S = LLMStatusCode
+    ok = LinkResult(S.LLM_SUCCESS)
+    assert ok.reason == "" and ok.status is S.LLM_SUCCESS and ok.name == "LLM_SUCCESS"
+    assert repr(ok) == "<LinkResult LLM_SUCCESS>"
+    r = LinkResult(S.LLM_LINK_FAILED, "connection refused")
+    assert repr(r) == "<LinkResult LLM_LINK_FAILED: connection refused>"
+    assert str(r) == "LLM_LINK_FAILED" and f"{r}" == "LLM_LINK_FAILED" and "%s" % r == "LLM_LINK_FAILED"
+    assert f"[{r:>20}]" == f"[{'LLM_LINK_FAILED':>20}]"
+    assert f"{r:#x}" == "0x5010b009" and f"{r:d}" == str(0x5010B009)
+    assert str([r]) == "[<LinkResult LLM_LINK_FAILED: connection refused>]"
+    with pytest.raises(AttributeError):
+        r.reason = "changed"    # read-only, like the int it is
+    with pytest.raises(TypeError):
+        LinkResult(S.LLM_LINK_FAILED, None)
+
+
+def test_link_result_from_ints():
+    S = LLMStatusCode
+    assert LinkResult(0x5010B009, "x").status is S.LLM_LINK_FAILED
+    assert LinkResult(0).status is S.LLM_SUCCESS
+    unknown = LinkResult(12345, "native said so")     # not a code: LLM_FAILED, as to_status
+    assert unknown.status is S.LLM_FAILED and unknown == S.LLM_FAILED
+
+
+@pytest.mark.parametrize("proto", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_link_result_pickle_and_copy(proto):
+    r = LinkResult(LLMStatusCode.LLM_TIMEOUT, "not linked within 3.0 s")
+    for back in (pickle.loads(pickle.dumps(r, protocol=proto)), copy.copy(r), copy.deepcopy(r)):
+        assert type(back) is LinkResult
+        assert back == r and back.status is LLMStatusCode.LLM_TIMEOUT
+        assert back.reason == "not linked within 3.0 s" and repr(back) == repr(r)
+        assert hash(back) == hash(LLMStatusCode.LLM_TIMEOUT)
+
+
+def test_link_result_is_exported():
+    import kvengine as kv
+    assert kv.LinkResult is LinkResult
+    assert "LinkResult" in kv.__all__ and "LinkResult" in status.__all__
