@@ -7,7 +7,6 @@ docs/api.md for the rules each field obeys.
 
 from __future__ import annotations
 
-import enum
 import math
 import os
 from dataclasses import dataclass, field
@@ -33,14 +32,16 @@ def param_invalid(message: str):
     return error_for(LLMStatusCode.LLM_PARAM_INVALID, message)
 
 
-class Role(enum.IntEnum):
-    """A label only (as in LLM-DataDist V2): either side of a link may push or pull."""
+class Role(_NamedIntEnum):
+    """A label only (as in LLM-DataDist V2): either side of a link may push or pull.
+    ``str()`` and ``format()`` give the name (``PROMPT``)."""
     PROMPT = 1
     DECODER = 2
     MIX = 3
 
 
-class Placement(enum.IntEnum):
+class Placement(_NamedIntEnum):
+    """Where a cache's memory is; ``str()`` and ``format()`` give the name (``HOST``)."""
     HOST = 0
     DEVICE = 1
 

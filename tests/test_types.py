@@ -87,6 +87,19 @@ def test_role_and_placement_values():
     assert issubclass(Role, int) and issubclass(Placement, int)
 
 
+@pytest.mark.parametrize("member", list(Role) + list(Placement), ids=str)
+def test_role_and_placement_print_by_name(member):
+    """As DataType and the statuses: str() and format() give the name, numeric format
+    specs and int() the number, repr() both; the wire keeps the number."""
+    name, value, cls = member.name, int(member), type(member).__name__
+    assert str(member) == name and f"{member}" == name and "%s" % member == name
+    assert f"{member:>10}|" == f"{name:>10}|"
+    assert f"{member:d}" == str(value) and member == value
+    assert repr(member) == f"<{cls}.{name}: {value}>"
+    assert json.dumps({"role": member}) == '{"role": %d}' % value
+    assert str(Role.PROMPT) == "PROMPT" and f"{Placement.HOST}" == "HOST"
+
+
 # ---------------------------------------------------------------------------------------------
 # DataType.from_any
 
