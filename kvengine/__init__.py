@@ -36,11 +36,16 @@ __all__ += status.__all__
 _NATIVE = {"KvEngine": "engine", "Transfer": "transfer", "Notification": "notify", "LayerStream": "layers"}
 
 
-def __getattr__(name: str):
+def _load(name: str) -> type:
+    """Module ``__getattr__``: import a native-backed class on first use."""
     module = _NATIVE.get(name)
     if module is None:
         raise AttributeError(f"module 'kvengine' has no attribute {name!r}")
     import importlib
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value: type = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
+
+
+if not TYPE_CHECKING:   # type checkers see the imports above, and flag any other name
+    __getattr__ = _load

@@ -48,6 +48,10 @@ SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)   # Linux >= 6.5
 
 _LEN = struct.Struct("!I")
 
+# A control message: a decoded JSON object with a str type field ``t``. Its values are
+# whatever JSON a peer sent (hence Any): every reader checks the fields it uses.
+Message = dict[str, Any]
+
 
 class ProtocolError(Exception):
     """The peer sent something that is not a valid control message."""
@@ -73,11 +77,11 @@ def host_identity() -> str:
     return ":".join(parts)
 
 
-def encode(msg: dict) -> bytes:
+def encode(msg: Message) -> bytes:
     return json.dumps(msg, separators=(",", ":")).encode()
 
 
-def decode(data: bytes) -> dict:
+def decode(data: bytes) -> Message:
     try:
         msg = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: deep nesting
@@ -127,7 +131,7 @@ def proof(secret: bytes, label: str, *nonces: str) -> str:
     return mac.hexdigest()
 
 
-def check_proof(secret: bytes | None, got: Any, label: str, *nonces: str) -> bool:
+def check_proof(secret: bytes | None, got: object, label: str, *nonces: str) -> bool:
     if secret is None:
         return got is None
     return isinstance(got, str) and hmac.compare_digest(got, proof(secret, label, *nonces))
@@ -162,7 +166,7 @@ class StreamChannel:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
 
-    async def send(self, msg: dict, fds: list[int] | tuple[int, ...] = ()) -> None:
+    async def send(self, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
         if fds:
             raise ProtocolError("file descriptors cannot cross a TCP control connection")
         data = encode(msg)
@@ -174,7 +178,7 @@ class StreamChannel:
         except (RuntimeError, OSError) as e:   # closed transport, reset
             raise ConnectionError(f"control channel: {e}") from None
 
-    def send_nowait(self, msg: dict) -> bool:
+    def send_nowait(self, msg: Message) -> bool:
         """Queue a small message without waiting (the transport buffers it)."""
         data = encode(msg)
         try:
@@ -183,7 +187,7 @@ class StreamChannel:
             return True   # closed: the reader reports the loss
         return True
 
-    async def recv(self, max_frame: int = MAX_FRAME) -> tuple[dict, list[int]] | None:
+    async def recv(self, max_frame: int = MAX_FRAME) -> tuple[Message, list[int]] | None:
         """Next ``(msg, [])``; ``None`` at EOF. Raises ProtocolError on garbage, and on a
         length prefix over ``max_frame`` before reading (or decoding) any of the frame."""
         try:
@@ -236,7 +240,8 @@ class SeqpacketChannel:
         self.sock = sock
         self.loop = loop
         self.max_frame, self.max_fds = max_frame, max_fds
-        self._queue: asyncio.Queue = asyncio.Queue()
+        # received (msg, fds), a ProtocolError to raise, or None at EOF
+        self._queue: asyncio.Queue[tuple[Message, list[int]] | ProtocolError | None] = asyncio.Queue()
         self._closed = False
         self._eof = False
         self._paused = False
@@ -291,7 +296,7 @@ class SeqpacketChannel:
             self._paused = False
             self._queue.put_nowait(None)
 
-    async def recv(self) -> tuple[dict, list[int]] | None:
+    async def recv(self) -> tuple[Message, list[int]] | None:
         """Next ``(msg, fds)``; ``None`` at EOF. Raises ProtocolError on garbage."""
         item = await self._queue.get()
         if self._paused and not self._eof and not self._hold and self._queue.qsize() < self._QUEUE_MAX // 2:
@@ -304,7 +309,7 @@ class SeqpacketChannel:
             raise item
         return item
 
-    async def send(self, msg: dict, fds: list[int] | tuple[int, ...] = ()) -> None:
+    async def send(self, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
         if self._closed:
             raise ConnectionError("channel closed")
         data = encode(msg)
@@ -320,7 +325,7 @@ class SeqpacketChannel:
             except OSError as e:
                 raise ConnectionError(f"control channel: {e}") from None
 
-    def send_nowait(self, msg: dict) -> bool:
+    def send_nowait(self, msg: Message) -> bool:
         """Send a small message if the socket takes it now; False if it would block."""
         if self._closed:
             return True
@@ -333,9 +338,14 @@ class SeqpacketChannel:
             return True   # the reader sees the EOF
 
     async def _writable(self) -> None:
-        fut = self.loop.create_future()
+        fut: asyncio.Future[None] = self.loop.create_future()
         fd = self.sock.fileno()
-        self.loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+
+        def writable() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self.loop.add_writer(fd, writable)
         try:
             await fut
         finally:
@@ -419,7 +429,7 @@ def peer_pidfd(sock: socket.socket, pid: int) -> int:
         raise ProtocolError(f"cannot open a pidfd for the peer (pid {pid}): {e}") from None
 
 
-def is_local_peer(peer: Any, local: Any) -> bool:
+def is_local_peer(peer: Any, local: Any) -> bool:   # Any: socket addresses, as typeshed's
     """True if a TCP peer is on this host: its address is 127.0.0.1 or ::1 (also as
     ::ffff:127.0.0.1), or equals the local address of the connection (a host connecting
     to one of its own addresses). Other loopback addresses (127.0.0.2, ...) do not count:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence, SupportsIndex
 
 import numpy as np
+from numpy.typing import DTypeLike, NDArray
 
-from .status import LLMStatusCode, _NamedIntEnum, error_for
+from .status import LLMParamInvalidError, _NamedIntEnum
 
 __all__ = [
     "Role", "Placement", "DataType", "CacheDesc", "Cache", "CacheIndex",
@@ -28,8 +29,8 @@ MAX_SHAPE_RANK = 31
 _MAX_CACHE_BYTES = 1 << 48   # keeps every byte offset far inside the native uint64 words
 
 
-def param_invalid(message: str):
-    return error_for(LLMStatusCode.LLM_PARAM_INVALID, message)
+def param_invalid(message: str) -> LLMParamInvalidError:
+    return LLMParamInvalidError(message)
 
 
 class Role(_NamedIntEnum):
@@ -63,7 +64,7 @@ class DataType(_NamedIntEnum):
     DT_BF16 = 27
 
     @property
-    def numpy_dtype(self) -> np.dtype:
+    def numpy_dtype(self) -> np.dtype[np.generic]:
         """The numpy dtype of tensor views (``uint16`` for bf16 unless ml_dtypes is installed)."""
         return _numpy_dtype(self)
 
@@ -72,11 +73,13 @@ class DataType(_NamedIntEnum):
         return 2 if self is DataType.DT_BF16 else _NP_BY_DT[self].itemsize
 
     @classmethod
-    def from_any(cls, dtype: Any) -> "DataType":
+    def from_any(cls, dtype: DTypeLike | int) -> DataType:
         """Accept a DataType, its int id, its name, or a numpy dtype (or its name)."""
         if isinstance(dtype, DataType):
             return dtype
-        if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
+        if isinstance(dtype, bool):
+            raise param_invalid(f"unsupported dtype {dtype!r}")
+        if isinstance(dtype, (int, np.integer)):
             try:
                 return cls(int(dtype))
             except ValueError:
@@ -99,7 +102,7 @@ class DataType(_NamedIntEnum):
         raise param_invalid(f"unsupported dtype {dtype!r}")
 
 
-_NP_BY_DT = {
+_NP_BY_DT: dict[DataType, np.dtype[np.generic]] = {
     DataType.DT_FLOAT: np.dtype(np.float32),
     DataType.DT_FLOAT16: np.dtype(np.float16),
     DataType.DT_INT8: np.dtype(np.int8),
@@ -115,17 +118,18 @@ _NP_BY_DT = {
 }
 
 
-def _numpy_dtype(dt: DataType) -> np.dtype:
+def _numpy_dtype(dt: DataType) -> np.dtype[np.generic]:
     if dt is DataType.DT_BF16:
         try:
             import ml_dtypes  # optional
-            return np.dtype(ml_dtypes.bfloat16)
+            bf16: np.dtype[np.generic] = np.dtype(ml_dtypes.bfloat16)
+            return bf16
         except ImportError:
             return np.dtype(np.uint16)
     return _NP_BY_DT[dt]
 
 
-def check_timeout(value: Any, default: float, name: str = "timeout") -> float:
+def check_timeout(value: object, default: float, name: str = "timeout") -> float:
     """The one rule for every timeout kvengine takes: ``None`` means ``default``; else a
     finite positive number of seconds (an infinite wait is what the engine promises
     never to make). Raises LLMParamInvalidError naming ``name``."""
@@ -136,42 +140,48 @@ def check_timeout(value: Any, default: float, name: str = "timeout") -> float:
     return float(value)
 
 
-def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+def _check_int(name: str, value: object, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise param_invalid(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if not lo <= value <= hi:
-        raise param_invalid(f"{name} must be in [{lo}, {hi}], got {value}")
-    return value
+    n = int(value)
+    if not lo <= n <= hi:
+        raise param_invalid(f"{name} must be in [{lo}, {hi}], got {n}")
+    return n
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class CacheDesc:
-    """``num_tensors`` tensors, each of ``shape`` and ``dtype``; dim 0 is the batch or block count."""
+    """``num_tensors`` tensors, each of ``shape`` and ``dtype``; dim 0 is the batch or block count.
+
+    The constructor takes more than the fields hold (an int or any sequence of ints for
+    ``shape``; a dtype name, numpy dtype or id for ``dtype``) and normalises it: the
+    fields are always a tuple of ints, a :class:`DataType` and a :class:`Placement`.
+    """
     num_tensors: int
     shape: tuple[int, ...]
-    dtype: DataType = DataType.DT_FLOAT16
-    placement: Placement = Placement.HOST
+    dtype: DataType
+    placement: Placement
 
-    def __post_init__(self) -> None:
-        _check_int("CacheDesc.num_tensors", self.num_tensors, 1, _U32)
-        shape = self.shape
+    def __init__(self, num_tensors: int, shape: int | Iterable[SupportsIndex],
+                 dtype: DTypeLike | int = DataType.DT_FLOAT16,
+                 placement: Placement | int = Placement.HOST) -> None:
+        n = _check_int("CacheDesc.num_tensors", num_tensors, 1, _U32)
         if isinstance(shape, (int, np.integer)):
             shape = (shape,)
         try:
-            shape = tuple(shape)
+            dims = tuple(shape)
         except TypeError:
             raise param_invalid("CacheDesc.shape must be a sequence of ints") from None
-        if not 1 <= len(shape) <= MAX_SHAPE_RANK:
-            raise param_invalid(f"CacheDesc.shape must have 1..{MAX_SHAPE_RANK} dims, got {len(shape)}")
-        shape = tuple(_check_int("CacheDesc.shape[%d]" % i, d, 1, _I64) for i, d in enumerate(shape))
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "dtype", DataType.from_any(self.dtype))
+        if not 1 <= len(dims) <= MAX_SHAPE_RANK:
+            raise param_invalid(f"CacheDesc.shape must have 1..{MAX_SHAPE_RANK} dims, got {len(dims)}")
+        object.__setattr__(self, "shape",
+                           tuple(_check_int("CacheDesc.shape[%d]" % i, d, 1, _I64) for i, d in enumerate(dims)))
+        object.__setattr__(self, "dtype", DataType.from_any(dtype))
         try:
-            object.__setattr__(self, "placement", Placement(self.placement))
+            object.__setattr__(self, "placement", Placement(placement))
         except ValueError:
-            raise param_invalid(f"unknown placement {self.placement!r}") from None
-        object.__setattr__(self, "num_tensors", int(self.num_tensors))
+            raise param_invalid(f"unknown placement {placement!r}") from None
+        object.__setattr__(self, "num_tensors", n)
         if self.nbytes > _MAX_CACHE_BYTES:
             raise param_invalid(f"cache of {self.nbytes} bytes exceeds the {_MAX_CACHE_BYTES}-byte limit")
 
@@ -195,12 +205,12 @@ class CacheDesc:
         """Bytes of the whole cache."""
         return self.size * self.num_tensors
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, int | list[int]]:
         return {"n": self.num_tensors, "shape": list(self.shape), "dtype": int(self.dtype),
                 "placement": int(self.placement)}
 
     @classmethod
-    def from_wire(cls, d: dict) -> "CacheDesc":
+    def from_wire(cls, d: Mapping[str, Any]) -> CacheDesc:   # Any: a peer's JSON, checked here
         return cls(d["n"], tuple(d["shape"]), DataType(d["dtype"]), Placement(d["placement"]))
 
 
@@ -214,15 +224,16 @@ class Cache:
     __slots__ = ("cache_id", "desc", "tensors", "tensor_addrs", "_regions", "_keep",
                  "_shared", "_valid", "__weakref__")
 
-    def __init__(self, cache_id: int, desc: CacheDesc, tensors: list, tensor_addrs: list[int],
-                 regions: list[tuple[int, int]], keep: Any, shared: Any = None) -> None:
+    def __init__(self, cache_id: int, desc: CacheDesc, tensors: list[NDArray[Any]], tensor_addrs: list[int],
+                 regions: list[tuple[int, int]], keep: object,
+                 shared: tuple[int, int, int] | None = None) -> None:
         self.cache_id = cache_id
         self.desc = desc
         self.tensors = tensors
         self.tensor_addrs = tensor_addrs
         self._regions = regions      # per tensor: (native region id, byte offset in region)
         self._keep = keep            # owner of the memory (kept alive while in flight)
-        self._shared = shared        # memfd (fd, nbytes) when the cache is shareable
+        self._shared = shared        # memfd (fd, nbytes, stride) when the cache is shareable
         self._valid = True
 
     @property
@@ -252,8 +263,8 @@ class BlocksCacheKey:
 class KvCacheExtParam:
     """Layer ranges: an inclusive ``(first, last)`` tuple (``(-1, -1)`` = all layers) or a
     half-open ``range`` with step 1. A layer is ``tensor_num_per_layer`` consecutive tensors."""
-    src_layer_range: Any = (-1, -1)
-    dst_layer_range: Any = (-1, -1)
+    src_layer_range: tuple[int, int] | range = (-1, -1)
+    dst_layer_range: tuple[int, int] | range = (-1, -1)
     tensor_num_per_layer: int = 2
 
 
