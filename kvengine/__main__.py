@@ -10,6 +10,7 @@ import secrets
 import statistics
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "bench":
         import importlib
-        return importlib.import_module(_BENCH[args.what][0]).main(args.rest)
+        bench_main: Callable[[list[str]], int] = importlib.import_module(_BENCH[args.what][0]).main
+        return bench_main(args.rest)
     if args.cmd == "demo":
         if args.uvloop:
             import uvloop

@@ -20,16 +20,25 @@ import mmap
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import NDArray
+
+if TYPE_CHECKING:
+    from .engine import KvEngine
+    from .transfer import Transfer
+    from .types import Cache, CacheDesc
+
+# One JSON line of the protocol (a command, or a reply): values are whatever JSON says.
+Message = dict[str, Any]
 
 __all__ = ["fill_pattern", "row_digests", "map_fixed", "PeerProcess"]
 
 _PATTERN_LEN = 65537  # prime: consecutive rows of power-of-two sizes differ
 
 
-def fill_pattern(arr: np.ndarray, seed: int, tensor: int) -> None:
+def fill_pattern(arr: NDArray[Any], seed: int, tensor: int) -> None:
     """Fill ``arr`` with bytes determined by (seed, tensor), fast (a tiled random block)."""
     rng = np.random.default_rng((seed * 1_000_003 + tensor) & 0xFFFFFFFF)
     block = rng.integers(0, 256, size=_PATTERN_LEN, dtype=np.uint8)
@@ -42,9 +51,9 @@ def fill_pattern(arr: np.ndarray, seed: int, tensor: int) -> None:
         pos += k
 
 
-def row_digests(tensors: list[np.ndarray]) -> list[list[str]]:
+def row_digests(tensors: list[NDArray[Any]]) -> list[list[str]]:
     """Per tensor, per dim-0 row: a short blake2b hex digest of its bytes."""
-    out = []
+    out: list[list[str]] = []
     for t in tensors:
         rows = t.reshape(t.shape[0], -1).view(np.uint8)
         out.append([hashlib.blake2b(r.tobytes(), digest_size=8).hexdigest() for r in rows])
@@ -66,7 +75,7 @@ def map_fixed(addr: int, size: int) -> int | None:
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.munmap(got, size)
         return None
-    return got
+    return addr
 
 
 class _HeldFaults:
@@ -97,8 +106,8 @@ class _HeldFaults:
         self.armed = False
         self.gate = threading.Event()
         self.faults = 0
-        self.held = None          # fault number of the held fault
-        self.held_addr = None
+        self.held: int | None = None          # fault number of the held fault
+        self.held_addr: int | None = None
         self.faults_while_held = 0
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -125,18 +134,18 @@ class _HeldFaults:
 
 
 class _Server:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: KvEngine) -> None:
         import kvengine as kv
         self.kv = kv
         self.engine = engine
-        self.caches: dict[int, Any] = {}
-        self.bg: dict[int, Any] = {}   # push_start handles -> Transfer
+        self.caches: dict[int, Cache] = {}
+        self.bg: dict[int, Transfer] = {}   # push_start handles -> Transfer
         self.held: _HeldFaults | None = None
 
-    def _desc(self, m: dict):
+    def _desc(self, m: Message) -> CacheDesc:
         return self.kv.CacheDesc(m["n"], tuple(m["shape"]), m.get("dtype", "float16"))
 
-    async def handle(self, m: dict) -> dict:
+    async def handle(self, m: Message) -> Message:
         kv, e = self.kv, self.engine
         op = m["op"]
         if op in ("alloc", "register"):
@@ -147,17 +156,17 @@ class _Server:
                 bufs = [np.zeros(desc.shape, dtype=desc.dtype.numpy_dtype) for _ in range(desc.num_tensors)]
                 cache = e.register_kv_cache(desc, bufs)
             if m.get("fill") is not None:
-                for i, t in enumerate(cache.tensors):
-                    fill_pattern(t, m["fill"], i)
+                for i, arr in enumerate(cache.tensors):
+                    fill_pattern(arr, m["fill"], i)
             self.caches[cache.cache_id] = cache
             return {"cache_id": cache.cache_id}
         if op == "fill":
-            for i, t in enumerate(self.caches[m["cache_id"]].tensors):
-                fill_pattern(t, m["seed"], i)
+            for i, arr in enumerate(self.caches[m["cache_id"]].tensors):
+                fill_pattern(arr, m["seed"], i)
             return {}
         if op == "zero":
-            for t in self.caches[m["cache_id"]].tensors:
-                t[...] = 0
+            for arr in self.caches[m["cache_id"]].tensors:
+                arr[...] = 0
             return {}
         if op == "register_held":   # register_kv_cache on _HeldFaults memory (pages untouched)
             desc = self._desc(m)
@@ -169,6 +178,8 @@ class _Server:
             return {"cache_id": cache.cache_id}
         if op == "held":   # arm / release the held fault, and report
             h = self.held
+            if h is None:
+                raise ValueError("no register_held cache")
             if m.get("arm"):
                 h.armed = True
             if m.get("release"):
@@ -243,7 +254,7 @@ async def _serve(args: argparse.Namespace) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     out = sys.stdout
 
-    def send(obj: dict) -> None:
+    def send(obj: Message) -> None:
         out.write(json.dumps(obj) + "\n")
         out.flush()
 
@@ -267,13 +278,16 @@ class PeerProcess:
     """Parent-side handle of a ``python -m kvengine._peer`` child."""
 
     def __init__(self, proc: asyncio.subprocess.Process, address: str, pid: int) -> None:
+        if proc.stdin is None or proc.stdout is None:
+            raise ValueError("the peer process needs piped stdin and stdout")
         self.proc, self.address, self.pid = proc, address, pid
+        self._stdin, self._stdout = proc.stdin, proc.stdout
         self._lock = asyncio.Lock()
 
     @classmethod
     async def start(cls, cluster_id: int, transport: str = "auto", secret: bytes | None = None,
                     movers: int = 2, timeout: float = 30.0, tcp_streams: int | None = None,
-                    options: dict | None = None) -> "PeerProcess":
+                    options: Message | None = None) -> PeerProcess:
         """Start the child; ``options``: more EngineOptions fields (JSON-able values)."""
         argv = [sys.executable, "-m", "kvengine._peer", "--cluster-id", str(cluster_id),
                 "--listen", "127.0.0.1:0", "--transport", transport, "--movers", str(movers)]
@@ -286,6 +300,7 @@ class PeerProcess:
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
                                                     stdout=asyncio.subprocess.PIPE)
         try:
+            assert proc.stdout is not None   # stdout=PIPE
             line = await asyncio.wait_for(proc.stdout.readline(), timeout)
             hello = json.loads(line)
         except BaseException:
@@ -294,14 +309,14 @@ class PeerProcess:
             raise
         return cls(proc, hello["address"], hello["pid"])
 
-    async def call(self, op: str, timeout: float = 30.0, **kw: Any) -> dict:
+    async def call(self, op: str, timeout: float = 30.0, **kw: Any) -> Message:
         async with self._lock:
-            self.proc.stdin.write((json.dumps(dict(kw, op=op)) + "\n").encode())
-            await self.proc.stdin.drain()
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+            self._stdin.write((json.dumps(dict(kw, op=op)) + "\n").encode())
+            await self._stdin.drain()
+            line = await asyncio.wait_for(self._stdout.readline(), timeout)
         if not line:
             raise ConnectionError("peer process exited")
-        reply = json.loads(line)
+        reply: Message = json.loads(line)
         if not reply.pop("ok"):
             raise RuntimeError(f"peer: {reply['error']}")
         return reply
