@@ -18,18 +18,28 @@ import multiprocessing as mp
 import socket
 import struct
 import time
-from typing import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Callable, Sequence, TypeVarTuple, Unpack
 
 import numpy as np
+from numpy.typing import NDArray
 
 HDR = struct.Struct("<Q")          # 8-byte payload length; 1-byte ack back
 STOCK_LIMIT = 1 << 16              # asyncio.StreamReader's default limit
 PIECE = 4 << 20                    # bytes per write + drain (streams) by default
 
+# What a sender sends as one message: one buffer, or several one after the other.
+Views = memoryview | list[memoryview] | tuple[memoryview, ...]
+# Rows of a cache (any dtype) and their copies
+Rows = Sequence[NDArray[Any]]
+
+_Ts = TypeVarTuple("_Ts")
+
 
 # ---------------------------------------------------------------- memcpy
 
-def memcpy_seconds(src_rows: Sequence[np.ndarray], dst_rows: Sequence[np.ndarray]) -> float:
+def memcpy_seconds(src_rows: Rows, dst_rows: Rows) -> float:
     """Seconds to np.copyto every src row into its dst row, one thread."""
     t0 = time.perf_counter()
     for s, d in zip(src_rows, dst_rows):
@@ -46,7 +56,7 @@ class ParallelMemcpy:
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="memcpy")
 
-    def seconds(self, src_rows: Sequence[np.ndarray], dst_rows: Sequence[np.ndarray]) -> float:
+    def seconds(self, src_rows: Rows, dst_rows: Rows) -> float:
         k = self.threads
 
         def part(j: int) -> None:
@@ -74,10 +84,10 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def raw_peer(conn, nbytes: int) -> None:
+def raw_peer(conn: Connection, nbytes: int) -> None:
     """Receiver of the raw-socket baseline: recv_into a pre-faulted numpy buffer, ack each message."""
     buf = np.ones(nbytes, np.uint8)   # pre-faulted
-    view = memoryview(buf)
+    view = buf.data
     ls = socket.create_server(("127.0.0.1", 0))
     conn.send(ls.getsockname()[1])
     s, _ = ls.accept()
@@ -94,7 +104,7 @@ def raw_peer(conn, nbytes: int) -> None:
         s.close()
 
 
-async def _streams_serve(conn, limit: int, read_piece: int) -> None:
+async def _streams_serve(conn: Connection, limit: int, read_piece: int) -> None:
     done = asyncio.Event()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -125,7 +135,7 @@ async def _streams_serve(conn, limit: int, read_piece: int) -> None:
     server.close()
 
 
-def streams_peer(conn, limit: int, read_piece: int) -> None:
+def streams_peer(conn: Connection, limit: int, read_piece: int) -> None:
     """Receiver of the streams baseline: a uvloop process (asyncio without uvloop) reading with
     StreamReader(limit).readexactly(read_piece)."""
     try:
@@ -135,8 +145,9 @@ def streams_peer(conn, limit: int, read_piece: int) -> None:
         asyncio.run(_streams_serve(conn, limit, read_piece))
 
 
-def start_peer(target, *args, timeout: float = 60.0) -> tuple:
-    """Spawn target(conn, *args); returns (process, the first object it sends)."""
+def start_peer(target: Callable[[Connection, Unpack[_Ts]], None], *args: Unpack[_Ts],
+               timeout: float = 60.0) -> tuple[BaseProcess, int]:
+    """Spawn target(conn, *args); returns (process, the first object it sends: its port)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     p = ctx.Process(target=target, args=(child, *args), daemon=True)
@@ -144,12 +155,13 @@ def start_peer(target, *args, timeout: float = 60.0) -> tuple:
     if not parent.poll(timeout):
         p.kill()
         raise RuntimeError(f"{target.__name__} did not start")
-    return p, parent.recv()
+    port: int = parent.recv()
+    return p, port
 
 
 # ---------------------------------------------------------------- senders (this process)
 
-def raw_send(sock: socket.socket, view, piece: int = 0) -> float:
+def raw_send(sock: socket.socket, view: Views, piece: int = 0) -> float:
     """Blocking (run it on a worker thread): header + sendall (of one buffer, or of a list of
     buffers one by one, or of one buffer in pieces) + wait for the ack. Seconds, end to end."""
     views = view if isinstance(view, (list, tuple)) else [view]
@@ -168,7 +180,7 @@ def raw_send(sock: socket.socket, view, piece: int = 0) -> float:
     return time.perf_counter() - t0
 
 
-async def streams_send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, view,
+async def streams_send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, view: Views,
                        piece: int = PIECE) -> float:
     """Header + write/drain (a buffer in pieces, or a list of buffers one by one) + read the ack."""
     views = view if isinstance(view, (list, tuple)) else [view]
@@ -191,7 +203,7 @@ class RawSocket:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def send(self, views, piece: int = 0) -> float:
+    def send(self, views: Views, piece: int = 0) -> float:
         return raw_send(self.sock, views, piece)
 
     def close(self) -> None:
@@ -212,7 +224,8 @@ class Streams:
     def __init__(self, limit: int = PIECE, read_piece: int = 1 << 20) -> None:
         self.limit, self.read_piece = limit, read_piece
         self.proc, self.port = start_peer(streams_peer, limit, read_piece)
-        self.reader = self.writer = None
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
 
     async def connect(self) -> None:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
@@ -220,7 +233,9 @@ class Streams:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    async def send(self, views, piece: int = PIECE) -> float:
+    async def send(self, views: Views, piece: int = PIECE) -> float:
+        if self.reader is None or self.writer is None:
+            raise RuntimeError("Streams.connect() first")
         return await streams_send(self.reader, self.writer, views, piece)
 
     def close(self) -> None:

@@ -10,10 +10,22 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable, Coroutine, Protocol, TypeVar
 
 KiB = 1 << 10
 MiB = 1 << 20
+
+# A report, or a part of one: what a run writes as JSON (numbers, strings, lists, dicts).
+Report = dict[str, Any]
+# cpu_snapshot(): (wall seconds, {pid: (ppid, CPU ticks)}, steal seconds)
+Snapshot = tuple[float, dict[int, tuple[int, int]], float]
+
+_T = TypeVar("_T")
+
+
+class Runner(Protocol):
+    """asyncio.run or uvloop.run: run a coroutine to its result."""
+    def __call__(self, main: Coroutine[Any, Any, _T], /) -> _T: ...
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -100,9 +112,9 @@ class Progress:
 
 # ---------------------------------------------------------------- machine load
 
-def cpu_snapshot() -> tuple[float, dict[int, tuple[int, int]], float]:
+def cpu_snapshot() -> Snapshot:
     """(wall, {pid: (ppid, CPU ticks incl. reaped children)} of every process, steal seconds), from /proc."""
-    procs = {}
+    procs: dict[int, tuple[int, int]] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -120,7 +132,7 @@ def cpu_snapshot() -> tuple[float, dict[int, tuple[int, int]], float]:
     return time.perf_counter(), procs, steal / os.sysconf("SC_CLK_TCK")
 
 
-def foreign_load(a: tuple, b: tuple) -> dict:
+def foreign_load(a: Snapshot, b: Snapshot) -> Report:
     """CPU time spent between two snapshots by processes outside this benchmark's process tree
     (including processes that started and ended in between, through their parents' reaped time)."""
     tck = os.sysconf("SC_CLK_TCK")
@@ -141,7 +153,7 @@ def foreign_load(a: tuple, b: tuple) -> dict:
             "other_vcpu_fraction": other / tck / wall if wall > 0 else 0.0, "steal_cpu_s": b[2] - a[2]}
 
 
-def load_line(ld: dict) -> str:
+def load_line(ld: Report) -> str:
     return (f"other processes used {ld['other_cpu_s']:.1f} CPU-s during the {fmt_seconds(ld['wall_s'])} measured "
             f"({ld['other_vcpu_fraction'] * 100:.0f}% of one vCPU; this benchmark {ld['own_cpu_s']:.1f} CPU-s, "
             f"hypervisor steal {ld['steal_cpu_s']:.1f} CPU-s)"
@@ -190,19 +202,19 @@ def git_rev() -> str | None:
 def meta(argv: list[str] | None) -> dict[str, Any]:
     import numpy as np
     import kvengine as kv
-    m = {"kvengine": kv.__version__, "git": git_rev(), "python": sys.version.split()[0],
+    m: dict[str, Any] = {"kvengine": kv.__version__, "git": git_rev(), "python": sys.version.split()[0],
          "numpy": np.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
          "kernel": platform.release(), "argv": list(sys.argv[1:] if argv is None else argv),
          "time": time.strftime("%Y-%m-%d %H:%M:%S %z")}
     try:
-        import uvloop
-        m["uvloop"] = uvloop.__version__
-    except ImportError:
+        import importlib.metadata
+        m["uvloop"] = importlib.metadata.version("uvloop")
+    except importlib.metadata.PackageNotFoundError:
         pass
     return m
 
 
-def write_json(path: str, obj: dict) -> None:
+def write_json(path: str, obj: Report) -> None:
     d = os.path.dirname(path)
     if d:
         os.makedirs(d, exist_ok=True)
@@ -210,7 +222,8 @@ def write_json(path: str, obj: dict) -> None:
         json.dump(obj, f, indent=1, default=str)
 
 
-def save_outputs(json_path: str, png_path: str, data: dict, plot, plot_data: dict | None = None) -> str:
+def save_outputs(json_path: str, png_path: str, data: Report, plot: Callable[[Report, str], None],
+                 plot_data: Report | None = None) -> str:
     """Write ``data`` as JSON and ``plot(plot_data or data, png_path)``; the "wrote ..." line."""
     write_json(json_path, data)
     try:
@@ -228,7 +241,7 @@ def out_paths(out: str, json_path: str | None) -> tuple[str, str]:
     return json_path or out + ".json", out + ".png"
 
 
-def get_runner(loop: str):
+def get_runner(loop: str) -> tuple[str, Runner]:
     """asyncio.run or uvloop.run, by name ('auto': uvloop when installed)."""
     import asyncio
     if loop in ("auto", "uvloop"):

@@ -7,10 +7,23 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, TypeVar, TypeVarTuple, Unpack
 
 import numpy as np
 
-from .common import MiB, pct
+from .common import MiB, Report, pct
+
+if TYPE_CHECKING:
+    from kvengine import Cache, CacheIndex, KvEngine
+    from kvengine._peer import PeerProcess
+
+_T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
+
+
+class Closable(Protocol):
+    """A peer-engine pair or a baseline: closing it joins its processes (blocking)."""
+    def close(self) -> None: ...
 
 TRANSPORTS = ("shm", "tcp")
 
@@ -19,60 +32,69 @@ class KvSide:
     """Prefill engine here (cluster 1), decode engine in a child process (cluster 2)."""
 
     def __init__(self, transport: str, movers: int) -> None:
+        import kvengine as kv
         self.transport, self.movers = transport, movers
-        self.peer = self.engine = None
-        self.caches: list = []
+        self.secret = secrets.token_hex(16).encode()
+        self.options = kv.EngineOptions(transport=transport, secret=self.secret, movers=movers)
+        self.peer: PeerProcess | None = None
+        self.engine: KvEngine | None = None
+        self.caches: list[Cache] = []
+
+    def started(self) -> tuple[KvEngine, PeerProcess]:
+        if self.engine is None or self.peer is None:
+            raise RuntimeError("KvSide.start() first")
+        return self.engine, self.peer
 
     async def start(self) -> None:
         import kvengine as kv
         from kvengine._peer import PeerProcess
-        self.kv = kv
-        secret = secrets.token_hex(16).encode()
-        self.peer = await PeerProcess.start(cluster_id=2, transport=self.transport, secret=secret,
-                                            movers=self.movers)
-        opts = kv.EngineOptions(transport=self.transport, secret=secret, movers=self.movers)
-        self.options = opts
-        self.engine = await kv.KvEngine(1, kv.Role.PROMPT, None, opts).start()
-        st, per = await self.engine.link_clusters([kv.ClusterInfo(2, self.peer.address)], timeout=10)
+        self.peer = peer = await PeerProcess.start(cluster_id=2, transport=self.transport, secret=self.secret,
+                                                   movers=self.movers)
+        self.engine = engine = await kv.KvEngine(1, kv.Role.PROMPT, None, self.options).start()
+        st, per = await engine.link_clusters([kv.ClusterInfo(2, peer.address)], timeout=10)
         if st != kv.LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"kvengine: link to the decode process failed: {st!r} {per!r}")
-        link = self.engine.stats()["links"][2]
+        link = engine.stats()["links"][2]
         if link["transport"] != self.transport:
             raise RuntimeError(f"kvengine: link transport {link['transport']!r}, not {self.transport!r}")
 
-    async def alloc(self, tensors: int, row: int, seed: int):
+    async def alloc(self, tensors: int, row: int, seed: int) -> tuple[Cache, CacheIndex]:
         """A source cache here (tensors x (1, row) bytes, filled) and its destination in the child:
         (src cache, destination CacheIndex)."""
+        import kvengine as kv
         from kvengine._peer import fill_pattern
-        kv = self.kv
+        engine, peer = self.started()
         desc = kv.CacheDesc(tensors, (1, row), np.uint8)
-        src = await self.engine.allocate_cache_async(desc)
+        src = await engine.allocate_cache_async(desc)
         for i, t in enumerate(src.tensors):
             fill_pattern(t, seed, i)
-        dst = (await self.peer.call("alloc", n=tensors, shape=[1, row], dtype="uint8", timeout=120))["cache_id"]
-        await self.engine.wait_remote_cache(2, dst, timeout=30)
+        dst = (await peer.call("alloc", n=tensors, shape=[1, row], dtype="uint8", timeout=120))["cache_id"]
+        await engine.wait_remote_cache(2, dst, timeout=30)
         self.caches.append(src)
         return src, kv.CacheIndex(2, dst, 0)
 
-    async def verify(self, src, idx) -> bool:
+    async def verify(self, src: Cache, idx: CacheIndex) -> bool:
         """Zero the destination, push once, compare row digests with the source's."""
         from kvengine._peer import row_digests
-        await self.peer.call("zero", cache_id=idx.cache_id, timeout=120)
-        await self.engine.push_kv_cache(src, idx, 0, timeout=60)
-        got = (await self.peer.call("digest", cache_id=idx.cache_id, timeout=120))["rows"]
+        engine, peer = self.started()
+        await peer.call("zero", cache_id=idx.cache_id, timeout=120)
+        await engine.push_kv_cache(src, idx, 0, timeout=60)
+        got: list[list[str]] = (await peer.call("digest", cache_id=idx.cache_id, timeout=120))["rows"]
         return got == row_digests(src.tensors)
 
-    async def push_seconds(self, src, idx, n: int) -> float:
+    async def push_seconds(self, src: Cache, idx: CacheIndex, n: int) -> float:
         """n pushes of row 0, each awaited: total seconds."""
-        push, clock = self.engine.push_kv_cache, time.perf_counter
+        engine, _ = self.started()
+        push, clock = engine.push_kv_cache, time.perf_counter
         t0 = clock()
         for _ in range(n):
             await push(src, idx, 0, timeout=60)
         return clock() - t0
 
-    async def stats(self) -> tuple[dict, dict]:
-        here = self.engine.stats()
-        there = (await self.peer.call("stats"))["stats"]
+    async def stats(self) -> tuple[Report, Report]:
+        engine, peer = self.started()
+        here: Report = engine.stats()
+        there: Report = (await peer.call("stats"))["stats"]
         return here, there
 
     async def close(self) -> None:
@@ -85,7 +107,7 @@ class KvSide:
             await self.peer.close()
 
 
-async def close_all(kvs: KvSide, pairs: dict, *baselines) -> None:
+async def close_all(kvs: KvSide, pairs: Mapping[str, Closable], *baselines: Closable | None) -> None:
     """End a run: kvengine's side first (the others' closing blocks: it joins processes),
     then the peer engines' pairs, then the baselines that were started (None: not started)."""
     await kvs.close()
@@ -96,7 +118,7 @@ async def close_all(kvs: KvSide, pairs: dict, *baselines) -> None:
             b.close()
 
 
-def odd_stats(name: str, s: dict) -> str | None:
+def odd_stats(name: str, s: Report) -> str | None:
     """Anything an engine owner should see: failed or aborted transfers, refused connections."""
     odd = {k: v for k, v in s.get("by_status", {}).items() if str(k) not in ("LLM_SUCCESS", "0")}
     nat = s.get("native", {})
@@ -107,7 +129,7 @@ def odd_stats(name: str, s: dict) -> str | None:
     return f"note: {name}: {odd}" if odd else None
 
 
-def footer(r: dict) -> list[str]:
+def footer(r: Report) -> list[str]:
     """The lines after a report's table: the machine's load, odd engine counters."""
     from .common import load_line
     lines = []
@@ -120,7 +142,7 @@ def footer(r: dict) -> list[str]:
     return lines
 
 
-def summary(samples_s: list[float]) -> dict:
+def summary(samples_s: list[float]) -> dict[str, float]:
     us = sorted(x * 1e6 for x in samples_s)
     return {"n": len(us), "p50_us": pct(us, 0.5), "p90_us": pct(us, 0.9), "p99_us": pct(us, 0.99),
             "p999_us": pct(us, 0.999), "max_us": us[-1] if us else float("nan"),
@@ -132,7 +154,7 @@ def table(rows: list[list[str]], header: list[str], align: str | None = None) ->
     align = align or "l" + "r" * (len(header) - 1)
     cols = list(zip(*([header] + rows)))
     w = [max(len(str(c)) for c in col) for col in cols]
-    def line(r):
+    def line(r: list[str] | tuple[str, ...]) -> str:
         return "  ".join(str(c).ljust(w[i]) if align[i] == "l" else str(c).rjust(w[i])
                          for i, c in enumerate(r)).rstrip()
     return "\n".join([line(header), "  ".join("-" * x for x in w)] + [line(r) for r in rows])
@@ -156,7 +178,7 @@ def us(x: float) -> str:
     return f"{x:.1f}" if x < 100 else f"{x:.0f}"
 
 
-async def in_thread(fn, *a):
+async def in_thread(fn: Callable[[Unpack[_Ts]], _T], *a: Unpack[_Ts]) -> _T:
     return await asyncio.to_thread(fn, *a)
 
 

@@ -29,11 +29,12 @@ import sys
 import time
 
 import numpy as np
+from numpy.typing import NDArray
 
 from . import peers as P
 from .baselines import RawSocket, Streams
-from .common import (KiB, Progress, busy_processes, cpu_snapshot, fmt_seconds, foreign_load, get_runner, meta,
-                     save_outputs)
+from .common import (KiB, Progress, Report, busy_processes, cpu_snapshot, fmt_seconds, foreign_load, get_runner,
+                     meta, save_outputs)
 from .harness import KvSide, close_all, footer, ratio, summary, table, us
 from .throughput import KV, MEMCPY, RAW, STREAMS, add_common_args, col_name, resolve_common
 
@@ -42,12 +43,12 @@ HALF = 32 * KiB                 # K and V of one layer: 2 x 32 KiB = 64 KiB
 ROUNDS = 10
 
 
-async def run(args) -> dict:
+async def run(args: argparse.Namespace) -> Report:
     T = args.transport
     say = print
     layer_bytes = 2 * HALF
     total = 2 * LAYERS * HALF
-    out: dict = {"transport": T, "layer_bytes": layer_bytes, "layers": LAYERS, "loop": args.loop_name}
+    out: Report = {"transport": T, "layer_bytes": layer_bytes, "layers": LAYERS, "loop": args.loop_name}
     t_setup = time.perf_counter()
     say(f"setup: decode engine in a child process ({T}), baselines, peers ...", flush=True)
     pairs, missing = P.start_peers(args.peers, total, T, args.peer_log, say)
@@ -56,20 +57,22 @@ async def run(args) -> dict:
         if n not in args.peers:
             out["peers"][n] = "not run (--peers)"
     kvs = KvSide(T, args.movers)
-    raw = streams = None
+    raw: RawSocket | None = None
+    streams: Streams | None = None
     try:
         await kvs.start()
-        kv = kvs.kv
+        import kvengine as kv
         src, idx = await kvs.alloc(2 * LAYERS, HALF, seed=5)
         exts = [kv.KvCacheExtParam((i, i), (i, i), 2) for i in range(LAYERS)]
         rows = [t[0] for t in src.tensors]
+        dst_rows: list[NDArray[np.uint8]] = []
         if T == "shm":
             dst_rows = [np.ones(HALF, np.uint8) for _ in range(2 * LAYERS)]
         else:
             raw = RawSocket(layer_bytes)
             streams = Streams()
             await streams.connect()
-            payload = memoryview(np.ascontiguousarray(np.concatenate(rows[:2])))
+        payload = np.ascontiguousarray(np.concatenate(rows[:2])).data
         plans = [(f"l{i}", [(2 * i * HALF, HALF), ((2 * i + 1) * HALF, HALF)]) for i in range(LAYERS)]
         keys = [k for k, _ in plans]
         for name, pair in list(pairs.items()):
@@ -85,7 +88,8 @@ async def run(args) -> dict:
         if not await kvs.verify(src, idx):
             raise RuntimeError("kvengine: pushed cache differs from the source")
 
-        push, clock = kvs.engine.push_kv_cache, time.perf_counter
+        engine, _ = kvs.started()
+        push, clock = engine.push_kv_cache, time.perf_counter
 
         async def kv_samples(n: int) -> list[float]:
             s = []
@@ -106,6 +110,7 @@ async def run(args) -> dict:
             return s
 
         async def streams_samples(n: int) -> list[float]:
+            assert streams is not None   # a tcp column
             return [await streams.send(payload) for _ in range(n)]
 
         async def samples(name: str, n: int) -> list[float]:
@@ -114,7 +119,9 @@ async def run(args) -> dict:
             if name == MEMCPY:
                 return memcpy_samples(n)
             if name == RAW:
-                return await asyncio.to_thread(lambda: [raw.send(payload) for _ in range(n)])
+                assert raw is not None   # a tcp column
+                sock = raw
+                return await asyncio.to_thread(lambda: [sock.send(payload) for _ in range(n)])
             if name == STREAMS:
                 return await streams_samples(n)
             return await asyncio.to_thread(pairs[name].run, keys, n)
@@ -123,7 +130,7 @@ async def run(args) -> dict:
         per = max(1, args.n // ROUNDS)
         say(f"setup {time.perf_counter() - t_setup:.1f} s; measuring: {len(configs)} columns x {ROUNDS} rounds x "
             f"{per} samples, interleaved (columns: {', '.join(col_name(n, T) for n in configs)})", flush=True)
-        lat = {n: [] for n in configs}
+        lat: dict[str, list[float]] = {n: [] for n in configs}
         bar = Progress(ROUNDS * len(configs), f"latency {T}", every=len(configs))
         snap0 = cpu_snapshot()
         t_meas = time.perf_counter()
@@ -153,7 +160,7 @@ async def run(args) -> dict:
     return out
 
 
-def report(r: dict) -> list[str]:
+def report(r: Report) -> list[str]:
     T = r["transport"]
     res, cols = r["results"], r["columns"]
     lines = [f"kvengine bench latency --transport {T}: one-layer push (K + V = 2 x 32 KiB = 64 KiB), awaited one "
@@ -180,7 +187,7 @@ def report(r: dict) -> list[str]:
     return lines
 
 
-def plot(r: dict, path: str) -> None:
+def plot(r: Report, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -31,7 +31,7 @@ import numpy as np
 
 import kvengine as kv
 from kvengine._peer import PeerProcess
-from .common import save_outputs
+from .common import Report, save_outputs
 
 S = kv.LLMStatusCode
 LAYER_HALF = 32 << 10          # K and V of one layer: 2 x 32 KiB
@@ -48,8 +48,8 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def setup(mode: str, peer: PeerProcess, cluster: int, streams: int, budget: int, piece: int,
-                secret: bytes):
+async def setup(mode: str, peer: PeerProcess, cluster: int, streams: int, budget: int | None,
+                piece: int | None, secret: bytes) -> tuple[kv.KvEngine, kv.Cache, kv.Cache]:
     opts = kv.EngineOptions(transport="tcp", scheduling=mode, secret=secret, tcp_streams=streams,
                             max_inflight_bytes=budget, piece_bytes=piece)
     e = await kv.KvEngine(cluster, kv.Role.PROMPT, None, opts).start()
@@ -60,7 +60,7 @@ async def setup(mode: str, peer: PeerProcess, cluster: int, streams: int, budget
     return e, layer_src, big_src
 
 
-async def capacity(e, big_src, big_dst: int, reps: int) -> float:
+async def capacity(e: kv.KvEngine, big_src: kv.Cache, big_dst: int, reps: int) -> float:
     """Bytes/s of back-to-back whole-cache pushes, two in flight."""
     idx = kv.CacheIndex(2, big_dst, 0)
     await e.push_kv_cache(big_src, idx, timeout=30)
@@ -70,20 +70,20 @@ async def capacity(e, big_src, big_dst: int, reps: int) -> float:
     return 2 * reps * 2 * BIG_ROW / (time.perf_counter() - t0)
 
 
-async def run_load(e, layer_src, big_src, layer_dst: int, big_dsts: list[int], arrivals: list[tuple[float, int]]
-                   ) -> dict:
+async def run_load(e: kv.KvEngine, layer_src: kv.Cache, big_src: kv.Cache, layer_dst: int, big_dsts: list[int],
+                   arrivals: list[tuple[float, int]]) -> Report:
     loop = asyncio.get_running_loop()
-    lat = {"layer": [], "big": []}
+    lat: dict[str, list[float]] = {"layer": [], "big": []}
     miss = {"layer": 0, "big": 0}
     count = {"layer": 0, "big": 0}
     done_bytes = 0
-    tasks = []
+    tasks: list[kv.Transfer] = []
     t_start = loop.time()
     exts = [kv.KvCacheExtParam((i, i), (i, i), 2) for i in range(32)]
 
     clock = time.perf_counter   # uvloop's loop.time() has 1 ms resolution
 
-    def finished(kind: str, t0: float, t) -> None:
+    def finished(kind: str, t0: float, t: kv.Transfer) -> None:
         nonlocal done_bytes
         # a push that missed its deadline counts at the deadline (it resolved LLM_TIMEOUT then)
         lat[kind].append(clock() - t0)
@@ -109,7 +109,13 @@ async def run_load(e, layer_src, big_src, layer_dst: int, big_dsts: list[int], a
         if t.done():
             finished(name, t0, t)
         else:
-            t._on_done = lambda st, name=name, t0=t0, t=t: finished(name, t0, t)
+            # Transfer's internal completion hook (layers.py uses it too): called in the
+            # completion itself, without the event-loop hop an awaiting task would add.
+            # setattr: transfer.py does not annotate the hook yet (and __slots__ makes a
+            # renamed hook fail here at once).
+            def on_done(st: kv.LLMStatusCode, name: str = name, t0: float = t0, t: kv.Transfer = t) -> None:
+                finished(name, t0, t)
+            setattr(t, "_on_done", on_done)
         tasks.append(t)
     await asyncio.gather(*tasks)
     elapsed = loop.time() - t_start
@@ -134,14 +140,14 @@ def make_arrivals(rate_bytes: float, seconds: float, seed: int) -> list[tuple[fl
     return out
 
 
-async def main_async(args) -> dict:
+async def main_async(args: argparse.Namespace) -> Report:
     secret = secrets.token_hex(16).encode()   # authenticated links, as in production (and no warning)
     peer = await PeerProcess.start(cluster_id=2, transport="tcp", tcp_streams=args.streams, secret=secret)
     try:
         layer_dst = (await peer.call("alloc", n=64, shape=[1, LAYER_HALF], dtype="uint8"))["cache_id"]
         big_dsts = [(await peer.call("alloc", n=2, shape=[1, BIG_ROW], dtype="uint8"))["cache_id"]
                     for _ in range(4)]
-        engines = {}
+        engines: dict[str, tuple[kv.KvEngine, kv.Cache, kv.Cache]] = {}
         for cluster, mode in ((11, "edf"), (12, "fifo")):
             engines[mode] = await setup(mode, peer, cluster, args.streams, args.budget, args.piece, secret)
             for cid in [layer_dst] + big_dsts:
@@ -149,14 +155,15 @@ async def main_async(args) -> dict:
         cap = statistics.median([await capacity(engines["edf"][0], engines["edf"][2], big_dsts[0], args.cap_reps)
                                  for _ in range(3)])
         print(f"capacity (back-to-back 32 MiB pushes over tcp): {cap / 1e9:.2f} GB/s", flush=True)
-        results = {"capacity_GBps": cap / 1e9, "loads": []}
+        loads: list[Report] = []
+        results: Report = {"capacity_GBps": cap / 1e9, "loads": loads}
         for li, load in enumerate(args.loads):
             arrivals = make_arrivals(load * cap, args.seconds, seed=li)
-            row = {"offered": load, "arrivals": len(arrivals)}
+            row: Report = {"offered": load, "arrivals": len(arrivals)}
             for mode in ("edf", "fifo") if li % 2 == 0 else ("fifo", "edf"):   # alternate who goes first
                 e, ls, bs = engines[mode]
                 row[mode] = await run_load(e, ls, bs, layer_dst, big_dsts, arrivals)
-            results["loads"].append(row)
+            loads.append(row)
             ed, fi = row["edf"], row["fifo"]
             print(f"load {load:.0%}: {len(arrivals)} pushes | "
                   f"EDF: {ed['throughput_GBps']:.2f} GB/s, misses {ed['missed']} "
@@ -172,7 +179,7 @@ async def main_async(args) -> dict:
         await peer.close()
 
 
-def summarize(results: dict) -> None:
+def summarize(results: Report) -> None:
     for row in results["loads"]:
         ed, fi = row["edf"], row["fifo"]
         miss_ratio = (fi["missed"] / ed["missed"]) if ed["missed"] else float("inf") if fi["missed"] else 1.0
@@ -183,7 +190,7 @@ def summarize(results: dict) -> None:
               f"one-layer p99 FIFO/EDF = {p99_ratio:.1f}x (goal >= 3x)")
 
 
-def plot(results: dict, path: str) -> None:
+def plot(results: Report, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

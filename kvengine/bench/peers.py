@@ -39,7 +39,20 @@ import importlib.util
 import multiprocessing as mp
 import os
 import time
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, Literal, TypeVar, overload
+
+if TYPE_CHECKING:
+    import numpy as np
+    from nixl._api import nixl_xfer_handle
+    from numpy.typing import NDArray
+
+# A message over a worker's pipe (pickled): an op and its arguments, or a reply.
+Msg = dict[str, Any]
+# A transfer a worker prepared (_Side.plans): the engine's own handle.
+_Plan = TypeVar("_Plan")
+# Mooncake's: (source addresses, destination addresses, lengths), one entry per tensor
+MooncakePlan = tuple[list[int], list[int], list[int]]
 
 NIXL, MOONCAKE = "NIXL", "Mooncake"
 ENGINES = (NIXL, MOONCAKE)
@@ -48,7 +61,7 @@ INSTALL_HINT = "pip install -e '.[peers]' or benchmarks/install_peers.sh (see do
 
 def available() -> dict[str, tuple[bool, str]]:
     """{engine: (module found, why not)} without importing them here."""
-    out = {}
+    out: dict[str, tuple[bool, str]] = {}
     for name, mod in ((NIXL, "nixl"), (MOONCAKE, "mooncake")):
         try:
             found = importlib.util.find_spec(mod) is not None
@@ -60,11 +73,11 @@ def available() -> dict[str, tuple[bool, str]]:
 
 # ---------------------------------------------------------------- worker side (spawned processes)
 
-def _digest(buf, n: int) -> str:
-    return hashlib.blake2b(memoryview(buf)[:n], digest_size=16).hexdigest()
+def _digest(buf: NDArray[np.uint8], n: int) -> str:
+    return hashlib.blake2b(buf.data[:n], digest_size=16).hexdigest()
 
 
-class _Side:
+class _Side(Generic[_Plan]):
     """One side of one engine in a worker process: a registered buffer of ``size`` bytes."""
 
     def __init__(self, engine: str, role: str, size: int, seed: int) -> None:
@@ -74,25 +87,34 @@ class _Side:
         if role == "initiator":
             from kvengine._peer import fill_pattern
             fill_pattern(self.buf, seed, 0)
-        self.addr = self.buf.ctypes.data
-        self.plans: dict[Any, Any] = {}
+        self.addr: int = self.buf.ctypes.data
+        self.plans: dict[Hashable, _Plan] = {}   # by key: a str, or a tuple (sent as a list)
+        self.raddr = 0                           # the target's buffer (op_connect)
 
-    def info(self) -> dict:
+    def info(self) -> Msg:
         return {"addr": self.addr}
 
-    def op_zero(self, m: dict) -> dict:
+    def _one(self, p: _Plan) -> None:
+        """Run one prepared transfer to completion."""
+        raise NotImplementedError
+
+    def serve_poll(self, conn: Connection) -> None:
+        """Target: let the engine make progress until the next message arrives."""
+        raise NotImplementedError
+
+    def op_zero(self, m: Msg) -> Msg:
         self.buf[:m["n"]] = 0
         return {}
 
-    def op_digest(self, m: dict) -> dict:
+    def op_digest(self, m: Msg) -> Msg:
         return {"digest": _digest(self.buf, m["n"])}
 
-    def op_run(self, m: dict) -> dict:
+    def op_run(self, m: Msg) -> Msg:
         """m: key (a prepared transfer or a list of them, cycled), n transfers; the seconds of each."""
         keys = m["key"] if isinstance(m["key"], list) else [m["key"]]
         plans = [self.plans[tuple(k) if isinstance(k, list) else k] for k in keys]
         one, clock = self._one, time.perf_counter
-        out = []
+        out: list[float] = []
         for i in range(m["n"]):
             p = plans[i % len(plans)]
             t0 = clock()
@@ -103,24 +125,24 @@ class _Side:
         return {"seconds": out}
 
 
-class _NixlSide(_Side):
+class _NixlSide(_Side["nixl_xfer_handle"]):
     def __init__(self, role: str, size: int, seed: int) -> None:
         super().__init__(NIXL, role, size, seed)
         from nixl._api import nixl_agent, nixl_agent_config
         self.agent = nixl_agent(f"kvbench-{role}-{os.getpid()}",
                                 nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.agent.register_memory([(self.addr, size, 0, "")], "DRAM")
-        self.remote = None
+        self.remote = ""   # the target agent's name (op_connect)
 
-    def info(self) -> dict:
+    def info(self) -> Msg:
         return {"addr": self.addr, "md": self.agent.get_agent_metadata()}
 
-    def op_connect(self, m: dict) -> dict:
+    def op_connect(self, m: Msg) -> Msg:
         self.remote = self.agent.add_remote_agent(m["md"])
         self.raddr = m["addr"]
         return {}
 
-    def op_prepare(self, m: dict) -> dict:
+    def op_prepare(self, m: Msg) -> Msg:
         """m: plans [[key, [[offset, length], ...]], ...]: one WRITE handle each, same offsets both sides."""
         for key, segs in m["plans"]:
             local = self.agent.get_xfer_descs([(self.addr + o, n, 0) for o, n in segs], "DRAM")
@@ -129,7 +151,7 @@ class _NixlSide(_Side):
                 self.agent.initialize_xfer("WRITE", local, remote, self.remote)
         return {}
 
-    def _one(self, h) -> None:
+    def _one(self, h: nixl_xfer_handle) -> None:
         a = self.agent
         st = a.transfer(h)
         while st == "PROC":
@@ -137,7 +159,7 @@ class _NixlSide(_Side):
         if st != "DONE":
             raise RuntimeError(f"NIXL transfer state {st}")
 
-    def serve_poll(self, conn) -> None:
+    def serve_poll(self, conn: Connection) -> None:
         """Target: drive UCX progress until the next message arrives."""
         get, ready, yld = self.agent.get_new_notifs, conn.poll, os.sched_yield
         while not ready(0):
@@ -145,7 +167,7 @@ class _NixlSide(_Side):
             yld()
 
 
-class _MooncakeSide(_Side):
+class _MooncakeSide(_Side[MooncakePlan]):
     def __init__(self, role: str, size: int, seed: int) -> None:
         super().__init__(MOONCAKE, role, size, seed)
         from mooncake.engine import TransferEngine
@@ -157,21 +179,21 @@ class _MooncakeSide(_Side):
         if rc != 0:
             raise RuntimeError(f"Mooncake register_memory returned {rc}")
 
-    def info(self) -> dict:
+    def info(self) -> Msg:
         return {"addr": self.addr, "port": self.te.get_rpc_port()}
 
-    def op_connect(self, m: dict) -> dict:
+    def op_connect(self, m: Msg) -> Msg:
         self.remote = f"127.0.0.1:{m['port']}"
         self.raddr = m["addr"]
         return {}
 
-    def op_prepare(self, m: dict) -> dict:
+    def op_prepare(self, m: Msg) -> Msg:
         for key, segs in m["plans"]:
             self.plans[tuple(key) if isinstance(key, list) else key] = (
                 [self.addr + o for o, _ in segs], [self.raddr + o for o, _ in segs], [n for _, n in segs])
         return {}
 
-    def _one(self, p) -> None:
+    def _one(self, p: MooncakePlan) -> None:
         srcs, dsts, lens = p
         if len(srcs) == 1:
             rc = self.te.transfer_sync_write(self.remote, srcs[0], dsts[0], lens[0])
@@ -180,19 +202,21 @@ class _MooncakeSide(_Side):
         if rc != 0:
             raise RuntimeError(f"Mooncake write returned {rc}")
 
-    def serve_poll(self, conn) -> None:
+    def serve_poll(self, conn: Connection) -> None:
         conn.poll(None)          # its own threads move the bytes
 
 
-def _worker(conn, engine: str, role: str, size: int, seed: int, env: dict, log_path: str | None) -> None:
+def _worker(conn: Connection, engine: str, role: str, size: int, seed: int, env: dict[str, str],
+            log_path: str | None) -> None:
     os.environ.update(env)
     if log_path:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    side: _NixlSide | _MooncakeSide
     try:
-        side = (_NixlSide if engine == NIXL else _MooncakeSide)(role, size, seed)
+        side = _NixlSide(role, size, seed) if engine == NIXL else _MooncakeSide(role, size, seed)
     except Exception as e:  # report: the column says why
         conn.send({"error": f"{type(e).__name__}: {e}"})
         return
@@ -211,6 +235,7 @@ def _worker(conn, engine: str, role: str, size: int, seed: int, env: dict, log_p
                 conn.send({"ok": True})
                 side.serve_poll(conn)
                 continue
+            reply: Msg
             if op == "block":
                 reply = {}
             else:
@@ -227,7 +252,7 @@ class PeerError(RuntimeError):
 
 
 class _Proc:
-    def __init__(self, engine: str, role: str, size: int, seed: int, env: dict, log_path: str | None,
+    def __init__(self, engine: str, role: str, size: int, seed: int, env: dict[str, str], log_path: str | None,
                  timeout: float) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -242,15 +267,16 @@ class _Proc:
             raise PeerError(hello["error"])
         self.info, self.pid = hello["info"], hello["pid"]
 
-    def _recv(self, timeout: float) -> dict:
+    def _recv(self, timeout: float) -> Msg:
         if not self.conn.poll(timeout):
             raise PeerError(f"no answer within {timeout:.0f} s")
         try:
-            return self.conn.recv()
+            msg: Msg = self.conn.recv()
         except EOFError:
             raise PeerError(f"worker exited (code {self.proc.exitcode})") from None
+        return msg
 
-    def call(self, op: str, timeout: float | None = None, **kw) -> dict:
+    def call(self, op: str, timeout: float | None = None, **kw: Any) -> Msg:
         try:
             self.conn.send(dict(kw, op=op))
         except (BrokenPipeError, OSError):
@@ -287,48 +313,60 @@ class PeerPair:
                 env["UCX_TLS"] = "tcp"
         # what the workers run with: these, plus any UCX_/MC_/NIXL_ variable of this environment (inherited)
         self.env = dict({k: v for k, v in os.environ.items() if k.startswith(("UCX_", "MC_", "NIXL_"))}, **env)
-        self.target = self.initiator = None
+        target = _Proc(engine, "target", size, seed, env, log_path, timeout)
         try:
-            self.target = _Proc(engine, "target", size, seed, env, log_path, timeout)
-            self.initiator = _Proc(engine, "initiator", size, seed, env, log_path, timeout)
-            self.initiator.call("connect", **self.target.info)
+            initiator = _Proc(engine, "initiator", size, seed, env, log_path, timeout)
+            try:
+                initiator.call("connect", **target.info)
+            except BaseException:
+                initiator.close()
+                raise
         except BaseException:
-            self.close()
+            target.close()
             raise
-        self.pids = [self.target.pid, self.initiator.pid]
+        self.target, self.initiator = target, initiator
+        self.pids = [target.pid, initiator.pid]
 
-    def prepare(self, plans: list) -> None:
+    def prepare(self, plans: list[tuple[str, list[tuple[int, int]]]]) -> None:
         """plans: [(key, [(offset, length), ...]), ...]: the transfers ``run`` may name."""
         self.initiator.call("prepare", plans=[[k, [list(s) for s in segs]] for k, segs in plans])
 
-    def run(self, key, n: int, total: bool = False, timeout: float | None = None):
+    @overload
+    def run(self, key: str | list[str], n: int, total: Literal[False] = False,
+            timeout: float | None = None) -> list[float]: ...
+    @overload
+    def run(self, key: str | list[str], n: int, total: Literal[True], timeout: float | None = None) -> float: ...
+
+    def run(self, key: str | list[str], n: int, total: bool = False,
+            timeout: float | None = None) -> list[float] | float:
         """n transfers of plan ``key`` (or cycling over a list of keys): per-transfer seconds, or their sum."""
         self.target.call("poll")
         try:
             r = self.initiator.call("run", key=key, n=n, total=total, timeout=timeout)
         finally:
             self.target.call("block")
-        return r["seconds"]
+        seconds: list[float] | float = r["seconds"]
+        return seconds
 
-    def verify(self, key, nbytes: int) -> bool:
+    def verify(self, key: str | list[str], nbytes: int) -> bool:
         """Zero the target's first nbytes, run ``key`` once, compare digests of the first nbytes."""
         self.target.call("zero", n=nbytes)
         self.run(key, 1)
-        a = self.initiator.call("digest", n=nbytes)["digest"]
-        b = self.target.call("digest", n=nbytes)["digest"]
+        a: str = self.initiator.call("digest", n=nbytes)["digest"]
+        b: str = self.target.call("digest", n=nbytes)["digest"]
         return a == b
 
     def close(self) -> None:
         for p in (self.initiator, self.target):
-            if p is not None:
-                p.close()
+            p.close()
 
 
 def start_peers(names: list[str], size: int, transport: str, log_path: str | None,
-                say=print) -> tuple[dict[str, PeerPair], dict[str, str]]:
+                say: Callable[[str], object] = print) -> tuple[dict[str, PeerPair], dict[str, str]]:
     """Start the pairs that can start: ({name: pair}, {name: why not} for the others)."""
     have = available()
-    pairs, missing = {}, {}
+    pairs: dict[str, PeerPair] = {}
+    missing: dict[str, str] = {}
     if log_path and any(have[n][0] for n in names):
         open(log_path, "w").close()
     for name in names:

@@ -35,14 +35,23 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from . import peers as P
 from .baselines import ParallelMemcpy, RawSocket, Streams, memcpy_seconds
-from .common import (KiB, MiB, Progress, busy_processes, cpu_snapshot, fmt_bytes, fmt_seconds, foreign_load,
-                     get_runner, meta, out_paths, parse_bytes, save_outputs, short_bytes)
+from .common import (KiB, MiB, Progress, Report, busy_processes, cpu_snapshot, fmt_bytes, fmt_seconds,
+                     foreign_load, get_runner, meta, out_paths, parse_bytes, save_outputs, short_bytes)
 from .harness import MODEL, TRANSPORTS, KvSide, close_all, footer, gbps, model_label, ratio, table
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.ticker import Formatter
+
+    from kvengine import Cache, CacheIndex
 
 KV = "kvengine"
 MEMCPY, MEMCPY2, RAW, STREAMS = "memcpy", "memcpy 2 threads", "raw socket", "uvloop streams"
@@ -56,6 +65,24 @@ def burst(nbytes: int) -> int:
     return max(1, min(200, BURST_BYTES // nbytes))
 
 
+@dataclass
+class _Case:
+    """One size: kvengine pushes row 0 of ``src``; memcpy/raw/streams send the same rows."""
+    tensors: int
+    row: int
+    src: Cache
+    idx: CacheIndex
+    rows: list[NDArray[Any]]             # row 0 of each tensor of src
+    n: int                               # transfers per measurement
+    key: str                             # the peers' name of this size's plan
+    views: list[memoryview] = field(default_factory=list)
+    memcpy_dst: list[NDArray[np.uint8]] = field(default_factory=list)   # shm: pre-faulted
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensors * self.row
+
+
 def col_name(name: str, transport: str) -> str:
     if name == STREAMS:
         import importlib.util
@@ -67,12 +94,12 @@ def col_name(name: str, transport: str) -> str:
     return name
 
 
-async def run(args) -> dict:
+async def run(args: argparse.Namespace) -> Report:
     T = args.transport
     sizes = args.sizes
     max_bytes = max(t * r for t, r in sizes)
     say = print
-    out: dict = {"transport": T, "sizes": [], "peers": {}, "loop": args.loop_name}
+    out: Report = {"transport": T, "sizes": [], "peers": {}, "loop": args.loop_name}
     t_setup = time.perf_counter()
     say(f"setup: decode engine in a child process ({T}), baselines, peers ...", flush=True)
 
@@ -83,7 +110,9 @@ async def run(args) -> dict:
         if n not in args.peers:
             out["peers"][n] = "not run (--peers)"
     kvs = KvSide(T, args.movers)
-    raw = streams = pmemcpy = None
+    raw: RawSocket | None = None
+    streams: Streams | None = None
+    pmemcpy: ParallelMemcpy | None = None
     try:
         await kvs.start()
         if T == "shm":
@@ -93,16 +122,15 @@ async def run(args) -> dict:
             streams = Streams()
             await streams.connect()
         # one source cache per size (kvengine pushes row 0 of it; memcpy/raw/streams send the same rows)
-        cases = []
+        cases: list[_Case] = []
         for k, (tensors, row) in enumerate(sizes):
             src, idx = await kvs.alloc(tensors, row, seed=11 + k)
-            case = {"tensors": tensors, "row": row, "bytes": tensors * row, "src": src, "idx": idx,
-                    "rows": [t[0] for t in src.tensors], "n": burst(tensors * row), "key": f"s{k}"}
-            case["views"] = [memoryview(r) for r in case["rows"]]
+            case = _Case(tensors, row, src, idx, [t[0] for t in src.tensors], burst(tensors * row), f"s{k}")
+            case.views = [r.data for r in case.rows]
             if T == "shm":
-                case["memcpy_dst"] = [np.ones(row, np.uint8) for _ in range(tensors)]   # pre-faulted
+                case.memcpy_dst = [np.ones(row, np.uint8) for _ in range(tensors)]   # pre-faulted
             cases.append(case)
-        plans = [(c["key"], [(i * c["row"], c["row"]) for i in range(c["tensors"])]) for c in cases]
+        plans = [(c.key, [(i * c.row, c.row) for i in range(c.tensors)]) for c in cases]
         for name, pair in list(pairs.items()):
             try:
                 pair.prepare(plans)
@@ -114,54 +142,60 @@ async def run(args) -> dict:
 
         # warm-up, and every engine's transfer checked byte for byte at every size
         say(f"setup {time.perf_counter() - t_setup:.1f} s; warm-up and byte-for-byte check ...", flush=True)
-        verify: dict = {}
+        verify: dict[str, list[bool]] = {}
         for c in cases:
-            ok = await kvs.verify(c["src"], c["idx"])
+            ok = await kvs.verify(c.src, c.idx)
             verify.setdefault(KV, []).append(ok)
             if not ok:
-                raise RuntimeError(f"kvengine: pushed {model_label(c['tensors'], c['row'])} differs from the source")
+                raise RuntimeError(f"kvengine: pushed {model_label(c.tensors, c.row)} differs from the source")
             for name, pair in list(pairs.items()):
                 try:
-                    ok = await asyncio.to_thread(pair.verify, c["key"], c["bytes"])
+                    ok = await asyncio.to_thread(pair.verify, c.key, c.nbytes)
                 except P.PeerError as e:
                     ok = False
                     say(f"  {name}: {e}")
                 verify.setdefault(name, []).append(ok)
                 if not ok:
-                    say(f"  {name}: transfer of {fmt_bytes(c['bytes'])} did not land as sent; left out")
+                    say(f"  {name}: transfer of {fmt_bytes(c.nbytes)} did not land as sent; left out")
                     out["peers"][name] = "failed the byte check"
                     pair.close()
                     del pairs[name]
-            if T == "shm":
-                memcpy_seconds(c["rows"], c["memcpy_dst"])
-                pmemcpy.seconds(c["rows"], c["memcpy_dst"])
-            else:
-                await asyncio.to_thread(raw.send, c["views"])
-                await streams.send(c["views"])
+            if pmemcpy is not None:   # shm
+                memcpy_seconds(c.rows, c.memcpy_dst)
+                pmemcpy.seconds(c.rows, c.memcpy_dst)
+            elif raw is not None and streams is not None:   # tcp
+                await asyncio.to_thread(raw.send, c.views)
+                await streams.send(c.views)
         out["verify"] = verify
 
         configs = [KV] + ([MEMCPY, MEMCPY2] if T == "shm" else [RAW, STREAMS]) + list(pairs)
 
-        async def measure(name: str, c: dict) -> float:
-            """Seconds per transfer, over a burst of c['n'] back-to-back transfers."""
-            n = c["n"]
+        async def measure(name: str, c: _Case) -> float:
+            """Seconds per transfer, over a burst of c.n back-to-back transfers."""
+            n = c.n
+            s: float
             if name == KV:
-                s = await kvs.push_seconds(c["src"], c["idx"], n)
+                s = await kvs.push_seconds(c.src, c.idx, n)
             elif name == MEMCPY:
-                s = sum(memcpy_seconds(c["rows"], c["memcpy_dst"]) for _ in range(n))
+                s = sum(memcpy_seconds(c.rows, c.memcpy_dst) for _ in range(n))
             elif name == MEMCPY2:
-                s = sum(pmemcpy.seconds(c["rows"], c["memcpy_dst"]) for _ in range(n))
+                assert pmemcpy is not None   # an shm column
+                pm = pmemcpy
+                s = sum(pm.seconds(c.rows, c.memcpy_dst) for _ in range(n))
             elif name == RAW:
-                s = await asyncio.to_thread(lambda: sum(raw.send(c["views"]) for _ in range(n)))
+                assert raw is not None   # a tcp column
+                sock = raw
+                s = await asyncio.to_thread(lambda: sum(sock.send(c.views) for _ in range(n)))
             elif name == STREAMS:
+                assert streams is not None   # a tcp column
                 s = 0.0
                 for _ in range(n):
-                    s += await streams.send(c["views"])
+                    s += await streams.send(c.views)
             else:
-                s = await asyncio.to_thread(pairs[name].run, c["key"], n, True)
+                s = await asyncio.to_thread(pairs[name].run, c.key, n, True)
             return s / n
 
-        secs = {(k, n): [] for k in range(len(cases)) for n in configs}
+        secs: dict[tuple[int, str], list[float]] = {(k, n): [] for k in range(len(cases)) for n in configs}
         total = args.reps * len(cases) * len(configs)
         say(f"measuring: {len(configs)} columns x {len(cases)} sizes x {args.reps} repetitions, interleaved "
             f"(columns: {', '.join(col_name(n, T) for n in configs)})", flush=True)
@@ -174,7 +208,7 @@ async def run(args) -> dict:
                     r = (rep + k) % len(configs)
                     for name in configs[r:] + configs[:r]:
                         secs[(k, name)].append(await measure(name, c))
-                        bar.step(f"rep {rep + 1} {short_bytes(c['bytes'])} {name}")
+                        bar.step(f"rep {rep + 1} {short_bytes(c.nbytes)} {name}")
         finally:
             bar.close()
         out["measure_s"] = time.perf_counter() - t_meas
@@ -183,17 +217,17 @@ async def run(args) -> dict:
         out["columns"] = configs
 
         for k, c in enumerate(cases):
-            res: dict = {}
+            res: Report = {}
             for name in configs:
                 s = secs[(k, name)]
-                g = [c["bytes"] / x / 1e9 for x in s]
-                res[name] = {"GBps": c["bytes"] / statistics.median(s) / 1e9, "min_GBps": min(g),
+                g = [c.nbytes / x / 1e9 for x in s]
+                res[name] = {"GBps": c.nbytes / statistics.median(s) / 1e9, "min_GBps": min(g),
                              "max_GBps": max(g), "per_rep_GBps": g, "s_per_transfer": s}
             kv_s = secs[(k, KV)]
             ratios = {name: statistics.median(b / a for a, b in zip(kv_s, secs[(k, name)]))
                       for name in configs if name != KV}
-            out["sizes"].append({"tensors": c["tensors"], "row_bytes": c["row"], "bytes": c["bytes"],
-                                 "transfers_per_measurement": c["n"], "results": res, "kv_over": ratios})
+            out["sizes"].append({"tensors": c.tensors, "row_bytes": c.row, "bytes": c.nbytes,
+                                 "transfers_per_measurement": c.n, "results": res, "kv_over": ratios})
         here, there = await kvs.stats()
         out["engine_stats"] = {"prefill": here, "decode": there}
         eo = kvs.options
@@ -204,12 +238,12 @@ async def run(args) -> dict:
     return out
 
 
-def goals(r: dict) -> list[dict]:
+def goals(r: Report) -> list[Report]:
     T = r["transport"]
     model = next((s for s in r["sizes"] if (s["tensors"], s["row_bytes"]) == MODEL), None)
-    out = []
+    out: list[Report] = []
     for name, want in GOALS[T].items():
-        g = {"what": f"kvengine >= {want}x {col_name(name, T)} at {model_label(*MODEL)}", "goal": want,
+        g: Report = {"what": f"kvengine >= {want}x {col_name(name, T)} at {model_label(*MODEL)}", "goal": want,
              "peer": name}
         if model is None:
             g["status"] = "not measured (size not in this run)"
@@ -223,7 +257,7 @@ def goals(r: dict) -> list[dict]:
     return out
 
 
-def report(r: dict, reps: int) -> list[str]:
+def report(r: Report, reps: int) -> list[str]:
     T = r["transport"]
     cols = r["columns"]
     others = [c for c in cols if c != KV]
@@ -249,7 +283,7 @@ def report(r: dict, reps: int) -> list[str]:
     return lines
 
 
-def plot(r: dict, path: str) -> None:
+def plot(r: Report, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -261,7 +295,7 @@ def plot(r: dict, path: str) -> None:
     sizes = r["sizes"]
     x = [s["bytes"] for s in sizes]
 
-    def axis(ax, fmt, ylabel: str, title: str) -> None:
+    def axis(ax: Axes, fmt: Formatter, ylabel: str, title: str) -> None:
         """Both panels: log-log over the sizes, labelled by shape."""
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -275,7 +309,7 @@ def plot(r: dict, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     ax = axes[0]
-    style = {KV: dict(color="tab:blue", lw=2.4, marker="o"), MEMCPY: dict(color="grey", ls=":", marker="s"),
+    style: dict[str, dict[str, Any]] = {KV: dict(color="tab:blue", lw=2.4, marker="o"), MEMCPY: dict(color="grey", ls=":", marker="s"),
              MEMCPY2: dict(color="black", ls=":", marker="x"),
              RAW: dict(color="grey", ls="--", marker="s"), STREAMS: dict(color="tab:brown", ls=":", marker="^"),
              P.NIXL: dict(color="tab:green", marker="D"), P.MOONCAKE: dict(color="tab:orange", marker="v")}
@@ -328,7 +362,7 @@ def add_common_args(ap: argparse.ArgumentParser, what: str) -> None:
                     help="this side's event loop (auto: uvloop when installed)")
 
 
-def resolve_common(ap: argparse.ArgumentParser, args, what: str) -> None:
+def resolve_common(ap: argparse.ArgumentParser, args: argparse.Namespace, what: str) -> None:
     args.out = args.out or os.path.join("kvengine-bench", f"{what}-{args.transport}")
     args.json_path, args.png_path = out_paths(args.out, args.json)
     args.peer_log = args.out + "-peers.log"
