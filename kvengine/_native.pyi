@@ -5,6 +5,7 @@ Every status is an ``int`` LLM status code (``0`` is success; kvengine/status.py
 functions, constants and ``Core`` methods, with the same parameters.
 """
 
+import array
 from typing import Final
 
 import numpy as np
@@ -46,9 +47,11 @@ class Core:
         """Returns ``(status, region_id)``."""
     def region_remove(self, region_id: int) -> int: ...
     def region_pidfd(self, region_id: int, pidfd: int, key: int = 0) -> int: ...
-    def submit(self, job_id: int, segs: NDArray[np.uint64] | memoryview, inline_max: int, rank: int = 0,
-               lease: int = 0) -> tuple[int, bool, int]:
-        """Start a job: returns ``(status, done_inline, nbytes)``."""
+    def submit(self, job_id: int, segs: array.array[int] | NDArray[np.uint64] | memoryview, inline_max: int,
+               rank: int = 0, lease: int = 0) -> tuple[int, bool, int]:
+        """Start a job: returns ``(status, done_inline, nbytes)``. ``segs``: a C-contiguous buffer
+        of uint64 (``array.array("Q")``, a numpy uint64 array, or a memoryview of one),
+        SEG_WORDS words per segment."""
     def lease_add(self, until_ns: int) -> tuple[int, int]:
         """Returns ``(status, lease_id)``."""
     def lease_renew(self, lease_id: int, until_ns: int) -> int: ...
