@@ -12,18 +12,39 @@ prefill. A failed layer stops that destination; the others go on.
         ...                        # compute layer i (any thread)
         stream.layer_ready(i)      # thread-safe; that layer's push starts now
     statuses = await stream.wait() # one LLMStatusCode per destination
+
+Owns: the stream's per-destination progress. It starts layer pushes through
+the engine's public ``submit_push_*`` methods and learns their end through
+``Transfer.add_done_callback``; it touches no engine state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
+from . import plan
 from .status import LLMStatusCode as S, error_for
-from .types import BlocksCacheKey, CacheIndex, KvCacheExtParam, as_int_list, param_invalid
+from .transfer import Transfer
+from .types import BlocksCacheKey, Cache, CacheIndex, KvCacheExtParam, as_int_list, param_invalid
 
 __all__ = ["LayerStream"]
+
+
+class Pusher(Protocol):
+    """What a layer stream needs of the engine: its public push methods."""
+
+    def submit_push_kv_cache(self, cache: Cache, dst_index: CacheIndex, src_batch_index: int = 0,
+                             size: int = -1, ext_param: KvCacheExtParam | None = None,
+                             timeout: float | None = None, priority: int = 0,
+                             notify: bytes | None = None) -> Transfer: ...
+
+    def submit_push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: Sequence[int],
+                              dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
+                              timeout: float | None = None, priority: int = 0,
+                              notify: bytes | None = None) -> Transfer: ...
 
 
 class _Dest:
@@ -35,40 +56,40 @@ class _Dest:
         self.status: S | None = None       # final status, once known
         self.pending = 0                   # layer pushes in flight
         self.done_layers = 0               # layers landed
-        self.transfers: list = []
+        self.transfers: list[Transfer] = []
 
 
 class LayerStream:
     """Pushes of one source, layer by layer, to several destinations (see module docstring)."""
 
-    def __init__(self, engine: Any, cache: Any, dsts: Sequence[Any], src_batch_index: int,
-                 tensor_num_per_layer: int, timeout: float, notify: bytes | None, priority: int,
+    def __init__(self, engine: Pusher, loop: asyncio.AbstractEventLoop,
+                 notify_peer: Callable[[int, bytes], None], cache: Cache, dsts: Sequence[Any],
+                 src_batch_index: int, tnpl: int, timeout: float, notify: bytes | None, priority: int,
                  src_blocks: Sequence[int] | None, dst_blocks: Sequence[Sequence[int]] | None) -> None:
-        engine._check_open()
-        engine._local(cache)
+        """Made by ``KvEngine.layer_stream``, which checked the cache, ``tnpl``, the timeout,
+        priority and notification; ``notify_peer(cluster_id, payload)`` sends the latter."""
         if not isinstance(dsts, (list, tuple)) or not dsts:
             raise param_invalid("layer_stream needs a non-empty list of destinations")
-        tnpl = tensor_num_per_layer
-        if isinstance(tnpl, bool) or not isinstance(tnpl, int) or not 1 <= tnpl <= 255 \
-                or cache.desc.num_tensors % tnpl:
-            raise param_invalid(f"tensor_num_per_layer {tnpl!r} must divide num_tensors {cache.desc.num_tensors}")
-        self._tmo, self._prio, self._notify = engine._options(timeout, priority, notify)
+        self._tmo, self._prio, self._notify = timeout, priority, notify
         blocks = all(isinstance(d, BlocksCacheKey) for d in dsts)
         if not blocks and not all(isinstance(d, CacheIndex) for d in dsts):
             raise param_invalid("destinations must all be CacheIndex (rows) or all BlocksCacheKey (blocks)")
+        per: list[list[int] | None]
         if blocks:
             if src_blocks is None or dst_blocks is None:
                 raise param_invalid("block destinations need src_blocks and dst_blocks")
             src_blocks = as_int_list("src_blocks", src_blocks)
-            if dst_blocks and not isinstance(dst_blocks[0], (list, tuple, range)):
-                dst_blocks = [dst_blocks] * len(dsts)
-            if len(dst_blocks) != len(dsts):
+            lists: Sequence[Any] = dst_blocks
+            if lists and not isinstance(lists[0], (list, tuple, range)):
+                lists = [dst_blocks] * len(dsts)   # one block list for every destination
+            if len(lists) != len(dsts):
                 raise param_invalid("dst_blocks needs one block list per destination")
-            per = [as_int_list("dst_blocks", b) for b in dst_blocks]
+            per = [as_int_list("dst_blocks", b) for b in lists]
         else:
             if src_blocks is not None or dst_blocks is not None:
                 raise param_invalid("src_blocks/dst_blocks go with BlocksCacheKey destinations")
             per = [None] * len(dsts)
+        self._notify_peer = notify_peer
         self._engine = engine
         self._cache = cache
         self._batch = src_batch_index
@@ -76,10 +97,10 @@ class LayerStream:
         self._tnpl = tnpl
         self.num_layers = cache.desc.num_tensors // tnpl
         self._dests = [_Dest(d, b) for d, b in zip(dsts, per)]
-        self._loop = engine._loop
+        self._loop = loop
         self._lock = threading.Lock()
         self._marked: set[int] = set()
-        self._layer_futs: dict[int, asyncio.Future] = {}
+        self._layer_futs: dict[int, asyncio.Future[list[S | None]]] = {}   # None: that destination stopped earlier
         self._done = self._loop.create_future()
         self._finished = False       # read from producer threads: set once, on the loop
         self._final: list[S] = []
@@ -116,7 +137,7 @@ class LayerStream:
         e = self._engine
         remaining = self._deadline - self._loop.time()
         ext = KvCacheExtParam((layer, layer), (layer, layer), self._tnpl)
-        futs = []
+        futs: list[asyncio.Future[S]] = []
         for d in self._dests:
             if d.status is not None:
                 continue
@@ -127,23 +148,24 @@ class LayerStream:
                 t = e.submit_push_kv_cache(self._cache, d.key, self._batch, ext_param=ext, timeout=remaining,
                                            priority=self._prio)
             else:
+                assert self._src_blocks is not None and d.blocks is not None
                 t = e.submit_push_kv_blocks(self._cache, d.key, self._src_blocks, d.blocks, ext_param=ext,
                                             timeout=remaining, priority=self._prio)
             d.pending += 1
             d.transfers.append(t)
-            fut = self._loop.create_future()
-            futs.append(fut)
-            t._on_done = lambda st, d=d, fut=fut: self._layer_done(d, st, fut)
-            if t.done():
-                t._on_done(t.status)
+            one: asyncio.Future[S] = self._loop.create_future()
+            futs.append(one)
+            t.add_done_callback(functools.partial(self._layer_done, d, fut=one))
         fut = self._layer_futs.setdefault(layer, self._loop.create_future())
         if futs:
-            gathered = asyncio.gather(*futs)
-            gathered.add_done_callback(lambda g: fut.done() or fut.set_result(g.result()))
+            def all_done(g: asyncio.Future[list[S]]) -> None:
+                if not fut.done():
+                    fut.set_result(list(g.result()))
+            asyncio.gather(*futs).add_done_callback(all_done)
         elif not fut.done():
             fut.set_result([d.status for d in self._dests])
 
-    def _layer_done(self, d: _Dest, status: S, fut: asyncio.Future) -> None:
+    def _layer_done(self, d: _Dest, status: S, *, fut: asyncio.Future[S]) -> None:
         d.pending -= 1
         if not fut.done():
             fut.set_result(status)
@@ -165,23 +187,21 @@ class LayerStream:
             for t in d.transfers:
                 t.cancel()
         elif self._notify is not None:
-            link = self._engine._links.get(d.key.cluster_id)
             self._notified = True
-            if link is not None:
-                self._engine._send_notify(link, self._notify)
+            self._notify_peer(d.key.cluster_id, self._notify)
         self._check_done()
 
     def _check_done(self) -> None:
         """Resolve wait() once every destination is settled and no push of it is in flight."""
         if all(x.status is not None and x.pending == 0 for x in self._dests):
             self._timer.cancel()
-            final = [x.status for x in self._dests]
+            final = [x.status for x in self._dests if x.status is not None]
             self._final, self._finished = final, True
             if not self._done.done():
                 self._done.set_result(final)
             for fut in self._layer_futs.values():   # layers never marked ready: the final word
                 if not fut.done():
-                    fut.set_result(final)
+                    fut.set_result(list(final))
 
     def _on_deadline(self) -> None:
         for d in self._dests:
@@ -196,19 +216,19 @@ class LayerStream:
         allowed until a destination has received it. Call it from the loop thread."""
         if self._notified:
             raise param_invalid("the notification was already sent")
-        self._notify = self._engine._options(None, 0, payload)[2]
+        self._notify = plan.check_notify(payload)
 
-    async def wait_layer(self, layer: int) -> list[S]:
+    async def wait_layer(self, layer: int) -> list[S | None]:
         """Statuses, per destination, of layer ``layer``'s pushes; for a layer that was
         never marked ready, the stream's final statuses once it is finished."""
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise param_invalid(f"layer {layer!r} out of range [0, {self.num_layers})")
         fut = self._layer_futs.setdefault(layer, self._loop.create_future())
         if self._finished and not fut.done():
-            fut.set_result(self._final)
+            fut.set_result(list(self._final))
         return list(await asyncio.shield(fut))
 
-    async def wait(self) -> list[S]:
+    async def wait(self) -> list[S | None]:
         """One final status per destination: ``LLM_SUCCESS`` once every layer landed there."""
         return list(await asyncio.shield(self._done))
 
@@ -219,12 +239,4 @@ class LayerStream:
         """Stop every destination (``LLM_CANCELLED``; layers in flight are fenced)."""
         for d in self._dests:
             self._settle(d, S.LLM_CANCELLED)
-
-
-def open_stream(engine: Any, cache: Any, dsts: Sequence[Any], src_batch_index: int = 0,
-                tensor_num_per_layer: int = 2, timeout: float | None = None, notify: bytes | None = None,
-                priority: int = 0, src_blocks: Sequence[int] | None = None,
-                dst_blocks: Sequence[Sequence[int]] | None = None) -> LayerStream:
-    return LayerStream(engine, cache, dsts, src_batch_index, tensor_num_per_layer, timeout, notify,
-                       priority, src_blocks, dst_blocks)
 

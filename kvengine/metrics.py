@@ -1,8 +1,12 @@
-"""Prometheus text exposition of ``engine.stats()`` (no dependency needed)."""
+"""Prometheus text exposition of ``engine.stats()`` and the accounting's histograms
+(no dependency needed). Reads what it is given; owns nothing.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+from .stats import Accounting
 
 _PHASES = ("queue", "transfer", "total")
 
@@ -11,23 +15,22 @@ def _labels(**kw: Any) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in kw.items()) + "}"
 
 
-def render(engine: Any) -> str:
-    st = engine.stats()
-    cid = engine.cluster_id
+def render(cid: int, st: dict[str, Any], accounting: Accounting) -> str:
+    """The exposition of engine ``cid``: ``st`` is its ``stats()``."""
     out: list[str] = []
 
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> None:
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, Any], float]]) -> None:
         out.append(f"# HELP kvengine_{name} {help_}")
         out.append(f"# TYPE kvengine_{name} {kind}")
         for labels, value in samples:
             out.append(f"kvengine_{name}{_labels(cluster=cid, **labels)} {value}")
 
-    peers = engine._per_link
+    peers = accounting.peers
     metric("transfers_total", "counter", "Transfers finished, by peer, transport and status.",
            [({"peer": p, "transport": tr, "status": s}, n)
-            for (p, tr), d in peers.items() for s, n in d["by_status"].items()])
+            for (p, tr), d in peers.items() for s, n in d.by_status.items()])
     metric("bytes_total", "counter", "Bytes written into destinations, by peer and transport.",
-           [({"peer": p, "transport": tr}, d["bytes"]) for (p, tr), d in peers.items()])
+           [({"peer": p, "transport": tr}, d.bytes) for (p, tr), d in peers.items()])
     metric("queue_depth", "gauge", "Transfers waiting in a link's queue.",
            [({"peer": p, "transport": l["transport"]}, l["queue_depth"]) for p, l in st["links"].items()])
     metric("inflight_bytes", "gauge", "Bytes handed to the native core and not yet completed.",
@@ -47,7 +50,7 @@ def render(engine: Any) -> str:
     out.append(f"# TYPE kvengine_{name} histogram")
     for (p, tr), d in peers.items():
         for phase in _PHASES:
-            h = d[phase]
+            h = d.hists[phase]
             base = dict(cluster=cid, peer=p, transport=tr, phase=phase)
             seen = 0
             for i, c in enumerate(h.counts):

@@ -12,26 +12,34 @@ Rules (LLM-DataDist V2, docs/api.md):
 - without an ext param every tensor maps to the tensor of the same index;
 - push's ``size`` must be -1; pull's ``size`` is bytes per tensor or -1;
 - block lists are non-empty, of equal length, in range, with no repeated
-  destination block; runs of consecutive blocks move as one segment.
+  destination block; runs of consecutive blocks move as one segment;
+- a transfer's priority is an int in [-1000, 1000], its notification at most
+  4096 bytes, its timeout finite and positive (types.check_timeout).
+
+:class:`Planner` maps a plan onto native regions, packs it for the core and
+memoizes row plans; it is the engine's only planning state.
 """
 
 from __future__ import annotations
 
+import array
 import numbers
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .types import CacheDesc, KvCacheExtParam, as_int_list, param_invalid
+from .types import CacheDesc, KvCacheExtParam, as_int_list, check_timeout, param_invalid
 
-__all__ = ["Segment", "layer_tensors", "plan_cache", "plan_blocks", "coalesce", "block_runs"]
+__all__ = ["Segment", "Planner", "layer_tensors", "plan_cache", "plan_blocks", "coalesce", "block_runs",
+           "check_tensor_num_per_layer", "transfer_options", "check_notify", "MAX_NOTIFY"]
 
-Segment = tuple  # (src_tensor, src_offset, dst_tensor, dst_offset, nbytes)
+Segment = tuple[int, int, int, int, int]  # (src_tensor, src_offset, dst_tensor, dst_offset, nbytes)
 
-_MAX_TNPL = 255  # LLM-DataDist's tensor_num_per_layer is a uint8
+_MAX_TNPL = 255     # LLM-DataDist's tensor_num_per_layer is a uint8
+MAX_NOTIFY = 4096   # bytes of one push notification
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> bool:   # numbers.Integral: numpy ints too
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
@@ -40,11 +48,40 @@ def _check_op(op: str) -> None:
         raise ValueError(f"op must be 'push' or 'pull', got {op!r}")
 
 
+def check_tensor_num_per_layer(tnpl: Any, *descs: tuple[str, CacheDesc]) -> int:
+    """``tensor_num_per_layer``: an int in [1, 255] dividing each ``(side, desc)``'s num_tensors."""
+    if not _is_int(tnpl) or not 1 <= int(tnpl) <= _MAX_TNPL:
+        raise param_invalid(f"tensor_num_per_layer must be an int in [1, {_MAX_TNPL}], got {tnpl!r}")
+    n = int(tnpl)
+    for side, desc in descs:
+        if desc.num_tensors % n:
+            raise param_invalid(
+                f"tensor_num_per_layer {n} must divide the {side}'s num_tensors {desc.num_tensors}")
+    return n
+
+
+def transfer_options(timeout: Any, default_timeout: float, priority: Any,
+                     notify: Any) -> tuple[float, int, bytes | None]:
+    """``(timeout, priority, notify)`` of a push or pull, checked."""
+    tmo = check_timeout(timeout, default_timeout)
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+        raise param_invalid(f"priority must be an int in [-1000, 1000], got {priority!r}")
+    return tmo, priority, check_notify(notify)
+
+
+def check_notify(notify: Any) -> bytes | None:
+    """A push's notification: None, or bytes of at most MAX_NOTIFY."""
+    if notify is None:
+        return None
+    if not isinstance(notify, (bytes, bytearray)) or len(notify) > MAX_NOTIFY:
+        raise param_invalid(f"notify must be bytes of at most {MAX_NOTIFY}, got {type(notify).__name__}"
+                            + (f" of {len(notify)}" if isinstance(notify, (bytes, bytearray)) else ""))
+    return bytes(notify)
+
+
 def layer_tensors(desc: CacheDesc, layer_range: Any, tnpl: int, what: str) -> range:
     """Tensor indices covered by ``layer_range`` in a cache of ``desc``."""
-    if not _is_int(tnpl) or not 1 <= tnpl <= desc.num_tensors or desc.num_tensors % tnpl:
-        raise param_invalid(
-            f"tensor_num_per_layer {tnpl!r} must divide num_tensors {desc.num_tensors}")
+    tnpl = check_tensor_num_per_layer(tnpl, ("cache", desc))
     num_layers = desc.num_tensors // tnpl
     if layer_range is None:
         return range(0, num_layers * tnpl)
@@ -82,14 +119,7 @@ def _tensor_pairs(src: CacheDesc, dst: CacheDesc, ext: KvCacheExtParam | None) -
         return [(i, i) for i in range(src.num_tensors)]
     if not isinstance(ext, KvCacheExtParam):
         raise param_invalid(f"ext_param must be a KvCacheExtParam, got {type(ext).__name__}")
-    tnpl = ext.tensor_num_per_layer
-    if not _is_int(tnpl) or not 1 <= int(tnpl) <= _MAX_TNPL:
-        raise param_invalid(f"tensor_num_per_layer must be an int in [1, {_MAX_TNPL}], got {tnpl!r}")
-    tnpl = int(tnpl)
-    for side, desc in (("source", src), ("destination", dst)):
-        if desc.num_tensors % tnpl:
-            raise param_invalid(
-                f"tensor_num_per_layer {tnpl} must divide the {side}'s num_tensors {desc.num_tensors}")
+    tnpl = check_tensor_num_per_layer(ext.tensor_num_per_layer, ("source", src), ("destination", dst))
     s = layer_tensors(src, ext.src_layer_range, tnpl, "src_layer_range")
     d = layer_tensors(dst, ext.dst_layer_range, tnpl, "dst_layer_range")
     if len(s) != len(d):
@@ -102,10 +132,10 @@ def _tensor_pairs(src: CacheDesc, dst: CacheDesc, ext: KvCacheExtParam | None) -
 def _check_index(name: str, value: Any, bound: int) -> int:
     if not _is_int(value):
         raise param_invalid(f"{name} must be an int, got {value!r}")
-    value = int(value)
-    if not 0 <= value < bound:
-        raise param_invalid(f"{name} {value} out of range [0, {bound})")
-    return value
+    v = int(value)
+    if not 0 <= v < bound:
+        raise param_invalid(f"{name} {v} out of range [0, {bound})")
+    return v
 
 
 def plan_cache(src: CacheDesc, dst: CacheDesc, src_batch: int, dst_batch: int, size: int,
@@ -138,18 +168,13 @@ def plan_cache(src: CacheDesc, dst: CacheDesc, src_batch: int, dst_batch: int, s
 def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(src_start, dst_start, count)`` runs where both lists advance by one."""
     runs: list[tuple[int, int, int]] = []
-    s0 = d0 = prev_s = prev_d = None
-    n = 0
     for s, d in zip(src_blocks, dst_blocks):
-        if n and s == prev_s + 1 and d == prev_d + 1:
-            n += 1
-        else:
-            if n:
-                runs.append((s0, d0, n))
-            s0, d0, n = s, d, 1
-        prev_s, prev_d = s, d
-    if n:
-        runs.append((s0, d0, n))
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
     return runs
 
 
@@ -194,4 +219,50 @@ def coalesce(segments: Sequence[tuple[int, int, int, int, int]]) -> list[tuple[i
                 last[4] += n
                 continue
         out.append([sr, so, dr, do, n])
-    return [tuple(x) for x in out]
+    return [(x[0], x[1], x[2], x[3], x[4]) for x in out]
+
+
+class Planner:
+    """Plans mapped onto native regions and packed for the core, row plans memoized."""
+
+    _MEMO_MAX = 4096
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[Any, ...], tuple[array.array[int], int]] = {}
+
+    def segments(self, key: tuple[Any, ...] | None, make: Callable[[], list[Segment]],
+                 src_regions: Sequence[tuple[int, int]],
+                 dst_regions: Sequence[tuple[int, int]]) -> tuple[array.array[int], int]:
+        """The packed plan of ``make()`` and its byte count. ``*_regions``: per tensor,
+        ``(native region id, offset)``. ``key`` memoizes it (None: not memoized)."""
+        if key is not None:
+            if not _plain_key(key):   # only exact ints hit the memo: True == 1, 0.0 == 0
+                key = None
+            else:
+                hit = self._memo.get(key)
+                if hit is not None:
+                    return hit
+        mapped = [(src_regions[s][0], src_regions[s][1] + so, dst_regions[d][0], dst_regions[d][1] + do, n)
+                  for s, so, d, do, n in make()]
+        merged = coalesce(mapped)
+        packed = (array.array("Q", [w for seg in merged for w in seg]), sum(seg[4] for seg in merged))
+        if key is not None:
+            if len(self._memo) >= self._MEMO_MAX:
+                self._memo.clear()
+            self._memo[key] = packed
+        return packed
+
+
+def _plain_range(r: Any) -> bool:
+    return type(r) is range or (type(r) is tuple and len(r) == 2 and type(r[0]) is int and type(r[1]) is int)
+
+
+def _plain_key(key: tuple[Any, ...]) -> bool:
+    """True if every part of a plan memo key has an exact type (so equal means identical)."""
+    *head, ext = key
+    if not all(type(v) is int or type(v) is str for v in head):
+        return False
+    if ext is None:
+        return True
+    return (type(ext) is KvCacheExtParam and type(ext.tensor_num_per_layer) is int
+            and _plain_range(ext.src_layer_range) and _plain_range(ext.dst_layer_range))

@@ -21,22 +21,35 @@ Links are independent: each has its own queue (and budget, if set), and each
 tcp link its own send queue and window, so a slow or dead tcp peer never holds
 another link's work; local/shm copies of all links share the movers in rank
 order.
+
+Owns: the native job ids, the transfers in flight (job id -> Transfer), each
+link's queue (``Link.heap``, ``Link.inflight``, ``Link.inflight_bytes``), the
+queued count. It is every Transfer's owner: a finished transfer reports here
+once, and the scheduler does the accounting (kvengine/stats.py), the push
+notification (the notifier) and the link-down a lost peer calls for (the link
+manager, through ``on_link_failed``). Must not touch the link table, the
+handshake or the cache registry.
 """
 
 from __future__ import annotations
 
 import array
+import asyncio
 import heapq
 import itertools
-import math
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from .native import _native
+from .stats import Accounting
 from .status import LLMStatusCode as S, to_status
-from .transfer import Transfer
+from .transfer import Counted, Transfer
+from .types import EngineOptions
 
-__all__ = ["Histogram"]
+if TYPE_CHECKING:
+    from .link import Link
+
+__all__ = ["Scheduler", "rank"]
 
 _seq = itertools.count()
 _NO_LIMIT = 1 << 62   # default budget and piece: the native queues keep the order
@@ -44,76 +57,71 @@ _UNSTARTED = _native.DONE_UNSTARTED
 _RANK_DEADLINE = (1 << 52) - 1   # deadline in microseconds of the loop clock (142 years)
 
 
-def rank(key: tuple) -> int:
+def rank(key: tuple[float, ...]) -> int:
     """A queue key packed for the native queue: FIFO keys (seq,) rank 0 (submission
     order); EDF keys (-priority, deadline, seq) rank by priority, then deadline (1 us)."""
     if len(key) == 1:
         return 0
     us = min(max(int(key[1] * 1e6), 0), _RANK_DEADLINE)
-    return ((key[0] + 1000) << 52) | us
+    return ((int(key[0]) + 1000) << 52) | us
 
 
-class Histogram:
-    """Latency histogram with log buckets (ratio 2**0.25, from 1 us to ~1.2 h)."""
-
-    __slots__ = ("counts", "n", "total")
-    _BASE = 1e-6
-    _STEP = 2 ** 0.25
-    _N = 128
-
-    def __init__(self) -> None:
-        self.counts = [0] * self._N
-        self.n = 0
-        self.total = 0.0
-
-    def record(self, seconds: float) -> None:
-        # bucket i holds (BASE * STEP**(i-1), BASE * STEP**i]; frexp instead of log: this
-        # runs three times per transfer, inline pushes included
-        if seconds <= self._BASE:
-            i = 0
-        else:
-            m, e = math.frexp(seconds / self._BASE)   # m in [0.5, 1)
-            i = 4 * (e - 1) + (1 if m <= 0.5946035575013605 else 2 if m <= 0.7071067811865476
-                               else 3 if m <= 0.8408964152537145 else 4)
-            if m == 0.5:
-                i -= 1   # an exact power of two belongs to the bucket below
-            if i >= self._N:
-                i = self._N - 1
-        self.counts[i] += 1
-        self.n += 1
-        self.total += seconds
-
-    def upper(self, i: int) -> float:
-        return self._BASE * self._STEP ** i
-
-    def quantile(self, q: float) -> float:
-        """Upper edge of the bucket holding the q-quantile (seconds); 0 when empty."""
-        if not self.n:
-            return 0.0
-        rank = q * self.n
-        seen = 0
-        for i, c in enumerate(self.counts):
-            seen += c
-            if seen >= rank and c:
-                return self.upper(i)
-        return self.upper(self._N - 1)
-
-    def summary(self) -> dict:
-        return {"count": self.n, "mean_s": self.total / self.n if self.n else 0.0,
-                "p50_s": self.quantile(0.5), "p90_s": self.quantile(0.9), "p99_s": self.quantile(0.99)}
+class Notifier(Protocol):
+    def send(self, link: "Link", payload: bytes) -> None:
+        """A push with ``notify`` succeeded: tell its destination."""
 
 
-class _Scheduler:
-    """Queueing half of KvEngine (mixin: uses the engine's core, loop and options)."""
+class Scheduler:
+    """Queues, native submission and completion of transfers (see the module docstring)."""
 
-    def _launch(self, link: Any, local: Any, remote: Any, segs: array.array, total: int, timeout: float,
-                priority: int, notify: bytes | None, what: str, lease: int = 0) -> Transfer:
-        """``lease``: the link's mover lease (shm pushes write into the peer's memory only
-        while the peer keeps renewing it; links.py, "mover lease"), 0 for none."""
+    def __init__(self, loop: asyncio.AbstractEventLoop, core: _native.Core, options: EngineOptions,
+                 notifier: Notifier, accounting: Accounting) -> None:
+        self._loop = loop
+        self._core = core
+        self._options = options
+        self._notifier = notifier
+        self._accounting = accounting
+        self._jobs = itertools.count(1)
+        self.pending: dict[int, Transfer] = {}   # native job id -> its transfer
+        self.queued = 0                          # transfers waiting in link queues or in flight
+        # the link manager's link_down(link, LLM_LINK_FAILED): a transfer found the peer gone
+        self.on_link_failed: Callable[["Link"], None] = lambda link: None
+
+    # ------------------------------------------------------- TransferOwner
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def abort_job(self, job: int, status: int) -> None:
+        self._core.abort(job, status)
+
+    def finished(self, t: Transfer, status: S, link: "Link | None") -> None:
+        if t._inq:
+            self.queued -= 1
+            t._inq = False
+        if link is not None:
+            link.inflight.discard(t)
+            if status == S.LLM_SUCCESS and t._notify is not None:
+                self._notifier.send(link, t._notify)
+            if status == S.LLM_LINK_FAILED and link.up:
+                # the peer is gone (e.g. CMA found no such process): the whole link is
+                self.on_link_failed(link)
+        self._accounting.record(status, t.nbytes, None if link is None else (link.cluster_id, link.transport),
+                                t._t_queued, t._t_started)
+
+    # ------------------------------------------------------------ submission
+
+    def launch(self, link: "Link", refs: tuple[Counted, ...], segs: array.array[int], total: int,
+               timeout: float, priority: int, notify: bytes | None, what: str, lease: int = 0) -> Transfer:
+        """Start a transfer of the packed ``segs`` (``total`` bytes) on ``link``.
+
+        ``refs``: the caches it keeps busy. ``lease``: the link's mover lease (shm
+        pushes write into the peer's memory only while the peer keeps renewing it;
+        kvengine/link.py, "mover lease"), 0 for none."""
         t = Transfer(self, what)
         t._lease = lease
-        opts = self.options
-        now = self._loop.time()   # deadlines: the loop's clock (timers use it)
+        opts = self._options
         if total <= opts.inline_threshold and link.transport != "tcp":
             # below a thread hand-off's cost: copy now, on this thread (local and shm only)
             t._link, t._notify = link, notify
@@ -122,13 +130,14 @@ class _Scheduler:
             assert done or st, "kv_core_submit copies a local job of at most inline_max bytes inline"
             t._finish(st, nbytes)
             return t
-        if self._queued >= opts.max_queued:
+        if self.queued >= opts.max_queued:
             t._finish(S.LLM_OUT_OF_MEMORY, 0,
-                      f"{what}: {self._queued} transfers queued already (EngineOptions.max_queued)")
+                      f"{what}: {self.queued} transfers queued already (EngineOptions.max_queued)")
             return t
-        t._queue(link, (local, remote), segs, total, timeout, priority, notify, now)
+        t._queue(link, refs, segs, total, timeout, priority, notify, self._loop.time())  # deadlines: the loop's clock
+        link.inflight.add(t)
         t._inq = True
-        self._queued += 1
+        self.queued += 1
         seq = next(_seq)
         t._key = (seq,) if opts.scheduling == "fifo" else (-priority, t.deadline, seq)
         t._rank = rank(t._key)
@@ -136,12 +145,12 @@ class _Scheduler:
         self._dispatch(link)
         return t
 
-    def _dispatch(self, link: Any) -> None:
+    def _dispatch(self, link: "Link") -> None:
         """Feed the core from the head of the link's queue while the budget allows."""
         heap = link.heap
-        budget = self.options.max_inflight_bytes or _NO_LIMIT
-        piece = self.options.piece_bytes or _NO_LIMIT
-        core, pending, jobs = self._core, self._pending, self._jobs
+        budget = self._options.max_inflight_bytes or _NO_LIMIT
+        piece = self._options.piece_bytes or _NO_LIMIT
+        core, pending, jobs = self._core, self.pending, self._jobs
         while heap and link.inflight_bytes < budget and link.up:
             t = heap[0][1]
             if t._status is not None or t._left == 0:
@@ -162,45 +171,53 @@ class _Scheduler:
             if t._left == 0:
                 heapq.heappop(heap)
 
-    def _on_completions(self, done: list) -> None:
+    def on_completions(self, done: list[tuple[int, int, int, int]]) -> None:
+        """Native jobs finished: ``(job id, status, bytes, flags)`` each."""
         links = set()
-        pending = self._pending
+        pending = self.pending
         for job_id, status, nbytes, flags in done:
             t = pending.pop(job_id, None)
             if t is not None:
                 link = t._link
-                t._piece_done(job_id, status, nbytes, not flags & _UNSTARTED)
                 if link is not None:
+                    link.inflight_bytes -= t._jobs.get(job_id, 0)
                     links.add(link)
+                t._piece_done(job_id, status, nbytes, not flags & _UNSTARTED)
         for link in links:
             if link.heap:
                 self._dispatch(link)
 
-    # ------------------------------------------------------------- accounting
+    # ---------------------------------------------------------- links ending
 
-    def _account(self, t: Transfer, status: S, nbytes: int, link: Any) -> None:
-        c = self._counts
-        c["transfers"] += 1
-        c["bytes"] += nbytes
-        name = status.name
-        c["by_status"][name] = c["by_status"].get(name, 0) + 1
-        if link is None:
-            return
-        key = (link.cluster_id, link.transport)
-        per = self._per_link.get(key)
-        if per is None:
-            per = self._per_link[key] = {"transfers": 0, "bytes": 0, "by_status": {}, **_new_hists()}
-        per["transfers"] += 1
-        per["bytes"] += nbytes
-        per["by_status"][name] = per["by_status"].get(name, 0) + 1
-        if t._t_queued:
-            now = perf_counter()
-            started = t._t_started or now
-            for h in (self._hists, per):
-                h["queue"].record(started - t._t_queued)
-                h["transfer"].record(now - started)
-                h["total"].record(now - t._t_queued)
+    def stop_link(self, link: "Link", status: S) -> None:
+        """The link is down: abort its transfers (fenced natively), forget its queue."""
+        for t in list(link.inflight):
+            t._abort(status)
+        link.heap.clear()
 
+    async def fence(self, transfers: list[Transfer], status: S) -> None:
+        """Abort ``transfers`` and wait until none of them can write any more."""
+        for t in transfers:
+            t._abort(status)
+        for t in transfers:
+            await t._fenced()
 
-def _new_hists() -> dict:
-    return {"queue": Histogram(), "transfer": Histogram(), "total": Histogram()}
+    async def settle(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for transfers aborted without a fence: they resolve
+        when the peer's lease on them has expired (natively, within heartbeat_timeout)."""
+        waits = [asyncio.ensure_future(t._fenced()) for t in set(self.pending.values()) if t._status is None]
+        if waits:
+            _, late = await asyncio.wait(waits, timeout=timeout)
+            for w in late:
+                w.cancel()
+
+    def close(self) -> None:
+        """The core is closed and drained: nothing may be left; never leave a waiter."""
+        for t in list(self.pending.values()):
+            t._jobs.clear()
+            t._finish(S.LLM_ENGINE_FINALIZED, t.nbytes)
+        self.pending.clear()
+
+    def link_summary(self, link: "Link") -> dict[str, int]:
+        live = sum(1 for _, t in link.heap if t._status is None and t._left)
+        return {"in_flight": len(link.inflight), "queue_depth": live, "inflight_bytes": link.inflight_bytes}

@@ -10,6 +10,11 @@ abort is fenced: no byte of the transfer can land after that.
 A transfer moves as one or more native jobs ("pieces", at most
 ``EngineOptions.piece_bytes`` each) that the scheduler (kvengine/scheduler.py)
 hands to the core in deadline order; it finishes when its last piece has.
+
+Owns: the transfer's own progress (pieces in flight, status, deadline timer,
+waiters). It reports "finished" exactly once, to its owner (the scheduler,
+through :class:`TransferOwner`), which does the accounting, the notification
+and any link-down. Touches no engine state.
 """
 
 from __future__ import annotations
@@ -17,11 +22,33 @@ from __future__ import annotations
 import array
 import asyncio
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol
 
 from .status import LLMStatusCode as S, error_for, to_status
 
-__all__ = ["Transfer"]
+if TYPE_CHECKING:
+    from .link import Link
+
+__all__ = ["Transfer", "TransferOwner"]
+
+
+class TransferOwner(Protocol):
+    """What a transfer needs from the part that runs it (the scheduler)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def abort_job(self, job: int, status: int) -> None:
+        """Abort a piece handed to the native core (it completes later, fenced)."""
+
+    def finished(self, t: "Transfer", status: S, link: "Link | None") -> None:
+        """Called once, when the transfer has its final status."""
+
+
+class Counted(Protocol):
+    """A cache a transfer keeps busy (local or remote: the in-flight count)."""
+    _inflight: int
+    _idle: asyncio.Future[None] | None
 
 _SEG = 5  # words per segment: src_region, src_off, dst_region, dst_off, nbytes
 
@@ -33,44 +60,52 @@ class Transfer:
     destination; ``done()``, ``cancel()`` as for futures.
     """
 
-    __slots__ = ("_engine", "_what", "_status", "_fut", "_timer", "_link", "_refs", "_timeout",
+    __slots__ = ("_owner", "_what", "_status", "_fut", "_timer", "_link", "_refs", "_timeout",
                  "_message", "nbytes", "_segs", "_cur", "_off", "_left", "_jobs", "_fail", "_key",
-                 "_notify", "_t_queued", "_t_started", "_total", "_inq", "_on_done", "priority", "deadline",
+                 "_notify", "_t_queued", "_t_started", "_total", "_inq", "_callbacks", "priority", "deadline",
                  "_rank", "_ran", "_lease", "__weakref__")
 
-    def __init__(self, engine: Any, what: str) -> None:
-        self._engine = engine
+    def __init__(self, owner: TransferOwner, what: str) -> None:
+        self._owner = owner
         self._what = what
         self._status: S | None = None
-        self._fut: asyncio.Future | None = None
+        self._fut: asyncio.Future[S] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._link = None
-        self._refs: tuple = ()
+        self._link: Link | None = None
+        self._refs: tuple[Counted, ...] = ()
         self._timeout = 0.0
         self._message = ""
         self.nbytes = 0
-        self._segs: array.array | None = None
+        self._segs: array.array[int] | None = None
         self._cur = 0          # word index of the next undispatched segment
         self._off = 0          # bytes of that segment already dispatched
         self._left = 0         # bytes not yet dispatched
         self._total = 0
         self._jobs: dict[int, int] = {}   # native job id -> bytes, pieces in flight
         self._fail: S | None = None       # first failure (or abort) status
-        self._key: tuple = ()
+        self._key: tuple[float, ...] = ()
         self._notify: bytes | None = None
         self._t_queued = 0.0
         self._t_started = 0.0
-        self._inq = False      # counted in the engine's queued total
-        self._on_done = None   # callable(status), e.g. a layer stream's bookkeeping
+        self._inq = False      # counted in the scheduler's queued total
+        self._callbacks: list[Callable[[S], None]] = []
         self.priority = 0
         self.deadline = 0.0
         self._rank = 0         # the native queue's order (scheduler.rank)
         self._ran = False      # some piece went out (not aborted unstarted)
         self._lease = 0        # the link's mover lease (shm pushes), 0 for none
 
+    @classmethod
+    def failed(cls, owner: TransferOwner | None, what: str, status: int, message: str) -> "Transfer":
+        """A transfer that failed before it reached a link (bad parameters, no link, an
+        engine not started: ``owner`` None)."""
+        t = cls(owner if owner is not None else _NO_OWNER, what)
+        t._finish(status, 0, message)
+        return t
+
     # ------------------------------------------------------------- scheduler side
 
-    def _queue(self, link: Any, refs: tuple, segs: array.array, total: int, timeout: float,
+    def _queue(self, link: Link, refs: tuple[Counted, ...], segs: array.array[int], total: int, timeout: float,
                priority: int, notify: bytes | None, now: float) -> None:
         self._link = link
         self._refs = refs
@@ -81,14 +116,14 @@ class Transfer:
         self.deadline = now + timeout
         self._notify = notify
         self._t_queued = perf_counter()   # stats clock; `now` is the loop's, for the deadline
-        link.inflight.add(self)
         for r in refs:
             r._inflight += 1
-        self._timer = self._engine._loop.call_at(self.deadline, self._on_deadline)
+        self._timer = self._owner.loop.call_at(self.deadline, self._on_deadline)
 
-    def _next_piece(self, limit: int) -> tuple[array.array, int]:
+    def _next_piece(self, limit: int) -> tuple[array.array[int], int]:
         """Cut the next piece of at most ``limit`` bytes (whole segments, or a slice of one)."""
         segs, i, off = self._segs, self._cur, self._off
+        assert segs is not None
         out = array.array("Q")
         n = 0
         while i < len(segs) and n < limit:
@@ -120,18 +155,14 @@ class Transfer:
         if not self._jobs:
             self._finish(self._fail, self.nbytes)
             return
-        core = self._engine._core
         for job in self._jobs:
-            core.abort(job, int(status))
+            self._owner.abort_job(job, int(status))
 
     def _piece_done(self, job: int, status: int, nbytes: int, ran: bool) -> None:
         """A piece finished; ``ran``: some of it went out (False: aborted before it started)."""
-        size = self._jobs.pop(job, 0)
+        self._jobs.pop(job, None)
         if ran:
             self._ran = True
-        link = self._link
-        if link is not None:
-            link.inflight_bytes -= size
         self.nbytes += nbytes
         if status == S.LLM_LINK_FAILED and ran:
             # the core could not fence this piece (the peer never acknowledged the
@@ -151,22 +182,10 @@ class Transfer:
         self._status = st
         self.nbytes = nbytes
         self._message = message
-        engine = self._engine
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        link = self._link
-        if self._inq:
-            engine._queued -= 1
-            self._inq = False
-        if link is not None:
-            link.inflight.discard(self)
-            self._link = None
-            if st == S.LLM_SUCCESS and self._notify is not None:
-                engine._send_notify(link, self._notify)
-            if st == S.LLM_LINK_FAILED and link.up:
-                # the peer is gone (e.g. CMA found no such process): the whole link is
-                engine._link_down(link, S.LLM_LINK_FAILED)
+        link, self._link = self._link, None
         for r in self._refs:
             r._inflight -= 1
             if r._inflight == 0 and r._idle is not None:
@@ -175,11 +194,11 @@ class Transfer:
                 r._idle = None
         self._refs = ()
         self._segs = None
-        engine._account(self, st, nbytes, link)
+        self._owner.finished(self, st, link)
         if self._fut is not None and not self._fut.done():
             self._fut.set_result(st)
-        if self._on_done is not None:
-            cb, self._on_done = self._on_done, None
+        callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
             cb(st)
 
     # ---------------------------------------------------------------- public
@@ -190,6 +209,14 @@ class Transfer:
 
     def done(self) -> bool:
         return self._status is not None
+
+    def add_done_callback(self, fn: Callable[[S], None]) -> None:
+        """Call ``fn(status)`` when the transfer finishes (at once, if it has), on the
+        loop thread."""
+        if self._status is not None:
+            fn(self._status)
+        else:
+            self._callbacks.append(fn)
 
     def cancel(self) -> bool:
         """Abort the transfer; it resolves ``LLM_CANCELLED`` once fenced. False if already done."""
@@ -221,19 +248,20 @@ class Transfer:
             return f"{self._what}: the engine was closed"
         return f"{self._what} failed"
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, S]:
         return self._wait().__await__()
 
     async def _wait(self) -> S:
         if self._status is None:
             await self._fenced()
+        assert self._status is not None
         return self._status
 
     async def _fenced(self) -> None:
         """Wait for the completion without letting a cancellation of the waiter cancel it."""
         if self._status is None:
             if self._fut is None:
-                self._fut = self._engine._loop.create_future()
+                self._fut = self._owner.loop.create_future()
             await asyncio.shield(self._fut)
 
     async def _result(self) -> S:
@@ -248,10 +276,29 @@ class Transfer:
                     except asyncio.CancelledError:
                         continue
                 raise
-        if self._status == S.LLM_SUCCESS:
+        st = self._status
+        assert st is not None
+        if st == S.LLM_SUCCESS:
             return S.LLM_SUCCESS
-        raise error_for(self._status, self.message())
+        raise error_for(st, self.message())
 
     def __repr__(self) -> str:
         st = self._status.name if self._status is not None else "running"
         return f"<Transfer {self._what}: {st}, {self.nbytes} bytes>"
+
+
+class _NoOwner:
+    """The owner of transfers that failed before an engine ran them."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    def abort_job(self, job: int, status: int) -> None:
+        pass
+
+    def finished(self, t: Transfer, status: S, link: "Link | None") -> None:
+        pass
+
+
+_NO_OWNER = _NoOwner()

@@ -47,7 +47,7 @@ async def pair(transport):
         await p.close()
         await d.close()
         for e in (p, d):
-            assert e._core.stats()["jobs_live"] == 0
+            assert e.stats()["native"]["jobs_live"] == 0
 
 
 async def link(a, b):

@@ -29,7 +29,7 @@ async def prefill(xtransport):
         yield e
     finally:
         await e.close()
-        assert e._core.stats()["jobs_live"] == 0
+        assert e.stats()["native"]["jobs_live"] == 0
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ async def test_timeout_fenced_across_processes(prefill, decode, kind):
     src = local_cache(prefill, big, seed=27)
     t = prefill.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=0.002)
     assert await t == S.LLM_TIMEOUT
-    assert prefill._core.stats()["jobs_live"] == 0
+    assert prefill.stats()["native"]["jobs_live"] == 0
     before = (await decode.call("digest", cache_id=dst))["rows"]
     # the link is still usable, and the timed-out transfer never writes again
     small = kv.CacheDesc(1, (1, 4096), np.uint8)
@@ -183,7 +183,7 @@ async def test_peer_killed_mid_transfer_then_new_peer(prefill, decode, kind):
     statuses = await asyncio.wait_for(asyncio.gather(*transfers), 30)   # no hang
     assert set(statuses) <= {S.LLM_SUCCESS, S.LLM_LINK_FAILED}
     assert S.LLM_LINK_FAILED in statuses
-    assert prefill._core.stats()["jobs_live"] == 0
+    assert prefill.stats()["native"]["jobs_live"] == 0
     assert 2 not in prefill.stats()["links"]
     with pytest.raises(kv.LLMNotYetLinkError):
         await prefill.push_kv_cache(src, kv.CacheIndex(2, dst, 0))

@@ -239,7 +239,7 @@ async def test_timeout_is_fenced_and_link_stays_usable(pair):
     t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), timeout=0.002)
     assert await t == S.LLM_TIMEOUT
     # the fence: when the status is delivered no mover works on the job any more
-    assert p._core.stats()["jobs_live"] == 0
+    assert p.stats()["native"]["jobs_live"] == 0
     assert t.nbytes < 2 * src.desc.size
     assert "did not finish within 0.002 s" in t.message()
     before = snapshot(dst)
@@ -263,7 +263,7 @@ async def test_task_cancellation_is_fenced(pair):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert p._core.stats()["jobs_live"] == 0   # CancelledError came after the fence
+    assert p.stats()["native"]["jobs_live"] == 0   # CancelledError came after the fence
     before = snapshot(dst)
     await _link_still_works(p, d)
     assert all(same(a, b) for a, b in zip(before, dst.tensors))
@@ -284,7 +284,7 @@ async def test_transfer_cancel_and_await_semantics(pair):
     assert t.cancel() is True
     assert await t == S.LLM_CANCELLED and t.status == S.LLM_CANCELLED
     assert t.cancel() is False
-    assert p._core.stats()["jobs_live"] == 0
+    assert p.stats()["native"]["jobs_live"] == 0
 
 
 async def test_close_resolves_transfers_in_flight(transport):

@@ -216,11 +216,11 @@ async def tcp_prefill() -> kv.KvEngine:
 
 
 def sent(engine: kv.KvEngine) -> int:
-    return engine._core.stats()["tcp_bytes_sent"]
+    return engine.stats()["native"]["tcp_bytes_sent"]
 
 
 def received(engine: kv.KvEngine) -> int:
-    return engine._core.stats()["tcp_bytes_received"]
+    return engine.stats()["native"]["tcp_bytes_received"]
 
 
 # ------------------------------------------------------------------ 1. TCP: stopped destination
@@ -268,7 +268,7 @@ async def test_tcp_no_byte_lands_after_the_status_of_a_push_into_a_stopped_peer(
             f"{status.name}: a stopped peer cannot acknowledge the abort, so the link must fail " \
             f"({t.message()})"
         assert elapsed <= STATUS_BOUND, f"the status took {elapsed:.2f} s (bound {STATUS_BOUND:.2f} s)"
-        assert prefill._core.stats()["jobs_live"] == 0
+        assert prefill.stats()["native"]["jobs_live"] == 0
         print(f"stopped destination ({kind}): {status.name} after {elapsed:.2f} s")
         await resumed_window(peer, 1)
         after = read()
@@ -323,7 +323,7 @@ async def test_tcp_teardown_under_an_aborting_push_lands_nothing_after_the_statu
         if teardown == "unlink_force":
             await push_fresh_peer(prefill, fresh, 3, src, "alloc")
         else:
-            assert prefill._core.stats()["jobs_live"] == 0
+            assert prefill.stats()["native"]["jobs_live"] == 0
     finally:
         await close_all([prefill], [peer, fresh])
 
@@ -418,7 +418,7 @@ async def test_tcp_no_byte_lands_after_the_status_of_a_pull_from_a_stopped_peer(
         await resumed_window(peer, 1)
         n = changed(at_status, own(mine))
         assert n == 0, f"{n} bytes of the pull landed in our memory after its status"
-        assert prefill._core.stats()["jobs_live"] == 0
+        assert prefill.stats()["native"]["jobs_live"] == 0
     finally:
         await close_all([prefill], [peer])
 
@@ -588,7 +588,7 @@ async def test_push_to_a_peer_that_never_reads_resolves_within_the_bound():
         t1 = loop.time()
         await asyncio.wait_for(prefill.close(), LINK_TIMEOUT + SLACK + 5)
         assert loop.time() - t1 <= LINK_TIMEOUT + SLACK, f"close() took {loop.time() - t1:.2f} s"
-        assert prefill._core.stats()["jobs_live"] == 0
+        assert prefill.stats()["native"]["jobs_live"] == 0
 
 
 async def test_cancelling_a_push_to_a_peer_that_never_reads_is_bounded():
@@ -606,7 +606,7 @@ async def test_cancelling_a_push_to_a_peer_that_never_reads_is_bounded():
         assert done, f"the cancelled push_kv_cache was still waiting {ABORT_BOUND + 5:.1f} s later"
         assert task.cancelled(), f"not CancelledError: {task.exception()!r}"
         assert elapsed <= ABORT_BOUND, f"CancelledError came {elapsed:.2f} s after the cancel"
-        assert prefill._core.stats()["jobs_live"] == 0
+        assert prefill.stats()["native"]["jobs_live"] == 0
 
 
 async def test_close_cancelled_midway_against_a_peer_that_never_reads_still_closes():
@@ -622,8 +622,8 @@ async def test_close_cancelled_midway_against_a_peer_that_never_reads_still_clos
         await poll_until(lambda: sent(prefill) > base, 5, "the push started")
         t0 = loop.time()
         first = asyncio.ensure_future(prefill.close())
-        link = prefill._links.get(HOSTILE)
-        await poll_until(lambda: link is None or link.closing or first.done(), 5, "close() under way")
+        await poll_until(lambda: prefill.stats()["links"].get(HOSTILE, {}).get("state") != "up"
+                         or first.done(), 5, "close() under way")
         assert not first.done(), "close() returned at once with a push in flight"
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -631,7 +631,7 @@ async def test_close_cancelled_midway_against_a_peer_that_never_reads_still_clos
         await asyncio.wait_for(prefill.close(), LINK_TIMEOUT + HBT + SLACK + 5)
         elapsed = loop.time() - t0
         assert elapsed <= LINK_TIMEOUT + HBT + SLACK, f"close() took {elapsed:.2f} s"
-        assert prefill._core.stats()["jobs_live"] == 0
+        assert prefill.stats()["native"]["jobs_live"] == 0
         assert t.done() and t.status not in (S.LLM_SUCCESS, S.LLM_CANCELLED, S.LLM_TIMEOUT), t
         t2 = loop.time()
         await asyncio.wait_for(prefill.close(), 1)
@@ -709,7 +709,7 @@ async def test_timeout_only_when_the_peer_acknowledged_the_abort(abort_ack):
             assert status == S.LLM_LINK_FAILED, f"{status.name}: the peer did not acknowledge the abort on " \
                                                 f"every stream ({abort_ack})"
             assert HOSTILE not in prefill.stats()["links"]
-        assert prefill._core.stats()["jobs_live"] == 0
+        assert prefill.stats()["native"]["jobs_live"] == 0
     finally:
         if rx is not None:
             rx.close()
@@ -738,8 +738,7 @@ async def test_a_peer_that_stops_reading_its_control_connection_cannot_hang_the_
         n = 50000   # ~1.2 MiB of cache_add per cache (one region per tensor): 6 fill the connection
         caches = [prefill.register_kv_cache(kv.CacheDesc(n, (1, 64), np.uint8),
                                             [np.zeros((1, 64), np.uint8) for _ in range(n)]) for _ in range(6)]
-        transport = prefill._links[HOSTILE].ch.writer.transport
-        await poll_until(lambda: transport.get_write_buffer_size() > (1 << 20), 10,
+        await poll_until(lambda: prefill.stats()["links"][HOSTILE]["control_backlog_bytes"] > (1 << 20), 10,
                          "our control connection to the peer is full")
         t0 = loop.time()
         released = prefill.unregister_kv_cache(caches[0].cache_id)
@@ -927,14 +926,14 @@ async def test_an_unfinished_data_frame_cannot_pin_a_cache():
                                 total=size)
                + b"\x5a" * 10)   # ... and never the rest
         await poll_until(lambda: received(victim) >= first, 5, "the victim took the first frame")
-        assert victim._core.stats()["tcp_stalled"] == 0
+        assert victim.stats()["native"]["tcp_stalled"] == 0
         t0 = loop.time()
         fut = victim.unregister_kv_cache(mine.cache_id)
         bound = LINK_TIMEOUT + HBT + SLACK
         done, _ = await asyncio.wait([fut], timeout=bound + 5)
         assert done, f"unregister_kv_cache still pending {bound + 5:.1f} s later: the frame pins the region"
         assert loop.time() - t0 <= bound, f"unregister took {loop.time() - t0:.2f} s (bound {bound:.2f} s)"
-        assert victim._core.stats()["tcp_stalled"] >= 1
+        assert victim.stats()["native"]["tcp_stalled"] >= 1
         assert HOSTILE not in victim.stats()["links"]
     finally:
         if s is not None:

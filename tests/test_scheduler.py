@@ -77,7 +77,7 @@ async def test_priority_orders_the_queue(sched_transport):
         for r in range(16):
             t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r, timeout=30,
                                        priority=r % 4)
-            t._on_done = lambda st, r=r: order.append(r)
+            t.add_done_callback(lambda st, r=r: order.append(r))
             ts.append(t)
         await asyncio.gather(*ts)
         # the first went straight to the core; after it, higher priority first, FIFO within a class
@@ -107,7 +107,7 @@ async def test_native_queue_moves_by_priority_then_deadline(sched_transport):
 
         def push(tag, s, dc, row, prio, tmo):
             t = p.submit_push_kv_cache(s, kv.CacheIndex(2, dc.cache_id, row), row, timeout=tmo, priority=prio)
-            t._on_done = lambda st: order.append(tag)
+            t.add_done_callback(lambda st: order.append(tag))
             return t
 
         ts = [push("blocker", block_src, block_dst, 0, 100, 60)]
@@ -163,7 +163,7 @@ async def test_fifo_scheduling_option(sched_transport):
         ts = []
         for r in range(8):   # later ones have earlier deadlines: FIFO ignores that
             t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r, timeout=30 - r)
-            t._on_done = lambda st, r=r: order.append(r)
+            t.add_done_callback(lambda st, r=r: order.append(r))
             ts.append(t)
         await asyncio.gather(*ts)
         assert order == list(range(8))

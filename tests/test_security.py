@@ -220,7 +220,7 @@ async def test_nothing_is_disclosed_before_the_peer_authenticated():
             assert r is None or (r["t"] == "reject" and not _PRIVATE_KEYS & set(r)), r
             for got in (w, r or {}):
                 text = json.dumps(got)
-                assert e._token not in text and e._unix_name not in text
+                assert e._token not in text and e._p.acceptor.unix_name not in text   # the secrets themselves
             ctl.close()
         assert e.stats()["links"] == {}
 

@@ -76,7 +76,7 @@ async def test_random_bytes_on_every_port_change_nothing():
             elif kind == 3:  # a control frame with a plausible length and garbage inside
                 body = struct.pack("!I", min(n, 4000)) + body
             payloads.append(body)
-        targets = [(host, int(port)), (host, d._data_port)]
+        targets = [(host, int(port)), (host, d.stats()["data_port"])]
         for i in range(0, 200, 20):   # 20 connections at a time, to both ports
             await asyncio.gather(*(blast(*targets[j % 2], payloads[j]) for j in range(i, i + 20)))
         assert all(np.array_equal(a, b) for a, b in zip(before, dst.tensors)), "a hostile byte landed"
@@ -100,13 +100,13 @@ async def test_frames_from_an_unauthenticated_socket_are_refused():
         await link(p, d)
         dst = d.allocate_cache(kv.CacheDesc(1, (1, 4096), np.uint8))
         await p.wait_remote_cache(2, dst.cache_id)
-        rid = d._caches[dst.cache_id].regions[0][0]
+        rid = dst._regions[0][0]   # the native region of tensor 0 (what a peer is told)
         refused = d.stats()["native"]["tcp_refused"]
         # a perfect DATA frame for a real, exported region, but no HELLO first
-        await blast("127.0.0.1", d._data_port, frame(F_DATA, region=rid, length=4096, total=4096)
+        await blast("127.0.0.1", d.stats()["data_port"], frame(F_DATA, region=rid, length=4096, total=4096)
                     + b"\xff" * 4096)
         # a READ for it, also without HELLO
-        await blast("127.0.0.1", d._data_port, frame(F_READ, region=rid, length=4096, total=4096))
+        await blast("127.0.0.1", d.stats()["data_port"], frame(F_READ, region=rid, length=4096, total=4096))
         assert not dst.tensors[0].any()
         assert d.stats()["native"]["tcp_refused"] == refused + 2
         assert p.stats()["links"][2]["transport"] == "tcp"   # the real link is untouched

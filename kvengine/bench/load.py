@@ -106,16 +106,11 @@ async def run_load(e: kv.KvEngine, layer_src: kv.Cache, big_src: kv.Cache, layer
                                        timeout=BIG_DEADLINE)
             name = "big"
         count[name] += 1
-        if t.done():
+        # called in the completion itself (at once if done), without the event-loop hop
+        # an awaiting task would add
+        def on_done(st: kv.LLMStatusCode, name: str = name, t0: float = t0, t: kv.Transfer = t) -> None:
             finished(name, t0, t)
-        else:
-            # Transfer's internal completion hook (layers.py uses it too): called in the
-            # completion itself, without the event-loop hop an awaiting task would add.
-            # setattr: transfer.py does not annotate the hook yet (and __slots__ makes a
-            # renamed hook fail here at once).
-            def on_done(st: kv.LLMStatusCode, name: str = name, t0: float = t0, t: kv.Transfer = t) -> None:
-                finished(name, t0, t)
-            setattr(t, "_on_done", on_done)
+        t.add_done_callback(on_done)
         tasks.append(t)
     await asyncio.gather(*tasks)
     elapsed = loop.time() - t_start

@@ -1,0 +1,275 @@
+"""Control channels: length-prefixed JSON over TCP (``StreamChannel``), and JSON
+plus file descriptors over a Unix SEQPACKET socket (``SeqpacketChannel``).
+
+Owns: one socket each, its buffers and the descriptors received and not yet
+taken. Every read is bounded (frame size, descriptor count); a frame that is
+not a kvengine message closes the channel (kvengine/control.py has the format).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import fcntl
+import os
+import secrets
+import socket
+import struct
+import termios
+
+from .control import (CLOSE_LINGER, MAX_FDS, MAX_FRAME, Message, ProtocolError, decode, encode,
+                      frame_too_large)
+
+__all__ = ["StreamChannel", "SeqpacketChannel", "unix_listener", "unix_connect"]
+
+_LEN = struct.Struct("!I")
+
+
+class StreamChannel:
+    """Length-prefixed JSON frames over an asyncio stream: the hello phase, and the
+    whole control channel of a TCP-transport link."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def send(self, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
+        if fds:
+            raise ProtocolError("file descriptors cannot cross a TCP control connection")
+        data = encode(msg)
+        if len(data) > MAX_FRAME:
+            raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_FRAME}")
+        try:
+            self.writer.write(_LEN.pack(len(data)) + data)
+            await self.writer.drain()
+        except (RuntimeError, OSError) as e:   # closed transport, reset
+            raise ConnectionError(f"control channel: {e}") from None
+
+    def send_nowait(self, msg: Message) -> bool:
+        """Queue a small message without waiting (the transport buffers it)."""
+        data = encode(msg)
+        try:
+            self.writer.write(_LEN.pack(len(data)) + data)
+        except (RuntimeError, OSError):
+            return True   # closed: the reader reports the loss
+        return True
+
+    async def recv(self, max_frame: int = MAX_FRAME) -> tuple[Message, list[int]] | None:
+        """Next ``(msg, [])``; ``None`` at EOF. Raises ProtocolError on garbage, and on a
+        length prefix over ``max_frame`` before reading (or decoding) any of the frame."""
+        try:
+            head = await self.reader.readexactly(4)
+            (n,) = _LEN.unpack(head)
+            if n > max_frame:
+                raise ProtocolError(frame_too_large(head, n, max_frame))
+            return decode(await self.reader.readexactly(n)), []
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+
+    def backlog(self) -> int:
+        """Bytes written and not yet taken by the kernel (a peer that does not read)."""
+        try:
+            return int(self.writer.transport.get_write_buffer_size())
+        except (RuntimeError, AttributeError):
+            return 0
+
+    def abort(self) -> None:
+        """Close at once (RST), dropping whatever is buffered either way."""
+        try:
+            self.writer.transport.abort()
+        except (RuntimeError, OSError, AttributeError):
+            pass
+
+    def close(self) -> None:
+        try:
+            transport = self.writer.transport
+            self.writer.close()
+            if transport.get_write_buffer_size():
+                # A peer that does not read would keep the connection (and whoever awaits
+                # drain()) forever: what it has not taken after CLOSE_LINGER is dropped.
+                asyncio.get_running_loop().call_later(CLOSE_LINGER, transport.abort)
+        except (RuntimeError, OSError):  # loop already closed
+            pass
+
+
+class SeqpacketChannel:
+    """JSON messages with optional file descriptors over a Unix SEQPACKET socket.
+
+    One message per packet. Reading is driven by ``loop.add_reader``: the
+    receive queue holds ``(msg, fds)`` pairs, then ``None`` at EOF. At most
+    ``_QUEUE_MAX`` messages wait unread (then the socket is not read until the
+    consumer catches up). ``max_frame`` / ``max_fds`` bound one message: a larger
+    one is a protocol error (the join phase uses HELLO_MAX and no descriptors).
+    """
+
+    _QUEUE_MAX = 64
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop,
+                 max_frame: int = MAX_FRAME, max_fds: int = MAX_FDS, hold: bool = False) -> None:
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MAX_FRAME)
+        except OSError:
+            pass
+        self.sock = sock
+        self.loop = loop
+        self.max_frame, self.max_fds = max_frame, max_fds
+        # received (msg, fds), a ProtocolError to raise, or None at EOF
+        self._queue: asyncio.Queue[tuple[Message, list[int]] | ProtocolError | None] = asyncio.Queue()
+        self._closed = False
+        self._eof = False
+        self._paused = False
+        self._hold = hold             # read one message, then wait for release()
+        loop.add_reader(sock.fileno(), self._on_readable)
+
+    def release(self, max_frame: int = MAX_FRAME, max_fds: int = MAX_FDS) -> None:
+        """End the join phase: read on, with these limits."""
+        self.max_frame, self.max_fds = max_frame, max_fds
+        self._hold = False
+        if self._paused and not self._eof:
+            self._paused = False
+            self.loop.add_reader(self.sock.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        while True:
+            if self._queue.qsize() >= (1 if self._hold else self._QUEUE_MAX):
+                self._paused = True
+                self.loop.remove_reader(self.sock.fileno())
+                return
+            try:
+                data, fds, flags, _ = socket.recv_fds(self.sock, self.max_frame, max(self.max_fds, 1))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data, fds, flags = b"", [], 0
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                self._finish()
+                return
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) > self.max_fds:
+                for fd in fds:
+                    os.close(fd)
+                self._queue.put_nowait(ProtocolError("control message too large (or too many descriptors)"))
+                self._finish()
+                return
+            try:
+                self._queue.put_nowait((decode(data), fds))
+            except ProtocolError as e:
+                for fd in fds:
+                    os.close(fd)
+                self._queue.put_nowait(e)
+                self._finish()
+                return
+
+    def _finish(self) -> None:
+        if not self._eof:
+            self._eof = True
+            if not self._paused:
+                self.loop.remove_reader(self.sock.fileno())
+            self._paused = False
+            self._queue.put_nowait(None)
+
+    async def recv(self) -> tuple[Message, list[int]] | None:
+        """Next ``(msg, fds)``; ``None`` at EOF. Raises ProtocolError on garbage."""
+        item = await self._queue.get()
+        if self._paused and not self._eof and not self._hold and self._queue.qsize() < self._QUEUE_MAX // 2:
+            self._paused = False
+            self.loop.add_reader(self.sock.fileno(), self._on_readable)
+        if item is None:
+            self._queue.put_nowait(None)  # every later recv sees EOF too
+            return None
+        if isinstance(item, ProtocolError):
+            raise item
+        return item
+
+    async def send(self, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
+        if self._closed:
+            raise ConnectionError("channel closed")
+        data = encode(msg)
+        if len(data) > MAX_FRAME:
+            raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_FRAME}")
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        while True:
+            try:
+                self.sock.sendmsg([data], anc)
+                return
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+            except OSError as e:
+                raise ConnectionError(f"control channel: {e}") from None
+
+    def send_nowait(self, msg: Message) -> bool:
+        """Send a small message if the socket takes it now; False if it would block."""
+        if self._closed:
+            return True
+        try:
+            self.sock.sendmsg([encode(msg)])
+            return True
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True   # the reader sees the EOF
+
+    async def _writable(self) -> None:
+        fut: asyncio.Future[None] = self.loop.create_future()
+        fd = self.sock.fileno()
+
+        def writable() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self.loop.add_writer(fd, writable)
+        try:
+            await fut
+        finally:
+            self.loop.remove_writer(fd)
+
+    def backlog(self) -> int:
+        """Bytes in the socket's send queue, not yet taken by the peer (TIOCOUTQ)."""
+        if self._closed:
+            return 0
+        try:
+            buf = array.array("i", [0])
+            fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, buf)
+            return buf[0]
+        except OSError:
+            return 0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._eof:
+            self._eof = True
+            if not self._paused:
+                self.loop.remove_reader(self.sock.fileno())
+            self._paused = False
+        while not self._queue.empty():   # descriptors nobody will read
+            item = self._queue.get_nowait()
+            if isinstance(item, tuple):
+                for fd in item[1]:
+                    os.close(fd)
+        self._queue.put_nowait(None)
+        self.sock.close()
+
+
+
+def unix_listener() -> tuple[socket.socket, str]:
+    """A listening abstract-namespace SEQPACKET socket with an unguessable name."""
+    name = "kvengine/" + secrets.token_hex(12)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock.bind("\0" + name)
+    sock.listen(1024)   # a burst of peers joining at once (a full backlog fails their connect)
+    sock.setblocking(False)
+    return sock, name
+
+
+async def unix_connect(name: str, loop: asyncio.AbstractEventLoop) -> SeqpacketChannel:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, "\0" + name)
+    except BaseException:
+        sock.close()
+        raise
+    return SeqpacketChannel(sock, loop)
