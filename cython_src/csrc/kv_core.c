@@ -623,7 +623,8 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
         j->tcp = 1;
         j->is_pull = rs[0].src_kind == KV_REGION_TCP;
         j->link_id = (uint32_t)link;
-        st = kv__tcp_submit(c, j); /* hashes and queues it, or fails */
+        kv_transport *t = c->transports[KV_REGION_TCP];
+        st = t ? t->ops->submit(t, j) : KV_LLM_LINK_FAILED; /* hashes and starts it, or fails */
         if (st != KV_LLM_SUCCESS) {
             job_release_refs(c, j, 2 * nsegs);
             pthread_mutex_unlock(&c->mu);
@@ -665,7 +666,7 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
     return KV_LLM_SUCCESS;
 }
 
-/* A mover job (TCP jobs: kv__tcp_abort). */
+/* A mover job (transport jobs: their ops->abort). */
 static int abort_locked(kv_core *c, kv_job *j, uint32_t status) {
     job_fail(c, j, status);
     c->st.jobs_aborted++;
@@ -681,8 +682,8 @@ uint32_t kv_core_abort(kv_core *c, uint64_t job_id, uint32_t status) {
     int sig = 0;
     if (!j)
         st = KV_LLM_PARAM_INVALID;
-    else if (j->tcp) /* the I/O thread fences it: ABORT, then ABORT_ACK from the peer */
-        st = kv__tcp_abort(c, j, status, &sig);
+    else if (j->tcp) /* its transport fences it (TCP: ABORT, then ABORT_ACK from the peer) */
+        st = c->transports[KV_REGION_TCP]->ops->abort(c->transports[KV_REGION_TCP], j, status, &sig);
     else if (j->state == KV_JS_DRAINING && j->status != KV_LLM_SUCCESS)
         st = KV_LLM_PARAM_INVALID;
     else
@@ -692,6 +693,15 @@ uint32_t kv_core_abort(kv_core *c, uint64_t job_id, uint32_t status) {
         kv__signal_loop(c);
     return st;
 }
+
+/* --------------------------------------------------------------- transports */
+
+void kv__transport_register(kv_core *c, int kind, kv_transport *t) {
+    assert(kind >= 0 && kind < KV_REGION_KINDS && !c->transports[kind] && !c->closed);
+    c->transports[kind] = t;
+}
+
+kv_transport *kv__transport_get(kv_core *c, int kind) { return c->transports[kind]; }
 
 /* --------------------------------------------------------------- lifecycle */
 
@@ -765,9 +775,13 @@ void kv_core_close(kv_core *c) {
         pthread_mutex_unlock(&c->mu);
         return;
     }
-    c->closed = 1;
+    c->closed = 1; /* from here no transport is registered: the array is read once */
+    kv_transport *transports[KV_REGION_KINDS];
+    memcpy(transports, c->transports, sizeof transports);
     pthread_mutex_unlock(&c->mu);
-    kv__tcp_close(c); /* stops the I/O thread; TCP jobs complete ENGINE_FINALIZED (fenced) */
+    for (int kind = 0; kind < KV_REGION_KINDS; kind++) /* their jobs complete ENGINE_FINALIZED (fenced) */
+        if (transports[kind])
+            transports[kind]->ops->stop(transports[kind]);
     pthread_mutex_lock(&c->mu);
     for (unsigned b = 0; b < KV_HASH_BUCKETS; b++) {
         kv_job *j = c->hash[b];
@@ -791,7 +805,11 @@ void kv_core_free(kv_core *c) {
     if (!c)
         return;
     kv_core_close(c);
-    kv__tcp_free(c);
+    for (int kind = 0; kind < KV_REGION_KINDS; kind++) {
+        if (c->transports[kind])
+            c->transports[kind]->ops->destroy(c->transports[kind]);
+        c->transports[kind] = NULL;
+    }
     for (size_t id = 1; id < c->nregions; id++) {
         kv_region *r = c->regions[id];
         if (!r)

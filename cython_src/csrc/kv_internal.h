@@ -11,6 +11,7 @@
 #define KV_HASH_BUCKETS 4096u
 
 typedef struct kv_job kv_job;
+typedef struct kv_transport kv_transport; /* below */
 
 /* One duplicate of a peer's pidfd, shared by the regions given the same key
  * (a link's CMA regions: one descriptor per link, not per region). */
@@ -105,7 +106,7 @@ struct kv_job {
     struct kv_job *anext, *aprev; /* I/O abort list (ABORT_REQ) or timed list (ABORTING, FENCING) */
 };
 
-struct kv_net;
+#define KV_REGION_KINDS 3 /* KV_REGION_LOCAL, _PROCESS, _TCP */
 
 struct kv_core {
     pthread_mutex_t mu;
@@ -127,7 +128,7 @@ struct kv_core {
 
     kv_job *done_head, *done_tail; /* finished jobs and events not yet polled */
 
-    struct kv_net *net; /* TCP data plane; NULL until first used */
+    kv_transport *transports[KV_REGION_KINDS]; /* by region kind; NULL until first used */
 
     uint64_t *lease_until; /* mover leases: index = id (0 unused); 0 once removed */
     size_t nleases, lease_cap;
@@ -153,13 +154,37 @@ void kv__rank_insert(kv_job **head, kv_job **tail, kv_job *j);
 /* Out of such a queue; returns 0 if `j` was not queued. */
 int kv__queue_remove(kv_job **head, kv_job **tail, kv_job *j);
 
-/* kv_tcp.c, called by kv_core.c with c->mu held */
-uint32_t kv__tcp_submit(kv_core *c, kv_job *j); /* hand a TCP job to the I/O thread */
-/* Abort a TCP job: KV_LLM_SUCCESS (*sig: the loop must be signalled), or
- * KV_LLM_PARAM_INVALID if it is past being aborted. */
-uint32_t kv__tcp_abort(kv_core *c, kv_job *j, uint32_t status, int *sig);
-/* called without the lock */
-void kv__tcp_close(kv_core *c);
-void kv__tcp_free(kv_core *c);
+/* ---- transports: the data planes of regions the movers cannot reach (a peer's
+ * memory over the network: KV_REGION_TCP). A transport fills in its ops and
+ * registers itself with the core (kv__transport_register, on first use); the
+ * core calls it only through them. Transport -> core goes through the
+ * functions above. */
+
+typedef struct kv_transport_ops {
+    /* Take over job `j` (hashed by the transport with kv__job_hash once it is
+     * accepted; its segments all name regions of this transport on one link).
+     * A failure status leaves `j` as it was: the core releases it. c->mu held. */
+    uint32_t (*submit)(kv_transport *t, kv_job *j);
+    /* Abort a job it owns with `status`: KV_LLM_SUCCESS (*signal: the eventfd
+     * must be signalled after unlocking), or KV_LLM_PARAM_INVALID if it is past
+     * being aborted (its completion is on its way). c->mu held. */
+    uint32_t (*abort)(kv_transport *t, kv_job *j, uint32_t status, int *signal);
+    /* Stop taking work and complete every job it owns (fenced: may wait for a
+     * lease release); returns once that is done. No lock held; kv_core_close,
+     * after the core refuses new work. */
+    void (*stop)(kv_transport *t);
+    /* Free everything it holds; kv_core_free, after stop. No lock held. */
+    void (*destroy)(kv_transport *t);
+} kv_transport_ops;
+
+/* Embedded first in the transport's own state. */
+struct kv_transport {
+    const kv_transport_ops *ops;
+};
+
+/* The transport of regions of `kind`, registered once (caller holds c->mu),
+ * or NULL if none has been started. */
+void kv__transport_register(kv_core *c, int kind, kv_transport *t);
+kv_transport *kv__transport_get(kv_core *c, int kind);
 
 #endif

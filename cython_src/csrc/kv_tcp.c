@@ -171,6 +171,7 @@ typedef struct kv_cmd {
 } kv_cmd;
 
 typedef struct kv_net {
+    kv_transport transport; /* first: the core holds &transport */
     kv_core *c;
     pthread_t thread;
     int ep, wake;
@@ -213,17 +214,23 @@ static void wake(kv_net *n) {
 
 static void *io_main(void *arg);
 
+static const kv_transport_ops tcp_ops;
+
+/* The core's TCP transport, or NULL before the first use. Caller holds c->mu. */
+static kv_net *net_of(kv_core *c) { return (kv_net *)kv__transport_get(c, KV_REGION_TCP); }
+
 /* Start the I/O thread on first use. Caller holds c->mu. */
 static uint32_t net_get(kv_core *c, kv_net **out) {
     if (c->closed)
         return KV_LLM_ENGINE_FINALIZED;
-    if (c->net) {
-        *out = c->net;
+    if (net_of(c)) {
+        *out = net_of(c);
         return KV_LLM_SUCCESS;
     }
     kv_net *n = calloc(1, sizeof *n);
     if (!n)
         return KV_LLM_OUT_OF_MEMORY;
+    n->transport.ops = &tcp_ops;
     n->c = c;
     n->lfd = -1;
     n->scratch = malloc(KV_SCRATCH);
@@ -239,7 +246,7 @@ static uint32_t net_get(kv_core *c, kv_net **out) {
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0)
         goto fail;
-    c->net = n;
+    kv__transport_register(c, KV_REGION_TCP, &n->transport);
     *out = n;
     return KV_LLM_SUCCESS;
 fail:
@@ -1709,7 +1716,7 @@ uint32_t kv_tcp_listen(kv_core *c, const char *ip, uint16_t port, uint16_t *boun
         return KV_LLM_PARAM_INVALID;
     }
     pthread_mutex_lock(&c->mu); /* once per core (a second listener would leak the first) */
-    int again = c->net && c->net->lfd >= 0;
+    int again = net_of(c) && net_of(c)->lfd >= 0;
     pthread_mutex_unlock(&c->mu);
     if (again)
         return KV_LLM_PARAM_INVALID;
@@ -1810,9 +1817,12 @@ uint32_t kv_tcp_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
     return st;
 }
 
-uint32_t kv__tcp_submit(kv_core *c, kv_job *j) {
-    kv_net *n = c->net;
-    if (!n || n->stop)
+/* ------------------------------------------------- the transport interface */
+
+static uint32_t tcp_submit(kv_transport *t, kv_job *j) {
+    kv_net *n = (kv_net *)t;
+    kv_core *c = n->c;
+    if (n->stop)
         return KV_LLM_LINK_FAILED;
     /* a pull's answer tracking exists before any frame can name the job */
     if (j->is_pull && !(j->pt = ptrack_new(j, c->chunk)))
@@ -1830,8 +1840,9 @@ uint32_t kv__tcp_submit(kv_core *c, kv_job *j) {
     return KV_LLM_SUCCESS;
 }
 
-uint32_t kv__tcp_abort(kv_core *c, kv_job *j, uint32_t status, int *sig) {
-    kv_net *n = c->net;
+static uint32_t tcp_abort(kv_transport *t, kv_job *j, uint32_t status, int *sig) {
+    kv_net *n = (kv_net *)t;
+    kv_core *c = n->c;
     if (j->state != KV_JS_INBOX && j->state != KV_JS_SENDING && j->state != KV_JS_SENT)
         return KV_LLM_PARAM_INVALID; /* aborting, fencing: its completion is on its way */
     if (j->status == KV_LLM_SUCCESS)
@@ -1847,10 +1858,11 @@ uint32_t kv__tcp_abort(kv_core *c, kv_job *j, uint32_t status, int *sig) {
     return KV_LLM_SUCCESS;
 }
 
-void kv__tcp_close(kv_core *c) {
+static void tcp_stop(kv_transport *t) {
+    kv_net *n = (kv_net *)t;
+    kv_core *c = n->c;
     pthread_mutex_lock(&c->mu);
-    kv_net *n = c->net;
-    if (!n || n->stop) {
+    if (n->stop) {
         pthread_mutex_unlock(&c->mu);
         return;
     }
@@ -1860,10 +1872,8 @@ void kv__tcp_close(kv_core *c) {
     pthread_join(n->thread, NULL);
 }
 
-void kv__tcp_free(kv_core *c) {
-    kv_net *n = c->net;
-    if (!n)
-        return;
+static void tcp_destroy(kv_transport *t) {
+    kv_net *n = (kv_net *)t;
     while (n->links) {
         kv_link *l = n->links;
         n->links = l->next;
@@ -1878,5 +1888,11 @@ void kv__tcp_free(kv_core *c) {
     close(n->wake);
     free(n->scratch);
     free(n);
-    c->net = NULL;
 }
+
+static const kv_transport_ops tcp_ops = {
+    .submit = tcp_submit,
+    .abort = tcp_abort,
+    .stop = tcp_stop,
+    .destroy = tcp_destroy,
+};
