@@ -45,9 +45,9 @@ static int region_release(kv_core *c, uint32_t id) {
     if (r->flags & KV_REGION_F_UNMAP)
         munmap((void *)(uintptr_t)r->addr, (size_t)r->len); /* nothing to do on failure */
     pidref_put(c, r->pidref);
-    if (r->notify) {
-        sig = kv__post_event(c, r->notify);
-        r->notify = NULL;
+    if (r->freed_event) {
+        sig = kv__post_event(c, r->freed_event);
+        r->freed_event = NULL;
     }
     free(r);
     c->regions[id] = NULL;
@@ -89,7 +89,7 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
         return KV_LLM_PARAM_INVALID;
     }
     kv_region *r = calloc(1, sizeof *r);
-    kv_job *ev = (flags & KV_REGION_F_NOTIFY) ? calloc(1, sizeof *ev) : NULL;
+    kv_event *ev = (flags & KV_REGION_F_NOTIFY) ? calloc(1, sizeof *ev) : NULL;
     if (!r || ((flags & KV_REGION_F_NOTIFY) && !ev)) {
         free(r);
         free(ev);
@@ -100,7 +100,7 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
     r->pid = pid;
     r->kind = kind;
     r->flags = flags;
-    r->notify = ev;
+    r->freed_event = ev;
     pthread_mutex_lock(&c->mu);
     if (c->closed) {
         pthread_mutex_unlock(&c->mu);
@@ -128,8 +128,8 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
     }
     *region_id = (uint32_t)c->nregions;
     if (ev) {
-        ev->id = KV_EVENT_REGION_FREED | *region_id;
-        ev->event = 1;
+        ev->record.id = KV_EVENT_REGION_FREED | *region_id;
+        ev->record.kind = KV_RECORD_EVENT;
     }
     c->regions[c->nregions++] = r;
     c->st.regions_live++;
@@ -282,7 +282,7 @@ static int process_gone(int pidfd) {
 }
 
 /* Copy `n` bytes at offset `off` of segment `s`. No locks held. */
-static uint32_t copy_chunk(const kv_rseg *s, uint64_t off, uint64_t n) {
+static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n) {
     void *dst = (void *)(uintptr_t)(s->dst + off);
     void *src = (void *)(uintptr_t)(s->src + off);
     if (s->src_kind == KV_REGION_LOCAL && s->dst_kind == KV_REGION_LOCAL) {
@@ -320,77 +320,73 @@ static uint32_t copy_chunk(const kv_rseg *s, uint64_t off, uint64_t n) {
 
 /* ------------------------------------------------------------------- jobs */
 
-static unsigned bucket(uint64_t id);
-
-void kv__job_hash(kv_core *c, kv_job *j) {
-    unsigned b = bucket(j->id);
-    j->hnext = c->hash[b];
-    c->hash[b] = j;
-}
-
 static unsigned bucket(uint64_t id) {
     return (unsigned)((id * 0x9E3779B97F4A7C15ull) >> 52) & (KV_HASH_BUCKETS - 1);
 }
 
+void kv__job_hash(kv_core *c, kv_job *j) {
+    unsigned b = bucket(j->record.id);
+    j->hash_next = c->hash[b];
+    c->hash[b] = j;
+}
+
 kv_job *kv__job_find(kv_core *c, uint64_t id) {
-    for (kv_job *j = c->hash[bucket(id)]; j; j = j->hnext)
-        if (j->id == id)
+    for (kv_job *j = c->hash[bucket(id)]; j; j = j->hash_next)
+        if (j->record.id == id)
             return j;
     return NULL;
 }
 
 static void job_unhash(kv_core *c, kv_job *j) {
-    kv_job **p = &c->hash[bucket(j->id)];
+    kv_job **p = &c->hash[bucket(j->record.id)];
     while (*p != j)
-        p = &(*p)->hnext;
-    *p = j->hnext;
+        p = &(*p)->hash_next;
+    *p = j->hash_next;
 }
 
 int kv__queue_remove(kv_job **head, kv_job **tail, kv_job *j) {
     if (!j->queued)
         return 0;
-    if (j->qprev)
-        j->qprev->qnext = j->qnext;
+    if (j->queue_prev)
+        j->queue_prev->queue_next = j->queue_next;
     else
-        *head = j->qnext;
-    if (j->qnext)
-        j->qnext->qprev = j->qprev;
+        *head = j->queue_next;
+    if (j->queue_next)
+        j->queue_next->queue_prev = j->queue_prev;
     else
-        *tail = j->qprev;
-    j->qnext = j->qprev = NULL;
+        *tail = j->queue_prev;
+    j->queue_next = j->queue_prev = NULL;
     j->queued = 0;
     return 1;
 }
 
-static void queue_remove(kv_core *c, kv_job *j) { kv__queue_remove(&c->qhead, &c->qtail, j); }
-
 void kv__rank_insert(kv_job **head, kv_job **tail, kv_job *j) {
     kv_job *after = *tail;
     while (after && after->rank > j->rank)
-        after = after->qprev;
-    j->qprev = after;
-    j->qnext = after ? after->qnext : *head;
-    if (j->qnext)
-        j->qnext->qprev = j;
+        after = after->queue_prev;
+    j->queue_prev = after;
+    j->queue_next = after ? after->queue_next : *head;
+    if (j->queue_next)
+        j->queue_next->queue_prev = j;
     else
         *tail = j;
     if (after)
-        after->qnext = j;
+        after->queue_next = j;
     else
         *head = j;
     j->queued = 1;
 }
 
+/* Drop the first `nrefs` region refs of `j` and free its segments. Returns 1
+ * if the eventfd must be signalled (a notifying region was released). */
 static int job_release_refs(kv_core *c, kv_job *j, size_t nrefs) {
     int sig = 0;
     for (size_t i = 0; i < nrefs; i++)
-        sig |= region_unref_sig(c, j->regions[i]);
-    free(j->regions);
-    free(j->segs);
-    free(j->pt);
-    j->pt = NULL;
-    j->regions = NULL;
-    j->segs = NULL;
+        sig |= region_unref_sig(c, j->region_refs[i]);
+    free(j->region_refs);
+    free(j->segments);
+    j->region_refs = NULL;
+    j->segments = NULL;
     return sig;
 }
 
@@ -405,117 +401,131 @@ void kv__signal_loop(kv_core *c) {
 
 /* Append a finished job or an event to the completion list (no allocation: a
  * completion cannot be lost). Returns 1 if the eventfd must be signalled. */
-int kv__post_event(kv_core *c, kv_job *j) {
-    j->dnext = NULL;
+static int post_record(kv_core *c, kv_record *r) {
+    r->done_next = NULL;
     int was_empty = c->done_head == NULL;
     if (c->done_tail)
-        c->done_tail->dnext = j;
+        c->done_tail->done_next = r;
     else
-        c->done_head = j;
-    c->done_tail = j;
+        c->done_head = r;
+    c->done_tail = r;
     if (was_empty)
         c->st.wakeups++; /* the reader drains everything on one wake-up */
     return was_empty;
 }
 
+int kv__post_event(kv_core *c, kv_event *ev) { return post_record(c, &ev->record); }
+
 int kv__job_complete(kv_core *c, kv_job *j, uint32_t status) {
-    if (j->status == KV_LLM_SUCCESS)
-        j->status = status;
+    if (j->record.status == KV_LLM_SUCCESS)
+        j->record.status = status;
     job_unhash(c, j);
-    int sig = job_release_refs(c, j, j->nsegs * 2);
+    int sig = job_release_refs(c, j, j->nsegments * 2);
     c->st.jobs_live--;
     c->st.jobs_completed++;
-    return kv__post_event(c, j) | sig;
+    return post_record(c, &j->record) | sig;
 }
 
-/* If nothing more will be copied for `j`, complete it.
+/* ------------------------------------------------------------------ movers */
+
+static void queue_remove(kv_core *c, kv_mover_job *m) { kv__queue_remove(&c->qhead, &c->qtail, &m->job); }
+
+/* If nothing more will be copied for `m`, complete it.
  * Caller holds the lock. Returns 1 if the eventfd must be signalled. */
-static int job_maybe_finish(kv_core *c, kv_job *j) {
-    if (j->state != KV_JS_DRAINING || j->active)
+static int job_maybe_finish(kv_core *c, kv_mover_job *m) {
+    if (m->job.state != KV_JS_DRAINING || m->chunks_active)
         return 0;
-    j->state = KV_JS_DONE;
-    return kv__job_complete(c, j, KV_LLM_SUCCESS);
+    m->job.state = KV_JS_DONE;
+    return kv__job_complete(c, &m->job, KV_LLM_SUCCESS);
 }
 
 /* A mover job stops handing out chunks (all claimed, failed or aborted). */
-static void job_drain(kv_core *c, kv_job *j) {
-    assert(j->state == KV_JS_QUEUED || j->state == KV_JS_DRAINING);
-    j->state = KV_JS_DRAINING;
-    queue_remove(c, j);
+static void job_drain(kv_core *c, kv_mover_job *m) {
+    assert(m->job.state == KV_JS_QUEUED || m->job.state == KV_JS_DRAINING);
+    m->job.state = KV_JS_DRAINING;
+    queue_remove(c, m);
 }
 
 /* A mover job fails (or is aborted) with `status`, unless it failed already: no
  * more chunks; it completes once the chunks in progress end. */
-static void job_fail(kv_core *c, kv_job *j, uint32_t status) {
-    if (j->status == KV_LLM_SUCCESS)
-        j->status = status;
-    job_drain(c, j);
+static void job_fail(kv_core *c, kv_mover_job *m, uint32_t status) {
+    if (m->job.record.status == KV_LLM_SUCCESS)
+        m->job.record.status = status;
+    job_drain(c, m);
 }
 
-/* A mover's step ended: complete `j` if nothing more will be copied for it,
+/* A mover's step ended: complete `m` if nothing more will be copied for it,
  * signalling the loop outside the lock. Caller holds the lock. */
-static void mover_maybe_finish(kv_core *c, kv_job *j) {
-    if (job_maybe_finish(c, j)) {
+static void mover_maybe_finish(kv_core *c, kv_mover_job *m) {
+    if (job_maybe_finish(c, m)) {
         pthread_mutex_unlock(&c->mu);
         kv__signal_loop(c);
         pthread_mutex_lock(&c->mu);
     }
 }
 
+/* The movers' queue holds mover jobs only: the head job's next chunk is claimed. */
 static void *mover_main(void *arg) {
     kv_core *c = arg;
     pthread_mutex_lock(&c->mu);
     for (;;) {
-        kv_job *j = c->qhead;
+        kv_mover_job *m = (kv_mover_job *)c->qhead;
         if (c->stopping)
             break;
-        if (!j) {
+        if (!m) {
             pthread_cond_wait(&c->cv, &c->mu);
             continue;
         }
-        if (!lease_ok(c, j->lease)) { /* its peer may have stopped answering: no more chunks */
-            job_fail(c, j, KV_LLM_LINK_FAILED);
-            mover_maybe_finish(c, j);
+        kv_job *j = &m->job;
+        if (!lease_ok(c, m->lease)) { /* its peer may have stopped answering: no more chunks */
+            job_fail(c, m, KV_LLM_LINK_FAILED);
+            mover_maybe_finish(c, m);
             continue;
         }
-        const kv_rseg *s = &j->segs[j->cur_seg];
-        uint64_t off = j->cur_off;
+        const kv_segment *s = &j->segments[j->claim_segment];
+        uint64_t off = j->claim_offset;
         uint64_t n = s->len - off;
         if (n > c->chunk)
             n = c->chunk;
-        j->cur_off += n;
-        if (j->cur_off == s->len) {
-            j->cur_off = 0;
-            if (++j->cur_seg == j->nsegs) {
-                job_drain(c, j);
+        j->claim_offset += n;
+        if (j->claim_offset == s->len) {
+            j->claim_offset = 0;
+            if (++j->claim_segment == j->nsegments) {
+                job_drain(c, m);
             }
         }
-        j->active++;
+        m->chunks_active++;
         pthread_mutex_unlock(&c->mu);
 
         uint32_t st = copy_chunk(s, off, n);
 
         pthread_mutex_lock(&c->mu);
-        j->active--;
+        m->chunks_active--;
         c->st.bytes_moved += st == KV_LLM_SUCCESS ? n : 0;
         if (st == KV_LLM_SUCCESS)
-            j->done_bytes += n;
+            j->bytes_done += n;
         else
-            job_fail(c, j, st);
-        mover_maybe_finish(c, j);
+            job_fail(c, m, st);
+        mover_maybe_finish(c, m);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
 }
 
+/* Regions the movers cannot reach: a transport carries their bytes. */
+static int transport_kind(int kind) { return kind != KV_REGION_LOCAL && kind != KV_REGION_PROCESS; }
+
 /* Resolve and bounds-check `segs` into `out`, taking region refs into `refs`.
- * Caller holds the lock. On failure no ref is held. */
-static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_rseg *out,
-                        uint32_t *refs, uint64_t *total, int32_t *tcp_link) {
+ * Every segment has a local side; either every segment's other side is local
+ * or a process (a mover job: *remote_kind = -1), or every one is a region of
+ * one transport kind on one link (*remote_kind = that kind). Caller holds the
+ * lock. On failure no ref is held. */
+static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_segment *out,
+                        uint32_t *refs, uint64_t *total, int *remote_kind) {
     uint64_t sum = 0;
     size_t i;
     uint32_t st = KV_LLM_SUCCESS;
-    int tcp = -1; /* -1 undecided, 0 local/process job, 1 TCP job */
+    int32_t first_link = 0;
     for (i = 0; i < nsegs; i++) {
         const uint64_t *w = segs + i * KV_SEG_WORDS;
         uint64_t len = w[4];
@@ -539,24 +549,24 @@ static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_rseg 
             st = KV_LLM_PARAM_INVALID; /* one side must be this process's memory */
             break;
         }
-        int seg_tcp = sr->kind == KV_REGION_TCP || dr->kind == KV_REGION_TCP;
-        int32_t link = sr->kind == KV_REGION_TCP ? sr->pid : dr->pid;
-        if ((tcp >= 0 && tcp != seg_tcp) || (seg_tcp && i > 0 && link != *tcp_link)) {
+        const kv_region *remote = transport_kind(sr->kind) ? sr : transport_kind(dr->kind) ? dr : NULL;
+        int kind = remote ? remote->kind : -1;
+        if ((i > 0 && kind != *remote_kind) || (remote && i > 0 && remote->pid != first_link)) {
             st = KV_LLM_PARAM_INVALID; /* one job, one way: all segments local or all on one link */
             break;
         }
-        tcp = seg_tcp;
-        if (seg_tcp)
-            *tcp_link = link;
-        out[i].src = sr->kind == KV_REGION_TCP ? w[1] : sr->addr + w[1];
-        out[i].dst = dr->kind == KV_REGION_TCP ? w[3] : dr->addr + w[3];
+        *remote_kind = kind;
+        if (remote)
+            first_link = remote->pid;
+        out[i].src = transport_kind(sr->kind) ? w[1] : sr->addr + w[1];
+        out[i].dst = transport_kind(dr->kind) ? w[3] : dr->addr + w[3];
         out[i].len = len;
         out[i].src_kind = (int8_t)sr->kind;
         out[i].dst_kind = (int8_t)dr->kind;
         out[i].pid = sr->kind != KV_REGION_LOCAL ? sr->pid : dr->pid;
         const kv_region *pr = sr->kind == KV_REGION_PROCESS ? sr : dr->kind == KV_REGION_PROCESS ? dr : NULL;
         out[i].pidfd = pr && pr->pidref ? pr->pidref->fd : -1; /* lives while the job holds the region */
-        out[i].rrid = (uint32_t)(sr->kind == KV_REGION_TCP ? sr->addr : dr->addr);
+        out[i].remote_region = (uint32_t)(transport_kind(sr->kind) ? sr->addr : dr->addr);
         sr->refs++;
         dr->refs++;
         refs[2 * i] = (uint32_t)w[0];
@@ -582,51 +592,59 @@ uint32_t kv_core_submit_ranked(kv_core *c, uint64_t job_id, const uint64_t *segs
     return kv_core_submit_leased(c, job_id, segs, nsegs, inline_max, rank, 0, done, nbytes);
 }
 
+/* Copy a job's segments on the calling thread. Called without the lock. */
+static uint32_t copy_inline(const kv_segment *segs, size_t nsegs, uint64_t *nbytes) {
+    uint32_t st = KV_LLM_SUCCESS;
+    for (size_t i = 0; i < nsegs && st == KV_LLM_SUCCESS; i++) {
+        st = copy_chunk(&segs[i], 0, segs[i].len);
+        if (st == KV_LLM_SUCCESS)
+            *nbytes += segs[i].len;
+    }
+    return st;
+}
+
 uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                                uint64_t inline_max, uint64_t rank, uint32_t lease, int *done, uint64_t *nbytes) {
     *done = 0;
     *nbytes = 0;
     if (nsegs == 0 || nsegs > SIZE_MAX / (2 * sizeof(uint32_t)) / KV_SEG_WORDS)
         return KV_LLM_PARAM_INVALID;
-    kv_job *j = calloc(1, sizeof *j);
-    kv_rseg *rs = malloc(nsegs * sizeof *rs);
+    kv_segment *rs = malloc(nsegs * sizeof *rs);
     uint32_t *refs = malloc(2 * nsegs * sizeof *refs);
-    if (!j || !rs || !refs) {
-        free(j);
+    if (!rs || !refs) {
         free(rs);
         free(refs);
         return KV_LLM_OUT_OF_MEMORY;
     }
     uint64_t total = 0;
-    int32_t link = 0;
+    int remote_kind = -1;
     pthread_mutex_lock(&c->mu);
     uint32_t st = c->closed ? KV_LLM_ENGINE_FINALIZED : KV_LLM_SUCCESS;
     if (st == KV_LLM_SUCCESS && (kv__job_find(c, job_id) || (job_id & KV_EVENT) || lease >= c->nleases + !lease))
         st = KV_LLM_PARAM_INVALID; /* job ids are unique among live jobs, below 2**63; a lease must exist */
     if (st == KV_LLM_SUCCESS)
-        st = resolve(c, segs, nsegs, rs, refs, &total, &link);
+        st = resolve(c, segs, nsegs, rs, refs, &total, &remote_kind);
     if (st != KV_LLM_SUCCESS) {
         pthread_mutex_unlock(&c->mu);
-        free(j);
         free(rs);
         free(refs);
         return st;
     }
-    j->id = job_id;
-    j->segs = rs;
-    j->nsegs = nsegs;
-    j->regions = refs;
-    j->total = total;
-    j->rank = rank;
-    j->lease = lease;
-    if (rs[0].src_kind == KV_REGION_TCP || rs[0].dst_kind == KV_REGION_TCP) {
-        j->tcp = 1;
-        j->is_pull = rs[0].src_kind == KV_REGION_TCP;
-        j->link_id = (uint32_t)link;
-        kv_transport *t = c->transports[KV_REGION_TCP];
-        st = t ? t->ops->submit(t, j) : KV_LLM_LINK_FAILED; /* hashes and starts it, or fails */
+    /* the common part; copied into the kind's struct once one is needed */
+    kv_job fields = {.record = {.id = job_id}, .segments = rs, .nsegments = nsegs, .region_refs = refs,
+                     .total_bytes = total, .rank = rank};
+    if (remote_kind >= 0) {
+        kv_transport *t = c->transports[remote_kind];
+        kv_job *j = t ? calloc(1, t->ops->job_size) : NULL;
+        st = !t ? KV_LLM_LINK_FAILED : !j ? KV_LLM_OUT_OF_MEMORY : KV_LLM_SUCCESS;
+        if (st == KV_LLM_SUCCESS) {
+            *j = fields;
+            j->record.kind = KV_RECORD_TRANSPORT_JOB;
+            j->transport = t;
+            st = t->ops->submit(t, j); /* hashes and starts it, or fails */
+        }
         if (st != KV_LLM_SUCCESS) {
-            job_release_refs(c, j, 2 * nsegs);
+            job_release_refs(c, &fields, 2 * nsegs);
             pthread_mutex_unlock(&c->mu);
             free(j);
             return st;
@@ -641,24 +659,27 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
         if (!lease_ok(c, lease))
             st = KV_LLM_LINK_FAILED;
         pthread_mutex_unlock(&c->mu);
-        for (size_t i = 0; i < nsegs && st == KV_LLM_SUCCESS; i++) {
-            st = copy_chunk(&rs[i], 0, rs[i].len);
-            if (st == KV_LLM_SUCCESS)
-                *nbytes += rs[i].len;
-        }
+        if (st == KV_LLM_SUCCESS)
+            st = copy_inline(rs, nsegs, nbytes);
         pthread_mutex_lock(&c->mu);
         c->st.bytes_moved += *nbytes;
-        job_release_refs(c, j, 2 * nsegs);
+        job_release_refs(c, &fields, 2 * nsegs);
         pthread_mutex_unlock(&c->mu);
-        free(j);
         *done = 1;
         return st;
     }
-    unsigned b = bucket(job_id);
-    j->hnext = c->hash[b];
-    c->hash[b] = j;
-    j->state = KV_JS_QUEUED;
-    kv__rank_insert(&c->qhead, &c->qtail, j); /* movers claim chunks of the head job */
+    kv_mover_job *m = calloc(1, sizeof *m);
+    if (!m) {
+        job_release_refs(c, &fields, 2 * nsegs);
+        pthread_mutex_unlock(&c->mu);
+        return KV_LLM_OUT_OF_MEMORY;
+    }
+    m->job = fields;
+    m->job.record.kind = KV_RECORD_MOVER_JOB;
+    m->job.state = KV_JS_QUEUED;
+    m->lease = lease;
+    kv__job_hash(c, &m->job);
+    kv__rank_insert(&c->qhead, &c->qtail, &m->job); /* movers claim chunks of the head job */
     c->st.jobs_submitted++;
     c->st.jobs_live++;
     pthread_cond_broadcast(&c->cv);
@@ -667,10 +688,10 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
 }
 
 /* A mover job (transport jobs: their ops->abort). */
-static int abort_locked(kv_core *c, kv_job *j, uint32_t status) {
-    job_fail(c, j, status);
+static int abort_locked(kv_core *c, kv_mover_job *m, uint32_t status) {
+    job_fail(c, m, status);
     c->st.jobs_aborted++;
-    return job_maybe_finish(c, j);
+    return job_maybe_finish(c, m);
 }
 
 uint32_t kv_core_abort(kv_core *c, uint64_t job_id, uint32_t status) {
@@ -682,12 +703,12 @@ uint32_t kv_core_abort(kv_core *c, uint64_t job_id, uint32_t status) {
     int sig = 0;
     if (!j)
         st = KV_LLM_PARAM_INVALID;
-    else if (j->tcp) /* its transport fences it (TCP: ABORT, then ABORT_ACK from the peer) */
-        st = c->transports[KV_REGION_TCP]->ops->abort(c->transports[KV_REGION_TCP], j, status, &sig);
-    else if (j->state == KV_JS_DRAINING && j->status != KV_LLM_SUCCESS)
+    else if (j->transport) /* its transport fences it (TCP: ABORT, then ABORT_ACK from the peer) */
+        st = j->transport->ops->abort(j->transport, j, status, &sig);
+    else if (j->state == KV_JS_DRAINING && j->record.status != KV_LLM_SUCCESS)
         st = KV_LLM_PARAM_INVALID;
     else
-        sig = abort_locked(c, j, status);
+        sig = abort_locked(c, (kv_mover_job *)j, status);
     pthread_mutex_unlock(&c->mu);
     if (sig)
         kv__signal_loop(c);
@@ -750,15 +771,20 @@ size_t kv_core_poll(kv_core *c, kv_completion *out, size_t max) {
     size_t n = 0;
     pthread_mutex_lock(&c->mu);
     while (n < max && c->done_head) {
-        kv_job *j = c->done_head;
-        c->done_head = j->dnext;
-        out[n].job_id = j->id;
-        out[n].status = j->status;
-        out[n].nbytes = j->done_bytes;
-        /* nothing of it went out: a TCP job with no frame started, a mover job with no chunk claimed */
-        out[n].flags = (j->tcp ? j->frames == 0 : j->cur_seg == 0 && j->cur_off == 0) ? KV_DONE_UNSTARTED : 0;
+        kv_record *r = c->done_head;
+        c->done_head = r->done_next;
+        out[n].job_id = r->id;
+        out[n].status = r->status;
+        out[n].nbytes = 0;
+        out[n].flags = KV_DONE_UNSTARTED; /* an event moves nothing */
+        if (r->kind != KV_RECORD_EVENT) {
+            const kv_job *j = (const kv_job *)r;
+            out[n].nbytes = j->bytes_done;
+            /* nothing of it went out: no chunk (mover) or frame (TCP) claimed */
+            out[n].flags = j->claim_segment == 0 && j->claim_offset == 0 ? KV_DONE_UNSTARTED : 0;
+        }
         n++;
-        free(j);
+        free(r);
     }
     if (!c->done_head)
         c->done_tail = NULL;
@@ -786,9 +812,10 @@ void kv_core_close(kv_core *c) {
     for (unsigned b = 0; b < KV_HASH_BUCKETS; b++) {
         kv_job *j = c->hash[b];
         while (j) {
-            kv_job *next = j->hnext;
-            if (!j->tcp && j->state == KV_JS_QUEUED) /* jobs on their last chunks finish normally */
-                abort_locked(c, j, KV_LLM_ENGINE_FINALIZED);
+            kv_job *next = j->hash_next;
+            if (j->record.kind == KV_RECORD_MOVER_JOB && j->state == KV_JS_QUEUED) /* jobs on their last
+                                                                                      chunks finish normally */
+                abort_locked(c, (kv_mover_job *)j, KV_LLM_ENGINE_FINALIZED);
             j = next;
         }
     }
@@ -817,15 +844,15 @@ void kv_core_free(kv_core *c) {
         if (r->flags & KV_REGION_F_UNMAP)
             munmap((void *)(uintptr_t)r->addr, (size_t)r->len);
         pidref_put(c, r->pidref);
-        free(r->notify);
+        free(r->freed_event);
         free(r);
     }
     free(c->regions);
     free(c->lease_until);
     while (c->done_head) {
-        kv_job *j = c->done_head;
-        c->done_head = j->dnext;
-        free(j);
+        kv_record *r = c->done_head;
+        c->done_head = r->done_next;
+        free(r);
     }
     close(c->efd);
     pthread_mutex_destroy(&c->mu);

@@ -83,6 +83,35 @@ typedef struct {
 } kv_frame;
 typedef char kv_frame_is_64_bytes[sizeof(kv_frame) == 64 ? 1 : -1];
 
+/* A TCP pull's answer tracking, allocated at submit (before the job can be
+ * named by a frame) and handed to the pull's tombstone if it is aborted. Chunk
+ * k is the k-th READ sent (segments in order, each cut at `chunk_bytes`). */
+typedef struct kv_pull_tracking {
+    size_t nsegments;
+    uint64_t chunk_bytes;
+    uint64_t nchunks;      /* chunks in all */
+    uint64_t reads_sent;   /* READs sent: chunks 0 .. reads_sent-1 */
+    uint64_t *segment_len; /* nsegments */
+    uint64_t *first_chunk; /* chunks before each segment (nsegments + 1) */
+    uint32_t *answered;    /* per chunk: bytes answered (RDATA header accepted) or given up */
+    uint8_t *stream;       /* per chunk: the stream (index in the link) its READ went out on */
+} kv_pull_tracking;
+
+/* A push or pull over one link. Owned by the I/O thread once it leaves the
+ * inbox, except the abort request (kv_core_abort, under c->mu). */
+typedef struct kv_tcp_job {
+    kv_job job;              /* first */
+    uint32_t link_id;
+    int is_pull;
+    uint64_t frames;         /* frames (DATA or READ) started on the wire: claimed with the cursor */
+    kv_pull_tracking *pull;  /* pull: answer tracking */
+    uint32_t abort_acks_awaited; /* push, ABORTING: streams (bit = index in the link) whose ABORT_ACK is due */
+    int acked;               /* push, ABORTING: the receiver ACKed every byte meanwhile */
+    uint64_t due;            /* ABORTING: the fence deadline; FENCING: the release time (ns, CLOCK_BOOTTIME) */
+    struct kv_tcp_job *inbox_next, *inbox_prev; /* the I/O inbox (INBOX) */
+    struct kv_tcp_job *list_next, *list_prev;   /* the abort list (ABORT_REQ) or timed list (ABORTING, FENCING) */
+} kv_tcp_job;
+
 typedef struct kv_serve {
     uint64_t xfer, src, len, total, dst_off;
     uint32_t rid, dst_seg;
@@ -96,7 +125,7 @@ typedef struct kv_rx {
     int aborted;
     int aborts_seen;   /* push: ABORTs received */
     uint32_t ack_wait; /* pull tombstone: streams whose ABORT_ACK is awaited */
-    kv_ptrack *pt;     /* pull tombstone: the pull's answer tracking (late RDATA must still fit it) */
+    kv_pull_tracking *tracking; /* pull tombstone: the pull's answer tracking (late RDATA must still fit it) */
     struct kv_rx *next;
 } kv_rx;
 
@@ -155,7 +184,7 @@ typedef struct kv_link {
     uint64_t last_grant;       /* the last LEASE we queued on any stream (0: none) */
     kv_rx *rx[KV_RX_BUCKETS];
     size_t nrx;
-    kv_job *ev_ready, *ev_down;
+    kv_event *ev_ready, *ev_down;
     struct kv_link *next;
 } kv_link;
 
@@ -166,7 +195,7 @@ typedef struct kv_cmd {
     uint64_t window, lease, fence, margin;
     uint32_t link_id, status;
     uint8_t token[KV_TOKEN_BYTES];
-    kv_job *ev_ready, *ev_down;
+    kv_event *ev_ready, *ev_down;
     struct kv_cmd *next;
 } kv_cmd;
 
@@ -187,11 +216,16 @@ typedef struct kv_net {
     /* under c->mu */
     int lfd;
     kv_cmd *cmd_head, *cmd_tail;
-    kv_job *in_head, *in_tail; /* INBOX jobs, in submission order */
-    kv_job *ab_head;           /* ABORT_REQ jobs */
-    kv_job *tm_head;           /* ABORTING and FENCING jobs (their `due`) */
+    kv_tcp_job *in_head, *in_tail; /* INBOX jobs, in submission order */
+    kv_tcp_job *ab_head;           /* ABORT_REQ jobs */
+    kv_tcp_job *tm_head;           /* ABORTING and FENCING jobs (their `due`) */
     int stop;
 } kv_net;
+
+/* `j` as a job of this transport, or NULL (none, or a mover job). */
+static kv_tcp_job *tcp_job(kv_net *n, kv_job *j) {
+    return j && j->transport == &n->transport ? (kv_tcp_job *)j : NULL;
+}
 
 /* Every time here, lease offsets included: CLOCK_BOOTTIME, which unlike
  * CLOCK_MONOTONIC keeps counting while the machine is suspended, so a lease
@@ -275,42 +309,42 @@ static const unsigned js_next[KV_JS_DONE] = {
 #endif
 
 /* The one place a TCP job changes state: checked (unless NDEBUG). */
-static void js_to(kv_job *j, int to) {
+static void js_to(kv_tcp_job *j, int to) {
 #ifndef NDEBUG
-    assert(j->state >= KV_JS_INBOX && j->state < KV_JS_DONE && (js_next[j->state] & (1u << to)));
+    assert(j->job.state >= KV_JS_INBOX && j->job.state < KV_JS_DONE && (js_next[j->job.state] & (1u << to)));
 #endif
-    j->state = to;
+    j->job.state = to;
 }
 
-/* The abort list (ABORT_REQ) and the timed list (ABORTING, FENCING) share anext/aprev. */
-static void alist_add(kv_job **head, kv_job *j) {
-    j->aprev = NULL;
-    j->anext = *head;
+/* The abort list (ABORT_REQ) and the timed list (ABORTING, FENCING) share list_next/list_prev. */
+static void alist_add(kv_tcp_job **head, kv_tcp_job *j) {
+    j->list_prev = NULL;
+    j->list_next = *head;
     if (*head)
-        (*head)->aprev = j;
+        (*head)->list_prev = j;
     *head = j;
 }
 
-static void alist_del(kv_job **head, kv_job *j) {
-    if (j->aprev)
-        j->aprev->anext = j->anext;
+static void alist_del(kv_tcp_job **head, kv_tcp_job *j) {
+    if (j->list_prev)
+        j->list_prev->list_next = j->list_next;
     else
-        *head = j->anext;
-    if (j->anext)
-        j->anext->aprev = j->aprev;
-    j->anext = j->aprev = NULL;
+        *head = j->list_next;
+    if (j->list_next)
+        j->list_next->list_prev = j->list_prev;
+    j->list_next = j->list_prev = NULL;
 }
 
-static void inbox_del(kv_net *n, kv_job *j) {
-    if (j->iprev)
-        j->iprev->inext = j->inext;
+static void inbox_del(kv_net *n, kv_tcp_job *j) {
+    if (j->inbox_prev)
+        j->inbox_prev->inbox_next = j->inbox_next;
     else
-        n->in_head = j->inext;
-    if (j->inext)
-        j->inext->iprev = j->iprev;
+        n->in_head = j->inbox_next;
+    if (j->inbox_next)
+        j->inbox_next->inbox_prev = j->inbox_prev;
     else
-        n->in_tail = j->iprev;
-    j->inext = j->iprev = NULL;
+        n->in_tail = j->inbox_prev;
+    j->inbox_next = j->inbox_prev = NULL;
 }
 
 /* --------------------------------------------------------------- helpers */
@@ -352,43 +386,43 @@ static void rx_del(kv_link *l, kv_rx *r) {
         p = &(*p)->next;
     *p = r->next;
     l->nrx--;
-    free(r->pt);
+    free(r->tracking);
     free(r);
 }
 
-static void sq_remove(kv_link *l, kv_job *j) {
-    if (kv__queue_remove(&l->sq_head, &l->sq_tail, j))
+static void sq_remove(kv_link *l, kv_tcp_job *j) {
+    if (kv__queue_remove(&l->sq_head, &l->sq_tail, &j->job))
         l->sq_pulls -= j->is_pull;
 }
 
-static void sq_insert(kv_link *l, kv_job *j) {
-    kv__rank_insert(&l->sq_head, &l->sq_tail, j);
+static void sq_insert(kv_link *l, kv_tcp_job *j) {
+    kv__rank_insert(&l->sq_head, &l->sq_tail, &j->job);
     l->sq_pulls += j->is_pull;
 }
 
 /* A pull's answer tracking (one allocation), or NULL if out of memory. */
-static kv_ptrack *ptrack_new(const kv_job *j, uint64_t chunk) {
+static kv_pull_tracking *ptrack_new(const kv_tcp_job *j, uint64_t chunk) {
     uint64_t nch = 0;
-    for (size_t i = 0; i < j->nsegs; i++)
-        nch += (j->segs[i].len + chunk - 1) / chunk; /* total < 2^64: no overflow */
-    size_t ns = j->nsegs;
-    if (nch > (SIZE_MAX / 2 - 8 * (2 * ns + 1) - sizeof(kv_ptrack)) / 5)
+    for (size_t i = 0; i < j->job.nsegments; i++)
+        nch += (j->job.segments[i].len + chunk - 1) / chunk; /* total < 2^64: no overflow */
+    size_t ns = j->job.nsegments;
+    if (nch > (SIZE_MAX / 2 - 8 * (2 * ns + 1) - sizeof(kv_pull_tracking)) / 5)
         return NULL;
-    size_t sz = sizeof(kv_ptrack) + 8 * (2 * ns + 1) + 4 * (size_t)nch + (size_t)nch;
-    kv_ptrack *pt = calloc(1, sz);
+    size_t sz = sizeof(kv_pull_tracking) + 8 * (2 * ns + 1) + 4 * (size_t)nch + (size_t)nch;
+    kv_pull_tracking *pt = calloc(1, sz);
     if (!pt)
         return NULL;
-    pt->nsegs = ns;
-    pt->chunk = chunk;
-    pt->nch = nch;
-    pt->seglen = (uint64_t *)(pt + 1);
-    pt->rbase = pt->seglen + ns;
-    pt->rnext = (uint32_t *)(pt->rbase + ns + 1);
-    pt->rconn = (uint8_t *)(pt->rnext + nch);
-    pt->rbase[0] = 0;
+    pt->nsegments = ns;
+    pt->chunk_bytes = chunk;
+    pt->nchunks = nch;
+    pt->segment_len = (uint64_t *)(pt + 1);
+    pt->first_chunk = pt->segment_len + ns;
+    pt->answered = (uint32_t *)(pt->first_chunk + ns + 1);
+    pt->stream = (uint8_t *)(pt->answered + nch);
+    pt->first_chunk[0] = 0;
     for (size_t i = 0; i < ns; i++) {
-        pt->seglen[i] = j->segs[i].len;
-        pt->rbase[i + 1] = pt->rbase[i] + (j->segs[i].len + chunk - 1) / chunk;
+        pt->segment_len[i] = j->job.segments[i].len;
+        pt->first_chunk[i + 1] = pt->first_chunk[i] + (j->job.segments[i].len + chunk - 1) / chunk;
     }
     return pt;
 }
@@ -398,34 +432,34 @@ static kv_ptrack *ptrack_new(const kv_job *j, uint64_t chunk) {
  * returned; else -1. A repeated, overlapping, out-of-order, unasked or
  * misrouted answer is a protocol violation (else a peer could complete a pull
  * with bytes unwritten; and a READ's window returns exactly once). */
-static int64_t pull_claim(kv_ptrack *pt, const kv_frame *h, int idx) {
-    if (h->region >= pt->nsegs || h->offset > pt->seglen[h->region] ||
-        h->length > pt->seglen[h->region] - h->offset)
+static int64_t pull_claim(kv_pull_tracking *pt, const kv_frame *h, int idx) {
+    if (h->region >= pt->nsegments || h->offset > pt->segment_len[h->region] ||
+        h->length > pt->segment_len[h->region] - h->offset)
         return -1;
-    uint64_t k = pt->rbase[h->region] + h->offset / pt->chunk, at = h->offset % pt->chunk;
-    uint64_t clen = pt->seglen[h->region] - (h->offset - at);
-    if (clen > pt->chunk)
-        clen = pt->chunk;
-    if (k >= pt->sent || pt->rconn[k] != idx || at != pt->rnext[k] || h->length > clen - at)
+    uint64_t k = pt->first_chunk[h->region] + h->offset / pt->chunk_bytes, at = h->offset % pt->chunk_bytes;
+    uint64_t clen = pt->segment_len[h->region] - (h->offset - at);
+    if (clen > pt->chunk_bytes)
+        clen = pt->chunk_bytes;
+    if (k >= pt->reads_sent || pt->stream[k] != idx || at != pt->answered[k] || h->length > clen - at)
         return -1;
-    pt->rnext[k] += (uint32_t)h->length;
+    pt->answered[k] += (uint32_t)h->length;
     return (int64_t)k;
 }
 
 /* Every READ of `pt` sent on stream `idx` is answered or dropped (its ABORT_ACK
  * came): what was not answered returns to that stream's READ window, and no
  * answer to it is accepted any more. */
-static void pull_give_up(kv_ptrack *pt, kv_conn *k, int idx) {
-    for (size_t i = 0; i < pt->nsegs; i++) {
-        for (uint64_t q = pt->rbase[i]; q < pt->rbase[i + 1] && q < pt->sent; q++) {
-            if (pt->rconn[q] != idx)
+static void pull_give_up(kv_pull_tracking *pt, kv_conn *k, int idx) {
+    for (size_t i = 0; i < pt->nsegments; i++) {
+        for (uint64_t q = pt->first_chunk[i]; q < pt->first_chunk[i + 1] && q < pt->reads_sent; q++) {
+            if (pt->stream[q] != idx)
                 continue;
-            uint64_t off = (q - pt->rbase[i]) * pt->chunk, clen = pt->seglen[i] - off;
-            if (clen > pt->chunk)
-                clen = pt->chunk;
-            uint64_t left = clen - pt->rnext[q];
+            uint64_t off = (q - pt->first_chunk[i]) * pt->chunk_bytes, clen = pt->segment_len[i] - off;
+            if (clen > pt->chunk_bytes)
+                clen = pt->chunk_bytes;
+            uint64_t left = clen - pt->answered[q];
             k->reads_out -= left < k->reads_out ? left : k->reads_out;
-            pt->rnext[q] = (uint32_t)clen;
+            pt->answered[q] = (uint32_t)clen;
         }
     }
 }
@@ -434,8 +468,8 @@ static void discard_payloads(kv_link *l, kv_core *c, int ptype, uint64_t xfer);
 
 /* Complete a TCP job (any state but DONE). Caller holds c->mu; returns 1 if the
  * loop must be signalled. */
-static int tcp_complete(kv_net *n, kv_link *l, kv_job *j, uint32_t status) {
-    if (j->queued) {
+static int tcp_complete(kv_net *n, kv_link *l, kv_tcp_job *j, uint32_t status) {
+    if (j->job.queued) {
         assert(l);
         sq_remove(l, j);
     }
@@ -444,15 +478,17 @@ static int tcp_complete(kv_net *n, kv_link *l, kv_job *j, uint32_t status) {
      * completion, possibly in freed memory (e.g. a peer answering a READ twice,
      * or an abort with frames == 0; found by tests/native/fuzz_tcp.c). */
     if (l && !l->dead && j->is_pull)
-        discard_payloads(l, n->c, F_RDATA, j->id);
-    if (j->state == KV_JS_INBOX)
+        discard_payloads(l, n->c, F_RDATA, j->job.record.id);
+    if (j->job.state == KV_JS_INBOX)
         inbox_del(n, j);
-    else if (j->state == KV_JS_ABORT_REQ)
+    else if (j->job.state == KV_JS_ABORT_REQ)
         alist_del(&n->ab_head, j);
-    else if (j->state == KV_JS_ABORTING || j->state == KV_JS_FENCING)
+    else if (j->job.state == KV_JS_ABORTING || j->job.state == KV_JS_FENCING)
         alist_del(&n->tm_head, j);
     js_to(j, KV_JS_DONE);
-    return kv__job_complete(n->c, j, status);
+    free(j->pull);
+    j->pull = NULL;
+    return kv__job_complete(n->c, &j->job, status);
 }
 
 static int ctrl_push(kv_conn *k, const kv_frame *f) {
@@ -554,39 +590,40 @@ static int link_fail(kv_net *n, kv_link *l, uint32_t status, int post_down) {
     uint64_t now = now_ns();
     uint64_t release = l->last_grant ? sat_add(l->last_grant, sat_add(l->lease, l->margin)) : 0;
     for (unsigned b = 0; b < KV_HASH_BUCKETS; b++) {
-        kv_job *j = c->hash[b];
-        while (j) {
-            kv_job *next = j->hnext;
-            if (!j->tcp || j->link_id != l->id || j->state == KV_JS_INBOX || j->state == KV_JS_FENCING) {
-                j = next; /* inbox jobs: next round; fencing ones: already */
+        kv_job *job = c->hash[b];
+        while (job) {
+            kv_job *next = job->hash_next;
+            kv_tcp_job *j = tcp_job(n, job);
+            if (!j || j->link_id != l->id || job->state == KV_JS_INBOX || job->state == KV_JS_FENCING) {
+                job = next; /* inbox jobs: next round; fencing ones: already */
                 continue;
             }
             if (j->is_pull || j->frames == 0 || j->acked) {
                 sig |= tcp_complete(n, l, j, status);
             } else { /* a push the peer did not fence: its status says so, once its lease is over */
-                j->status = status;
+                j->job.record.status = status;
                 if (release <= now) {
                     sig |= tcp_complete(n, l, j, status);
                 } else {
-                    if (j->queued)
+                    if (j->job.queued)
                         sq_remove(l, j);
-                    if (j->state == KV_JS_ABORT_REQ)
+                    if (j->job.state == KV_JS_ABORT_REQ)
                         alist_del(&n->ab_head, j);
-                    else if (j->state == KV_JS_ABORTING)
+                    else if (j->job.state == KV_JS_ABORTING)
                         alist_del(&n->tm_head, j);
                     js_to(j, KV_JS_FENCING);
                     j->due = release;
                     alist_add(&n->tm_head, j);
                 }
             }
-            j = next;
+            job = next;
         }
     }
     for (unsigned b = 0; b < KV_RX_BUCKETS; b++)
         while (l->rx[b])
             rx_del(l, l->rx[b]);
     if (post_down && l->ev_down) {
-        l->ev_down->status = status;
+        l->ev_down->record.status = status;
         sig |= kv__post_event(c, l->ev_down);
         l->ev_down = NULL;
     }
@@ -654,34 +691,34 @@ static int next_frame(kv_net *n, kv_conn *k) {
     int push_ok = (!l->window || l->wire < l->window) && k->granted_at;
     if (!push_ok && !l->sq_pulls)
         return 0;
-    for (kv_job *j = l->sq_head; j; j = j->qnext) {
-        if (j->state != KV_JS_SENDING) /* ABORT_REQ: the I/O thread acts on it this round */
+    for (kv_tcp_job *j = (kv_tcp_job *)l->sq_head; j; j = (kv_tcp_job *)j->job.queue_next) {
+        if (j->job.state != KV_JS_SENDING) /* ABORT_REQ: the I/O thread acts on it this round */
             continue;
         if (j->is_pull && k->reads_out >= KV_READ_WINDOW * chunk)
             continue;
         if (!j->is_pull && !push_ok)
             continue;
-        const kv_rseg *s = &j->segs[j->cur_seg];
-        uint64_t off = j->cur_off, len = s->len - off;
+        const kv_segment *s = &j->job.segments[j->job.claim_segment];
+        uint64_t off = j->job.claim_offset, len = s->len - off;
         if (len > chunk)
             len = chunk;
-        size_t seg = j->cur_seg;
-        j->cur_off += len;
-        if (j->cur_off == s->len) {
-            j->cur_off = 0;
-            if (++j->cur_seg == j->nsegs) {
+        size_t seg = j->job.claim_segment;
+        j->job.claim_offset += len;
+        if (j->job.claim_offset == s->len) {
+            j->job.claim_offset = 0;
+            if (++j->job.claim_segment == j->job.nsegments) {
                 sq_remove(l, j);
                 js_to(j, KV_JS_SENT);
             }
         }
         if (j->is_pull) {
-            j->pt->rconn[j->frames] = (uint8_t)k->idx; /* READ k is chunk k */
-            j->pt->sent = j->frames + 1;
-            k->cur = frame(F_READ, 0, j->id);
-            k->cur.region = s->rrid;
+            j->pull->stream[j->frames] = (uint8_t)k->idx; /* READ k is chunk k */
+            j->pull->reads_sent = j->frames + 1;
+            k->cur = frame(F_READ, 0, j->job.record.id);
+            k->cur.region = s->remote_region;
             k->cur.offset = s->src + off;
             k->cur.length = len;
-            k->cur.total = j->total;
+            k->cur.total = j->job.total_bytes;
             k->cur.region2 = (uint32_t)seg;
             k->cur.offset2 = off;
             k->cur_pay = NULL;
@@ -689,11 +726,11 @@ static int next_frame(kv_net *n, kv_conn *k) {
             k->reads_out += len;
         } else {
             l->wire += len;
-            k->cur = frame(F_DATA, 0, j->id);
-            k->cur.region = s->rrid;
+            k->cur = frame(F_DATA, 0, j->job.record.id);
+            k->cur.region = s->remote_region;
             k->cur.offset = s->dst + off;
             k->cur.length = len;
-            k->cur.total = j->total;
+            k->cur.total = j->job.total_bytes;
             k->cur_pay = (const uint8_t *)(uintptr_t)(s->src + off);
             k->cur_len = len;
         }
@@ -867,15 +904,15 @@ static void discard_payloads(kv_link *l, kv_core *c, int ptype, uint64_t xfer) {
  * ABORT on every stream, then push: ABORTING until every ABORT_ACK (or the
  * fence: the link fails); pull: a tombstone (late RDATA is checked, then
  * discarded) and complete now. Caller holds c->mu. */
-static int handle_abort(kv_net *n, kv_job *j) {
+static int handle_abort(kv_net *n, kv_tcp_job *j) {
     kv_link *l = link_find(n, j->link_id);
     if (!l || l->dead) /* (link_fail ends every job of its link: not reached) */
         return tcp_complete(n, l, j, KV_LLM_LINK_FAILED);
-    if (j->queued)
+    if (j->job.queued)
         sq_remove(l, j);
     if (j->frames == 0)
-        return tcp_complete(n, l, j, j->status);
-    kv_frame f = frame(F_ABORT, j->is_pull ? F_FLAG_PULL : 0, j->id);
+        return tcp_complete(n, l, j, j->job.record.status);
+    kv_frame f = frame(F_ABORT, j->is_pull ? F_FLAG_PULL : 0, j->job.record.id);
     uint32_t wait = 0;
     for (int i = 0; i < l->nconns; i++) {
         kv_conn *k = l->conns[i];
@@ -886,20 +923,20 @@ static int handle_abort(kv_net *n, kv_job *j) {
         wait |= 1u << i;
     }
     if (j->is_pull) {
-        discard_payloads(l, n->c, F_RDATA, j->id);
+        discard_payloads(l, n->c, F_RDATA, j->job.record.id);
         if (wait) {
-            kv_rx *t = rx_new(l, j->id, 1);
+            kv_rx *t = rx_new(l, j->job.record.id, 1);
             if (!t) /* KV_MAX_RX: a peer that never answers our ABORTs */
                 return link_fail(n, l, KV_LLM_LINK_FAILED, 1);
             t->ack_wait = wait;
-            t->pt = j->pt; /* late answers must still be answers to what we asked */
-            j->pt = NULL;
+            t->tracking = j->pull; /* late answers must still be answers to what we asked */
+            j->pull = NULL;
         }
-        return tcp_complete(n, l, j, j->status);
+        return tcp_complete(n, l, j, j->job.record.status);
     }
     if (!wait)
-        return tcp_complete(n, l, j, j->status);
-    j->ack_wait = wait;
+        return tcp_complete(n, l, j, j->job.record.status);
+    j->abort_acks_awaited = wait;
     alist_del(&n->ab_head, j);
     js_to(j, KV_JS_ABORTING);
     j->due = sat_add(now_ns(), l->fence);
@@ -947,18 +984,18 @@ static int on_rdata(kv_net *n, kv_conn *k, int *sig) {
     kv_link *l = k->link;
     if (h->length == 0 || h->length > KV_MAX_FRAME)
         return BAD();
-    kv_job *j = kv__job_find(n->c, h->xfer);
+    kv_tcp_job *j = tcp_job(n, kv__job_find(n->c, h->xfer));
     kv_rx *t;
     int64_t q;
-    if (j && j->tcp && j->is_pull && j->link_id == l->id &&
-        (j->state == KV_JS_SENDING || j->state == KV_JS_SENT || j->state == KV_JS_ABORT_REQ)) {
-        if ((q = pull_claim(j->pt, h, k->idx)) < 0)
+    if (j && j->is_pull && j->link_id == l->id &&
+        (j->job.state == KV_JS_SENDING || j->job.state == KV_JS_SENT || j->job.state == KV_JS_ABORT_REQ)) {
+        if ((q = pull_claim(j->pull, h, k->idx)) < 0)
             return BAD();
-        k->pdst = (uint8_t *)(uintptr_t)(j->segs[h->region].dst + h->offset);
+        k->pdst = (uint8_t *)(uintptr_t)(j->job.segments[h->region].dst + h->offset);
         k->pdiscard = 0;
         k->pwin = 1;
     } else if ((t = rx_find(l, h->xfer, 1))) { /* our aborted pull: checked, then discarded */
-        if ((q = pull_claim(t->pt, h, k->idx)) < 0)
+        if ((q = pull_claim(t->tracking, h, k->idx)) < 0)
             return BAD();
         k->pdiscard = 1;
         k->pwin = 1;
@@ -971,20 +1008,20 @@ static int on_rdata(kv_net *n, kv_conn *k, int *sig) {
 static int on_ack(kv_net *n, kv_conn *k, int *sig) {
     kv_frame *h = &k->rh;
     kv_link *l = k->link;
-    kv_job *j = kv__job_find(n->c, h->xfer);
-    if (!j || !j->tcp || j->is_pull || j->link_id != l->id)
+    kv_tcp_job *j = tcp_job(n, kv__job_find(n->c, h->xfer));
+    if (!j || j->is_pull || j->link_id != l->id)
         return BAD(); /* about no push of ours on this link */
     /* every frame must have been claimed (SENT, perhaps aborted since), and none
      * may be still going out: no honest receiver ACKs bytes not even sent yet,
      * and completing now would release the source while sendmsg still reads it
      * (heap-use-after-free found by tests/native/fuzz_tcp.c) */
-    int all = j->cur_seg == j->nsegs;
-    if (!all || !(j->state == KV_JS_SENT || j->state == KV_JS_ABORT_REQ || j->state == KV_JS_ABORTING) ||
-        (j->state == KV_JS_ABORTING && j->acked) || data_in_flight(l, j->id))
+    int all = j->job.claim_segment == j->job.nsegments;
+    if (!all || !(j->job.state == KV_JS_SENT || j->job.state == KV_JS_ABORT_REQ || j->job.state == KV_JS_ABORTING) ||
+        (j->job.state == KV_JS_ABORTING && j->acked) || data_in_flight(l, j->job.record.id))
         return BAD();
     if (!h->status)
-        j->done_bytes = j->total; /* the receiver counted every byte in place */
-    if (j->state == KV_JS_ABORTING) { /* fenced by ACK; its ABORT_ACKs still come: wait for them */
+        j->job.bytes_done = j->job.total_bytes; /* the receiver counted every byte in place */
+    if (j->job.state == KV_JS_ABORTING) { /* fenced by ACK; its ABORT_ACKs still come: wait for them */
         j->acked = 1;
         return 1;
     }
@@ -1036,24 +1073,24 @@ static int on_abort_ack(kv_net *n, kv_conn *k, int *sig) {
             return BAD(); /* no ABORT of ours awaits it on this stream */
         /* the READs this stream carried are answered or dropped: the window gets
          * back exactly what we asked and saw no answer to (not the peer's length) */
-        pull_give_up(t->pt, k, k->idx);
+        pull_give_up(t->tracking, k, k->idx);
         t->ack_wait &= ~bit;
         if (!t->ack_wait)
             rx_del(l, t);
         return 1;
     }
-    kv_job *j = kv__job_find(n->c, h->xfer);
-    if (!j || !j->tcp || j->is_pull || j->link_id != l->id || j->state != KV_JS_ABORTING || !(j->ack_wait & bit))
+    kv_tcp_job *j = tcp_job(n, kv__job_find(n->c, h->xfer));
+    if (!j || j->is_pull || j->link_id != l->id || j->job.state != KV_JS_ABORTING || !(j->abort_acks_awaited & bit))
         return BAD();
-    j->ack_wait &= ~bit;
-    if (j->ack_wait)
+    j->abort_acks_awaited &= ~bit;
+    if (j->abort_acks_awaited)
         return 1;
     /* the fence: every stream's ABORT (sent after its DATA) was answered; an
      * early ABORT_ACK must not complete the job under a frame still going out
      * (same use-after-free as an early ACK) */
-    if (data_in_flight(l, j->id))
+    if (data_in_flight(l, j->job.record.id))
         return BAD();
-    *sig |= tcp_complete(n, l, j, j->status);
+    *sig |= tcp_complete(n, l, j, j->job.record.status);
     return 1;
 }
 
@@ -1096,15 +1133,15 @@ static int on_read(kv_net *n, kv_conn *k, int *sig) {
 static int on_rerr(kv_net *n, kv_conn *k, int *sig) {
     kv_frame *h = &k->rh;
     kv_link *l = k->link;
-    kv_job *j = kv__job_find(n->c, h->xfer);
-    if (j && j->tcp && j->is_pull && j->link_id == l->id &&
-        (j->state == KV_JS_SENDING || j->state == KV_JS_SENT || j->state == KV_JS_ABORT_REQ) && j->frames) {
+    kv_tcp_job *j = tcp_job(n, kv__job_find(n->c, h->xfer));
+    if (j && j->is_pull && j->link_id == l->id &&
+        (j->job.state == KV_JS_SENDING || j->job.state == KV_JS_SENT || j->job.state == KV_JS_ABORT_REQ) && j->frames) {
         /* a READ named a region the peer no longer exports: the pull ends with
          * that status (aborted: tombstone; the READ's window returns with the
          * stream's ABORT_ACK, not by this frame's length) */
-        if (j->status == KV_LLM_SUCCESS)
-            j->status = h->status ? h->status : KV_LLM_FAILED;
-        if (j->state != KV_JS_ABORT_REQ) {
+        if (j->job.record.status == KV_LLM_SUCCESS)
+            j->job.record.status = h->status ? h->status : KV_LLM_FAILED;
+        if (j->job.state != KV_JS_ABORT_REQ) {
             js_to(j, KV_JS_ABORT_REQ);
             alist_add(&n->ab_head, j);
         }
@@ -1268,10 +1305,10 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
         if (k->pdiscard)
             return 1;
         n->received += k->plen;
-        kv_job *j = kv__job_find(c, k->pxfer);
-        if (j && j->is_pull && j->state != KV_JS_DONE) {
-            j->done_bytes += k->plen;
-            if (j->done_bytes >= j->total)
+        kv_tcp_job *j = tcp_job(n, kv__job_find(c, k->pxfer));
+        if (j && j->is_pull && j->job.state != KV_JS_DONE) {
+            j->job.bytes_done += k->plen;
+            if (j->job.bytes_done >= j->job.total_bytes)
                 *sig |= tcp_complete(n, l, j, KV_LLM_SUCCESS);
         }
     }
@@ -1528,21 +1565,21 @@ static int timers(kv_net *n, uint64_t t, uint64_t *next) {
             nx = l->renew_at;
     }
     /* a push aborted here whose ABORT_ACKs are not all in by its fence: the link fails */
-    for (kv_job *j = n->tm_head; j;) {
-        if (j->state == KV_JS_ABORTING && t >= j->due) {
+    for (kv_tcp_job *j = n->tm_head; j;) {
+        if (j->job.state == KV_JS_ABORTING && t >= j->due) {
             kv_link *l = link_find(n, j->link_id);
             c->st.tcp_fence_expired++;
             sig |= l ? link_fail(n, l, KV_LLM_LINK_FAILED, 1) : tcp_complete(n, NULL, j, KV_LLM_LINK_FAILED);
             j = n->tm_head; /* the list changed */
             continue;
         }
-        j = j->anext;
+        j = j->list_next;
     }
     /* pushes of failed links whose peer's lease is over */
-    for (kv_job *j = n->tm_head; j;) {
-        kv_job *nj = j->anext;
-        if (j->state == KV_JS_FENCING && t >= j->due)
-            sig |= tcp_complete(n, NULL, j, j->status);
+    for (kv_tcp_job *j = n->tm_head; j;) {
+        kv_tcp_job *nj = j->list_next;
+        if (j->job.state == KV_JS_FENCING && t >= j->due)
+            sig |= tcp_complete(n, NULL, j, j->job.record.status);
         else if (j->due < nx)
             nx = j->due;
         j = nj;
@@ -1609,7 +1646,7 @@ static void *io_main(void *arg) {
             free(m);
         }
         while (n->in_head) { /* new jobs join their link's send queue */
-            kv_job *j = n->in_head;
+            kv_tcp_job *j = n->in_head;
             kv_link *l = stop ? NULL : link_find(n, j->link_id);
             if (!l || l->dead) {
                 sig |= tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
@@ -1758,16 +1795,16 @@ uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int
         margin_ns > KV_MAX_LEASE_NS)
         return KV_LLM_PARAM_INVALID;
     kv_cmd *m = calloc(1, sizeof *m);
-    kv_job *r = calloc(1, sizeof *r), *d = calloc(1, sizeof *d);
+    kv_event *r = calloc(1, sizeof *r), *d = calloc(1, sizeof *d);
     if (!m || !r || !d) {
         free(m);
         free(r);
         free(d);
         return KV_LLM_OUT_OF_MEMORY;
     }
-    r->event = d->event = 1;
-    r->id = KV_EVENT_LINK_READY | link_id;
-    d->id = KV_EVENT_LINK_DOWN | link_id;
+    r->record.kind = d->record.kind = KV_RECORD_EVENT;
+    r->record.id = KV_EVENT_LINK_READY | link_id;
+    d->record.id = KV_EVENT_LINK_DOWN | link_id;
     m->type = CMD_LINK_ADD;
     m->link_id = link_id;
     m->nstreams = nstreams;
@@ -1819,20 +1856,24 @@ uint32_t kv_tcp_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
 
 /* ------------------------------------------------- the transport interface */
 
-static uint32_t tcp_submit(kv_transport *t, kv_job *j) {
+static uint32_t tcp_submit(kv_transport *t, kv_job *job) {
     kv_net *n = (kv_net *)t;
+    kv_tcp_job *j = (kv_tcp_job *)job; /* allocated tcp_ops.job_size */
     kv_core *c = n->c;
     if (n->stop)
         return KV_LLM_LINK_FAILED;
+    /* resolve() put the link and the peer's side in every segment alike */
+    j->link_id = (uint32_t)job->segments[0].pid;
+    j->is_pull = job->segments[0].src_kind == KV_REGION_TCP;
     /* a pull's answer tracking exists before any frame can name the job */
-    if (j->is_pull && !(j->pt = ptrack_new(j, c->chunk)))
+    if (j->is_pull && !(j->pull = ptrack_new(j, c->chunk)))
         return KV_LLM_OUT_OF_MEMORY;
-    kv__job_hash(c, j);
-    j->state = KV_JS_INBOX;
-    j->inext = NULL;
-    j->iprev = n->in_tail;
+    kv__job_hash(c, job);
+    j->job.state = KV_JS_INBOX;
+    j->inbox_next = NULL;
+    j->inbox_prev = n->in_tail;
     if (n->in_tail)
-        n->in_tail->inext = j;
+        n->in_tail->inbox_next = j;
     else
         n->in_head = j;
     n->in_tail = j;
@@ -1840,15 +1881,16 @@ static uint32_t tcp_submit(kv_transport *t, kv_job *j) {
     return KV_LLM_SUCCESS;
 }
 
-static uint32_t tcp_abort(kv_transport *t, kv_job *j, uint32_t status, int *sig) {
+static uint32_t tcp_abort(kv_transport *t, kv_job *job, uint32_t status, int *sig) {
     kv_net *n = (kv_net *)t;
+    kv_tcp_job *j = (kv_tcp_job *)job;
     kv_core *c = n->c;
-    if (j->state != KV_JS_INBOX && j->state != KV_JS_SENDING && j->state != KV_JS_SENT)
+    if (j->job.state != KV_JS_INBOX && j->job.state != KV_JS_SENDING && j->job.state != KV_JS_SENT)
         return KV_LLM_PARAM_INVALID; /* aborting, fencing: its completion is on its way */
-    if (j->status == KV_LLM_SUCCESS)
-        j->status = status;
+    if (j->job.record.status == KV_LLM_SUCCESS)
+        j->job.record.status = status;
     c->st.jobs_aborted++;
-    if (j->state == KV_JS_INBOX) { /* nothing of it exists on the wire: done */
+    if (j->job.state == KV_JS_INBOX) { /* nothing of it exists on the wire: done */
         *sig = tcp_complete(n, NULL, j, status);
         return KV_LLM_SUCCESS;
     }
@@ -1891,6 +1933,7 @@ static void tcp_destroy(kv_transport *t) {
 }
 
 static const kv_transport_ops tcp_ops = {
+    .job_size = sizeof(kv_tcp_job),
     .submit = tcp_submit,
     .abort = tcp_abort,
     .stop = tcp_stop,
