@@ -51,7 +51,7 @@ static int region_release(kv_core *c, uint32_t id) {
     }
     free(r);
     c->regions[id] = NULL;
-    c->st.regions_live--;
+    c->stats.regions_live--;
     return sig;
 }
 
@@ -101,9 +101,9 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
     r->kind = kind;
     r->flags = flags;
     r->freed_event = ev;
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     if (c->closed) {
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         free(r);
         free(ev);
         return KV_LLM_ENGINE_FINALIZED;
@@ -112,7 +112,7 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
         size_t cap = c->region_cap ? c->region_cap * 2 : 64;
         kv_region **n = realloc(c->regions, cap * sizeof *n);
         if (!n) {
-            pthread_mutex_unlock(&c->mu);
+            pthread_mutex_unlock(&c->lock);
             free(r);
             free(ev);
             return KV_LLM_OUT_OF_MEMORY;
@@ -121,7 +121,7 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
         c->region_cap = cap;
     }
     if (c->nregions > UINT32_MAX - 1) {
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         free(r);
         free(ev);
         return KV_LLM_OUT_OF_MEMORY;
@@ -132,21 +132,21 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
         ev->record.kind = KV_RECORD_EVENT;
     }
     c->regions[c->nregions++] = r;
-    c->st.regions_live++;
-    pthread_mutex_unlock(&c->mu);
+    c->stats.regions_live++;
+    pthread_mutex_unlock(&c->lock);
     return KV_LLM_SUCCESS;
 }
 
 uint32_t kv_region_remove(kv_core *c, uint32_t id) {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     kv_region *r = kv__region_get(c, id);
     if (!r || r->removed) {
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         return KV_LLM_KV_CACHE_NOT_EXIST;
     }
     r->removed = 1;
     int sig = r->refs == 0 ? region_release(c, id) : 0;
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     if (sig)
         kv__signal_loop(c);
     return KV_LLM_SUCCESS;
@@ -155,7 +155,7 @@ uint32_t kv_region_remove(kv_core *c, uint32_t id) {
 uint32_t kv_region_pidfd(kv_core *c, uint32_t id, int pidfd, uint64_t key) {
     if (pidfd < 0)
         return KV_LLM_PARAM_INVALID;
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     kv_region *r = kv__region_get(c, id);
     uint32_t st = KV_LLM_SUCCESS;
     kv_pidref *p = NULL;
@@ -184,7 +184,7 @@ uint32_t kv_region_pidfd(kv_core *c, uint32_t id, int pidfd, uint64_t key) {
         p->refs++;
         r->pidref = p;
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     return st;
 }
 
@@ -203,14 +203,14 @@ uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr) {
 /* CLOCK_BOOTTIME: like CLOCK_MONOTONIC, but it also counts time suspended, so a
  * lease taken before a suspend has expired after it (time.clock_gettime_ns(
  * time.CLOCK_BOOTTIME) in Python). */
-static uint64_t mono_ns(void) {
+static uint64_t boottime_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_BOOTTIME, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 uint32_t kv_lease_add(kv_core *c, uint64_t until_ns, uint32_t *lease_id) {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     uint32_t st = c->closed ? KV_LLM_ENGINE_FINALIZED : KV_LLM_SUCCESS;
     if (st == KV_LLM_SUCCESS && c->nleases >= c->lease_cap) {
         size_t cap = c->lease_cap ? c->lease_cap * 2 : 64;
@@ -228,34 +228,34 @@ uint32_t kv_lease_add(kv_core *c, uint64_t until_ns, uint32_t *lease_id) {
         *lease_id = (uint32_t)c->nleases;
         c->lease_until[c->nleases++] = until_ns;
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     return st;
 }
 
 uint32_t kv_lease_renew(kv_core *c, uint32_t id, uint64_t until_ns) {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     uint32_t st = KV_LLM_PARAM_INVALID;
     if (id && id < c->nleases && c->lease_until[id]) {
         c->lease_until[id] = until_ns ? until_ns : 1; /* (0 would read as removed) */
         st = KV_LLM_SUCCESS;
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     return st;
 }
 
 uint32_t kv_lease_remove(kv_core *c, uint32_t id) {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     uint32_t st = KV_LLM_PARAM_INVALID;
     if (id && id < c->nleases && c->lease_until[id]) {
         c->lease_until[id] = 0;
         st = KV_LLM_SUCCESS;
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     return st;
 }
 
-/* May a job under lease `id` move another chunk? Caller holds c->mu. */
-static int lease_ok(kv_core *c, uint32_t id) { return id == 0 || c->lease_until[id] > mono_ns(); }
+/* May a job under lease `id` move another chunk? Caller holds c->lock. */
+static int lease_ok(kv_core *c, uint32_t id) { return id == 0 || c->lease_until[id] > boottime_ns(); }
 
 /* ---------------------------------------------------------------- copying */
 
@@ -320,25 +320,25 @@ static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n) {
 
 /* ------------------------------------------------------------------- jobs */
 
-static unsigned bucket(uint64_t id) {
+static unsigned id_bucket(uint64_t id) {
     return (unsigned)((id * 0x9E3779B97F4A7C15ull) >> 52) & (KV_HASH_BUCKETS - 1);
 }
 
 void kv__job_hash(kv_core *c, kv_job *j) {
-    unsigned b = bucket(j->record.id);
-    j->hash_next = c->hash[b];
-    c->hash[b] = j;
+    unsigned b = id_bucket(j->record.id);
+    j->hash_next = c->jobs_by_id[b];
+    c->jobs_by_id[b] = j;
 }
 
 kv_job *kv__job_find(kv_core *c, uint64_t id) {
-    for (kv_job *j = c->hash[bucket(id)]; j; j = j->hash_next)
+    for (kv_job *j = c->jobs_by_id[id_bucket(id)]; j; j = j->hash_next)
         if (j->record.id == id)
             return j;
     return NULL;
 }
 
 static void job_unhash(kv_core *c, kv_job *j) {
-    kv_job **p = &c->hash[bucket(j->record.id)];
+    kv_job **p = &c->jobs_by_id[id_bucket(j->record.id)];
     while (*p != j)
         p = &(*p)->hash_next;
     *p = j->hash_next;
@@ -394,7 +394,7 @@ void kv__signal_loop(kv_core *c) {
     uint64_t one = 1;
     ssize_t r;
     do
-        r = write(c->efd, &one, sizeof one);
+        r = write(c->event_fd, &one, sizeof one);
     while (r < 0 && errno == EINTR);
     /* EAGAIN means the counter is saturated: the loop is already woken. */
 }
@@ -410,7 +410,7 @@ static int post_record(kv_core *c, kv_record *r) {
         c->done_head = r;
     c->done_tail = r;
     if (was_empty)
-        c->st.wakeups++; /* the reader drains everything on one wake-up */
+        c->stats.wakeups++; /* the reader drains everything on one wake-up */
     return was_empty;
 }
 
@@ -421,18 +421,18 @@ int kv__job_complete(kv_core *c, kv_job *j, uint32_t status) {
         j->record.status = status;
     job_unhash(c, j);
     int sig = job_release_refs(c, j, j->nsegments * 2);
-    c->st.jobs_live--;
-    c->st.jobs_completed++;
+    c->stats.jobs_live--;
+    c->stats.jobs_completed++;
     return post_record(c, &j->record) | sig;
 }
 
 /* ------------------------------------------------------------------ movers */
 
-static void queue_remove(kv_core *c, kv_mover_job *m) { kv__queue_remove(&c->qhead, &c->qtail, &m->job); }
+static void mover_queue_remove(kv_core *c, kv_mover_job *m) { kv__queue_remove(&c->mover_queue_head, &c->mover_queue_tail, &m->job); }
 
 /* If nothing more will be copied for `m`, complete it.
  * Caller holds the lock. Returns 1 if the eventfd must be signalled. */
-static int job_maybe_finish(kv_core *c, kv_mover_job *m) {
+static int mover_job_maybe_finish(kv_core *c, kv_mover_job *m) {
     if (m->job.state != KV_JS_DRAINING || m->chunks_active)
         return 0;
     m->job.state = KV_JS_DONE;
@@ -440,75 +440,75 @@ static int job_maybe_finish(kv_core *c, kv_mover_job *m) {
 }
 
 /* A mover job stops handing out chunks (all claimed, failed or aborted). */
-static void job_drain(kv_core *c, kv_mover_job *m) {
+static void mover_job_drain(kv_core *c, kv_mover_job *m) {
     assert(m->job.state == KV_JS_QUEUED || m->job.state == KV_JS_DRAINING);
     m->job.state = KV_JS_DRAINING;
-    queue_remove(c, m);
+    mover_queue_remove(c, m);
 }
 
 /* A mover job fails (or is aborted) with `status`, unless it failed already: no
  * more chunks; it completes once the chunks in progress end. */
-static void job_fail(kv_core *c, kv_mover_job *m, uint32_t status) {
+static void mover_job_fail(kv_core *c, kv_mover_job *m, uint32_t status) {
     if (m->job.record.status == KV_LLM_SUCCESS)
         m->job.record.status = status;
-    job_drain(c, m);
+    mover_job_drain(c, m);
 }
 
 /* A mover's step ended: complete `m` if nothing more will be copied for it,
  * signalling the loop outside the lock. Caller holds the lock. */
 static void mover_maybe_finish(kv_core *c, kv_mover_job *m) {
-    if (job_maybe_finish(c, m)) {
-        pthread_mutex_unlock(&c->mu);
+    if (mover_job_maybe_finish(c, m)) {
+        pthread_mutex_unlock(&c->lock);
         kv__signal_loop(c);
-        pthread_mutex_lock(&c->mu);
+        pthread_mutex_lock(&c->lock);
     }
 }
 
 /* The movers' queue holds mover jobs only: the head job's next chunk is claimed. */
 static void *mover_main(void *arg) {
     kv_core *c = arg;
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     for (;;) {
-        kv_mover_job *m = (kv_mover_job *)c->qhead;
+        kv_mover_job *m = (kv_mover_job *)c->mover_queue_head;
         if (c->stopping)
             break;
         if (!m) {
-            pthread_cond_wait(&c->cv, &c->mu);
+            pthread_cond_wait(&c->work_ready, &c->lock);
             continue;
         }
         kv_job *j = &m->job;
         if (!lease_ok(c, m->lease)) { /* its peer may have stopped answering: no more chunks */
-            job_fail(c, m, KV_LLM_LINK_FAILED);
+            mover_job_fail(c, m, KV_LLM_LINK_FAILED);
             mover_maybe_finish(c, m);
             continue;
         }
         const kv_segment *s = &j->segments[j->claim_segment];
         uint64_t off = j->claim_offset;
         uint64_t n = s->len - off;
-        if (n > c->chunk)
-            n = c->chunk;
+        if (n > c->chunk_bytes)
+            n = c->chunk_bytes;
         j->claim_offset += n;
         if (j->claim_offset == s->len) {
             j->claim_offset = 0;
             if (++j->claim_segment == j->nsegments) {
-                job_drain(c, m);
+                mover_job_drain(c, m);
             }
         }
         m->chunks_active++;
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
 
         uint32_t st = copy_chunk(s, off, n);
 
-        pthread_mutex_lock(&c->mu);
+        pthread_mutex_lock(&c->lock);
         m->chunks_active--;
-        c->st.bytes_moved += st == KV_LLM_SUCCESS ? n : 0;
+        c->stats.bytes_moved += st == KV_LLM_SUCCESS ? n : 0;
         if (st == KV_LLM_SUCCESS)
             j->bytes_done += n;
         else
-            job_fail(c, m, st);
+            mover_job_fail(c, m, st);
         mover_maybe_finish(c, m);
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     return NULL;
 }
 
@@ -520,7 +520,7 @@ static int transport_kind(int kind) { return kind != KV_REGION_LOCAL && kind != 
  * or a process (a mover job: *remote_kind = -1), or every one is a region of
  * one transport kind on one link (*remote_kind = that kind). Caller holds the
  * lock. On failure no ref is held. */
-static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_segment *out,
+static uint32_t resolve_segments(kv_core *c, const uint64_t *segs, size_t nsegs, kv_segment *out,
                         uint32_t *refs, uint64_t *total, int *remote_kind) {
     uint64_t sum = 0;
     size_t i;
@@ -618,14 +618,14 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
     }
     uint64_t total = 0;
     int remote_kind = -1;
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     uint32_t st = c->closed ? KV_LLM_ENGINE_FINALIZED : KV_LLM_SUCCESS;
     if (st == KV_LLM_SUCCESS && (kv__job_find(c, job_id) || (job_id & KV_EVENT) || lease >= c->nleases + !lease))
         st = KV_LLM_PARAM_INVALID; /* job ids are unique among live jobs, below 2**63; a lease must exist */
     if (st == KV_LLM_SUCCESS)
-        st = resolve(c, segs, nsegs, rs, refs, &total, &remote_kind);
+        st = resolve_segments(c, segs, nsegs, rs, refs, &total, &remote_kind);
     if (st != KV_LLM_SUCCESS) {
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         free(rs);
         free(refs);
         return st;
@@ -645,33 +645,33 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
         }
         if (st != KV_LLM_SUCCESS) {
             job_release_refs(c, &fields, 2 * nsegs);
-            pthread_mutex_unlock(&c->mu);
+            pthread_mutex_unlock(&c->lock);
             free(j);
             return st;
         }
-        c->st.jobs_submitted++;
-        c->st.jobs_live++;
-        pthread_mutex_unlock(&c->mu);
+        c->stats.jobs_submitted++;
+        c->stats.jobs_live++;
+        pthread_mutex_unlock(&c->lock);
         return KV_LLM_SUCCESS;
     }
     if (total <= inline_max) {
-        c->st.jobs_inline++;
+        c->stats.jobs_inline++;
         if (!lease_ok(c, lease))
             st = KV_LLM_LINK_FAILED;
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         if (st == KV_LLM_SUCCESS)
             st = copy_inline(rs, nsegs, nbytes);
-        pthread_mutex_lock(&c->mu);
-        c->st.bytes_moved += *nbytes;
+        pthread_mutex_lock(&c->lock);
+        c->stats.bytes_moved += *nbytes;
         job_release_refs(c, &fields, 2 * nsegs);
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         *done = 1;
         return st;
     }
     kv_mover_job *m = calloc(1, sizeof *m);
     if (!m) {
         job_release_refs(c, &fields, 2 * nsegs);
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         return KV_LLM_OUT_OF_MEMORY;
     }
     m->job = fields;
@@ -679,25 +679,25 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
     m->job.state = KV_JS_QUEUED;
     m->lease = lease;
     kv__job_hash(c, &m->job);
-    kv__rank_insert(&c->qhead, &c->qtail, &m->job); /* movers claim chunks of the head job */
-    c->st.jobs_submitted++;
-    c->st.jobs_live++;
-    pthread_cond_broadcast(&c->cv);
-    pthread_mutex_unlock(&c->mu);
+    kv__rank_insert(&c->mover_queue_head, &c->mover_queue_tail, &m->job); /* movers claim chunks of the head job */
+    c->stats.jobs_submitted++;
+    c->stats.jobs_live++;
+    pthread_cond_broadcast(&c->work_ready);
+    pthread_mutex_unlock(&c->lock);
     return KV_LLM_SUCCESS;
 }
 
 /* A mover job (transport jobs: their ops->abort). */
-static int abort_locked(kv_core *c, kv_mover_job *m, uint32_t status) {
-    job_fail(c, m, status);
-    c->st.jobs_aborted++;
-    return job_maybe_finish(c, m);
+static int mover_job_abort(kv_core *c, kv_mover_job *m, uint32_t status) {
+    mover_job_fail(c, m, status);
+    c->stats.jobs_aborted++;
+    return mover_job_maybe_finish(c, m);
 }
 
 uint32_t kv_core_abort(kv_core *c, uint64_t job_id, uint32_t status) {
     if (status == KV_LLM_SUCCESS)
         return KV_LLM_PARAM_INVALID;
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     kv_job *j = kv__job_find(c, job_id);
     uint32_t st = KV_LLM_SUCCESS;
     int sig = 0;
@@ -708,8 +708,8 @@ uint32_t kv_core_abort(kv_core *c, uint64_t job_id, uint32_t status) {
     else if (j->state == KV_JS_DRAINING && j->record.status != KV_LLM_SUCCESS)
         st = KV_LLM_PARAM_INVALID;
     else
-        sig = abort_locked(c, (kv_mover_job *)j, status);
-    pthread_mutex_unlock(&c->mu);
+        sig = mover_job_abort(c, (kv_mover_job *)j, status);
+    pthread_mutex_unlock(&c->lock);
     if (sig)
         kv__signal_loop(c);
     return st;
@@ -732,26 +732,26 @@ uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes) {
     kv_core *c = calloc(1, sizeof *c);
     if (!c)
         return KV_LLM_OUT_OF_MEMORY;
-    c->chunk = chunk_bytes;
+    c->chunk_bytes = chunk_bytes;
     c->nregions = 1; /* id 0 is never valid */
-    c->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (c->efd < 0) {
+    c->event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (c->event_fd < 0) {
         free(c);
         return KV_LLM_FAILED;
     }
-    pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv, NULL);
+    pthread_mutex_init(&c->lock, NULL);
+    pthread_cond_init(&c->work_ready, NULL);
     /* Movers take no signals: Python handles them on the main thread. */
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
     for (int i = 0; i < movers; i++) {
-        if (pthread_create(&c->threads[i], NULL, mover_main, c) != 0)
+        if (pthread_create(&c->movers[i], NULL, mover_main, c) != 0)
             break;
-        c->nthreads++;
+        c->nmovers++;
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (c->nthreads != movers) {
+    if (c->nmovers != movers) {
         kv_core_close(c);
         kv_core_free(c);
         return KV_LLM_FAILED;
@@ -760,16 +760,16 @@ uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes) {
     return KV_LLM_SUCCESS;
 }
 
-int kv_core_fileno(const kv_core *c) { return c->efd; }
+int kv_core_fileno(const kv_core *c) { return c->event_fd; }
 
 size_t kv_core_poll(kv_core *c, kv_completion *out, size_t max) {
     uint64_t v;
     ssize_t r;
     do /* reset first, then drain: a completion posted after this read signals again */
-        r = read(c->efd, &v, sizeof v);
+        r = read(c->event_fd, &v, sizeof v);
     while (r < 0 && errno == EINTR);
     size_t n = 0;
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     while (n < max && c->done_head) {
         kv_record *r = c->done_head;
         c->done_head = r->done_next;
@@ -789,41 +789,41 @@ size_t kv_core_poll(kv_core *c, kv_completion *out, size_t max) {
     if (!c->done_head)
         c->done_tail = NULL;
     int more = c->done_head != NULL;
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     if (more)
         kv__signal_loop(c); /* the caller's buffer was too small: stay readable */
     return n;
 }
 
 void kv_core_close(kv_core *c) {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     if (c->closed) {
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         return;
     }
     c->closed = 1; /* from here no transport is registered: the array is read once */
     kv_transport *transports[KV_REGION_KINDS];
     memcpy(transports, c->transports, sizeof transports);
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     for (int kind = 0; kind < KV_REGION_KINDS; kind++) /* their jobs complete ENGINE_FINALIZED (fenced) */
         if (transports[kind])
             transports[kind]->ops->stop(transports[kind]);
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     for (unsigned b = 0; b < KV_HASH_BUCKETS; b++) {
-        kv_job *j = c->hash[b];
+        kv_job *j = c->jobs_by_id[b];
         while (j) {
             kv_job *next = j->hash_next;
             if (j->record.kind == KV_RECORD_MOVER_JOB && j->state == KV_JS_QUEUED) /* jobs on their last
                                                                                       chunks finish normally */
-                abort_locked(c, (kv_mover_job *)j, KV_LLM_ENGINE_FINALIZED);
+                mover_job_abort(c, (kv_mover_job *)j, KV_LLM_ENGINE_FINALIZED);
             j = next;
         }
     }
     c->stopping = 1;
-    pthread_cond_broadcast(&c->cv);
-    pthread_mutex_unlock(&c->mu);
-    for (int i = 0; i < c->nthreads; i++)
-        pthread_join(c->threads[i], NULL);
+    pthread_cond_broadcast(&c->work_ready);
+    pthread_mutex_unlock(&c->lock);
+    for (int i = 0; i < c->nmovers; i++)
+        pthread_join(c->movers[i], NULL);
     /* A mover that was copying finished its chunk and posted before exiting. */
     kv__signal_loop(c);
 }
@@ -854,14 +854,14 @@ void kv_core_free(kv_core *c) {
         c->done_head = r->done_next;
         free(r);
     }
-    close(c->efd);
-    pthread_mutex_destroy(&c->mu);
-    pthread_cond_destroy(&c->cv);
+    close(c->event_fd);
+    pthread_mutex_destroy(&c->lock);
+    pthread_cond_destroy(&c->work_ready);
     free(c);
 }
 
 void kv_core_stats(kv_core *c, kv_stats *out) {
-    pthread_mutex_lock(&c->mu);
-    *out = c->st;
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_lock(&c->lock);
+    *out = c->stats;
+    pthread_mutex_unlock(&c->lock);
 }

@@ -71,7 +71,7 @@ struct kv_event {
 /* Job states (kv_job.state), one per job. Transport (TCP) jobs: INBOX ..
  * FENCING, then DONE; the I/O thread owns every transition except INBOX ->
  * DONE and INBOX/SENDING/SENT -> ABORT_REQ (kv_core_abort). Mover jobs: QUEUED
- * -> DRAINING -> DONE, under c->mu. */
+ * -> DRAINING -> DONE, under c->lock. */
 enum {
     KV_JS_INBOX = 1, /* handed to the I/O thread, not yet taken: no frame of it exists */
     KV_JS_SENDING,   /* in the link's send queue: frames (DATA or READ) being claimed */
@@ -114,22 +114,22 @@ typedef struct kv_mover_job {
 #define KV_REGION_KINDS 3 /* KV_REGION_LOCAL, _PROCESS, _TCP */
 
 struct kv_core {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    pthread_t threads[KV_MAX_MOVERS];
-    int nthreads;
+    pthread_mutex_t lock;          /* guards everything below and every job */
+    pthread_cond_t work_ready;     /* movers wait here for a job or stopping */
+    pthread_t movers[KV_MAX_MOVERS];
+    int nmovers;
     int stopping;
     int closed;
-    int efd;
-    uint64_t chunk;
+    int event_fd;                  /* readable when completions are ready */
+    uint64_t chunk_bytes;          /* most a mover copies (or a TCP frame carries) at once */
 
     kv_region **regions; /* index = id; NULL once released */
     kv_pidref *pidrefs;  /* every live pidref */
     size_t nregions;     /* next id */
     size_t region_cap;
 
-    kv_job *qhead, *qtail;
-    kv_job *hash[KV_HASH_BUCKETS];
+    kv_job *mover_queue_head, *mover_queue_tail; /* mover jobs with chunks to claim, by rank */
+    kv_job *jobs_by_id[KV_HASH_BUCKETS]; /* every live job */
 
     kv_record *done_head, *done_tail; /* finished jobs and events not yet polled */
 
@@ -138,10 +138,10 @@ struct kv_core {
     uint64_t *lease_until; /* mover leases: index = id (0 unused); 0 once removed */
     size_t nleases, lease_cap;
 
-    kv_stats st;
+    kv_stats stats;
 };
 
-/* All of these need c->mu held. */
+/* All of these need c->lock held. */
 kv_region *kv__region_get(kv_core *c, uint32_t id);
 void kv__region_ref(kv_core *c, uint32_t id);
 void kv__region_unref(kv_core *c, uint32_t id);
@@ -172,11 +172,11 @@ typedef struct kv_transport_ops {
     /* Take over job `j`, job_size bytes zeroed with the kv_job filled in (its
      * segments all name regions of this transport, on one link): hash it
      * (kv__job_hash) and start it. A failure status leaves `j` as it was: the
-     * core releases it. c->mu held. */
+     * core releases it. c->lock held. */
     uint32_t (*submit)(kv_transport *t, kv_job *j);
     /* Abort a job it owns with `status`: KV_LLM_SUCCESS (*signal: the eventfd
      * must be signalled after unlocking), or KV_LLM_PARAM_INVALID if it is past
-     * being aborted (its completion is on its way). c->mu held. */
+     * being aborted (its completion is on its way). c->lock held. */
     uint32_t (*abort)(kv_transport *t, kv_job *j, uint32_t status, int *signal);
     /* Stop taking work and complete every job it owns (fenced: may wait for a
      * lease release); returns once that is done. No lock held; kv_core_close,
@@ -191,7 +191,7 @@ struct kv_transport {
     const kv_transport_ops *ops;
 };
 
-/* The transport of regions of `kind`, registered once (caller holds c->mu),
+/* The transport of regions of `kind`, registered once (caller holds c->lock),
  * or NULL if none has been started. */
 void kv__transport_register(kv_core *c, int kind, kv_transport *t);
 kv_transport *kv__transport_get(kv_core *c, int kind);
