@@ -46,8 +46,8 @@ enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_
 #define KV_MAX_PENDING 256           /* unauthenticated connections at once */
 #define KV_MAX_CTRL 65536            /* queued control frames per connection */
 #define KV_MAX_SERVE 4096            /* queued READs per connection */
-#define KV_MAX_INCOMING 65536              /* per link: open incoming transfers and pull tombstones */
-#define KV_INCOMING_BUCKETS 4096u          /* open incoming transfers per link: hash buckets */
+#define KV_MAX_INCOMING 65536        /* per link: open incoming transfers and pull tombstones */
+#define KV_INCOMING_BUCKETS 4096u    /* open incoming transfers per link: hash buckets */
 #define KV_CTRL_BATCH 64             /* control frames written by one sendmsg */
 #define KV_READ_WINDOW 4             /* chunks of READ outstanding per connection */
 #define KV_SCRATCH (1u << 20)
@@ -482,9 +482,9 @@ static int tcp_complete(kv_net *n, kv_link *l, kv_tcp_job *j, uint32_t status) {
         send_queue_remove(l, j);
     }
     /* RDATA payloads of a pull still arriving on other streams write into its
-     * destination without a region ref: stop them now, or they land after the
-     * completion, possibly in freed memory (e.g. a peer answering a READ twice,
-     * or an abort with frames == 0; found by tests/native/fuzz_tcp.c). */
+     * destination without a region ref: no byte of a pull lands after its
+     * completion (a peer answering a READ twice, an abort with frames == 0),
+     * so they are discarded from here on. */
     if (l && !l->dead && j->is_pull)
         discard_payloads(l, n->core, F_RDATA, j->job.record.id);
     if (j->job.state == KV_JS_INBOX)
@@ -589,8 +589,8 @@ static int link_fail(kv_net *n, kv_link *l, uint32_t status, int post_down) {
             n->core->stats.tcp_links_failed++; /* counters: at once, under the lock (tests read them) */
         /* Only here: a dead link's streams were killed when it died and reap_dead_conns()
          * freed them at the end of that round, so a later link_fail of the same
-         * link (kv_core_close, link_close or conn_add after a failure) must not
-         * touch l->conns (heap-use-after-free found by tests/native/fuzz_tcp.c). */
+         * link (kv_core_close, link_close or conn_add after a failure) never
+         * touches l->conns. */
         for (int i = 0; i < l->nconns; i++)
             conn_kill(n, l->conns[i]);
     }
@@ -1021,8 +1021,7 @@ static int on_ack(kv_net *n, kv_conn *k, int *sig) {
         return BAD_FRAME(); /* about no push of ours on this link */
     /* every frame must have been claimed (SENT, perhaps aborted since), and none
      * may be still going out: no honest receiver ACKs bytes not even sent yet,
-     * and completing now would release the source while sendmsg still reads it
-     * (heap-use-after-free found by tests/native/fuzz_tcp.c) */
+     * and a push completes only once sendmsg reads nothing more of its source */
     int all = j->job.claim_segment == j->job.nsegments;
     if (!all || !(j->job.state == KV_JS_SENT || j->job.state == KV_JS_ABORT_REQ || j->job.state == KV_JS_ABORTING) ||
         (j->job.state == KV_JS_ABORTING && j->acked) || data_in_flight(l, j->job.record.id))
@@ -1094,8 +1093,8 @@ static int on_abort_ack(kv_net *n, kv_conn *k, int *sig) {
     if (j->abort_acks_awaited)
         return 1;
     /* the fence: every stream's ABORT (sent after its DATA) was answered; an
-     * early ABORT_ACK must not complete the job under a frame still going out
-     * (same use-after-free as an early ACK) */
+     * early ABORT_ACK never completes the job under a frame still going out
+     * (as for an early ACK) */
     if (data_in_flight(l, j->job.record.id))
         return BAD_FRAME();
     *sig |= tcp_complete(n, l, j, j->job.record.status);
@@ -1285,8 +1284,7 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
     if (k->in_type == F_DATA) {
         /* every DATA frame consumed, written or discarded, is CREDITed on its
          * stream: the sender keeps at most its window on the wire, paced here
-         * with no Python round trip (unbounded, a large push ran ~8% slower:
-         * docs/tuning.md, tcp_window_bytes) */
+         * with no Python round trip (why a window: docs/tuning.md, tcp_window_bytes) */
         kv_frame cr = frame_new(F_CREDIT, 0, k->in_xfer);
         cr.length = k->in_length;
         if (ctrl_push(k, &cr) < 0)
@@ -1613,11 +1611,10 @@ static void *io_main(void *arg) {
     struct epoll_event evs[64];
     uint64_t last_busy = 0, next_due = 0;
     for (;;) {
-        /* Spin (poll without sleeping) for a short while after activity: a sleeping
-         * thread takes tens of microseconds to wake on these VMs, once per frame.
+        /* Spin (poll without sleeping) for KV_SPIN_NS after activity, so a frame
+         * does not wait for a sleeping thread to wake (docs/tuning.md, KV_SPIN_NS).
          * Each empty poll yields the core, so a woken event loop sharing it runs at
-         * once (64 KiB push p99 354 -> 87 us on 2 vCPUs, throughput unchanged).
-         * Otherwise sleep until the next timer (lease renewal, fence, release). */
+         * once. Otherwise sleep until the next timer (lease renewal, fence, release). */
         uint64_t t0 = now_ns();
         int spin = KV_SPIN_NS && t0 - last_busy < KV_SPIN_NS;
         int tmo = 0;
