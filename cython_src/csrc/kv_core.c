@@ -45,13 +45,13 @@ static int region_release(kv_core *c, uint32_t id) {
     if (r->flags & KV_REGION_F_UNMAP)
         munmap((void *)(uintptr_t)r->addr, (size_t)r->len); /* nothing to do on failure */
     pidref_put(c, r->pidref);
-    if (r->notify) {
-        sig = kv__post_event(c, r->notify);
-        r->notify = NULL;
+    if (r->freed_event) {
+        sig = kv__post_event(c, r->freed_event);
+        r->freed_event = NULL;
     }
     free(r);
     c->regions[id] = NULL;
-    c->st.regions_live--;
+    c->stats.regions_live--;
     return sig;
 }
 
@@ -89,7 +89,7 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
         return KV_LLM_PARAM_INVALID;
     }
     kv_region *r = calloc(1, sizeof *r);
-    kv_job *ev = (flags & KV_REGION_F_NOTIFY) ? calloc(1, sizeof *ev) : NULL;
+    kv_event *ev = (flags & KV_REGION_F_NOTIFY) ? calloc(1, sizeof *ev) : NULL;
     if (!r || ((flags & KV_REGION_F_NOTIFY) && !ev)) {
         free(r);
         free(ev);
@@ -100,10 +100,10 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
     r->pid = pid;
     r->kind = kind;
     r->flags = flags;
-    r->notify = ev;
-    pthread_mutex_lock(&c->mu);
+    r->freed_event = ev;
+    pthread_mutex_lock(&c->lock);
     if (c->closed) {
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         free(r);
         free(ev);
         return KV_LLM_ENGINE_FINALIZED;
@@ -112,7 +112,7 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
         size_t cap = c->region_cap ? c->region_cap * 2 : 64;
         kv_region **n = realloc(c->regions, cap * sizeof *n);
         if (!n) {
-            pthread_mutex_unlock(&c->mu);
+            pthread_mutex_unlock(&c->lock);
             free(r);
             free(ev);
             return KV_LLM_OUT_OF_MEMORY;
@@ -121,32 +121,32 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
         c->region_cap = cap;
     }
     if (c->nregions > UINT32_MAX - 1) {
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         free(r);
         free(ev);
         return KV_LLM_OUT_OF_MEMORY;
     }
     *region_id = (uint32_t)c->nregions;
     if (ev) {
-        ev->id = KV_EVENT_REGION_FREED | *region_id;
-        ev->event = 1;
+        ev->record.id = KV_EVENT_REGION_FREED | *region_id;
+        ev->record.kind = KV_RECORD_EVENT;
     }
     c->regions[c->nregions++] = r;
-    c->st.regions_live++;
-    pthread_mutex_unlock(&c->mu);
+    c->stats.regions_live++;
+    pthread_mutex_unlock(&c->lock);
     return KV_LLM_SUCCESS;
 }
 
 uint32_t kv_region_remove(kv_core *c, uint32_t id) {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     kv_region *r = kv__region_get(c, id);
     if (!r || r->removed) {
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         return KV_LLM_KV_CACHE_NOT_EXIST;
     }
     r->removed = 1;
     int sig = r->refs == 0 ? region_release(c, id) : 0;
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     if (sig)
         kv__signal_loop(c);
     return KV_LLM_SUCCESS;
@@ -155,7 +155,7 @@ uint32_t kv_region_remove(kv_core *c, uint32_t id) {
 uint32_t kv_region_pidfd(kv_core *c, uint32_t id, int pidfd, uint64_t key) {
     if (pidfd < 0)
         return KV_LLM_PARAM_INVALID;
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     kv_region *r = kv__region_get(c, id);
     uint32_t st = KV_LLM_SUCCESS;
     kv_pidref *p = NULL;
@@ -184,7 +184,7 @@ uint32_t kv_region_pidfd(kv_core *c, uint32_t id, int pidfd, uint64_t key) {
         p->refs++;
         r->pidref = p;
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     return st;
 }
 
@@ -203,14 +203,14 @@ uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr) {
 /* CLOCK_BOOTTIME: like CLOCK_MONOTONIC, but it also counts time suspended, so a
  * lease taken before a suspend has expired after it (time.clock_gettime_ns(
  * time.CLOCK_BOOTTIME) in Python). */
-static uint64_t mono_ns(void) {
+static uint64_t boottime_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_BOOTTIME, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 uint32_t kv_lease_add(kv_core *c, uint64_t until_ns, uint32_t *lease_id) {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     uint32_t st = c->closed ? KV_LLM_ENGINE_FINALIZED : KV_LLM_SUCCESS;
     if (st == KV_LLM_SUCCESS && c->nleases >= c->lease_cap) {
         size_t cap = c->lease_cap ? c->lease_cap * 2 : 64;
@@ -228,34 +228,34 @@ uint32_t kv_lease_add(kv_core *c, uint64_t until_ns, uint32_t *lease_id) {
         *lease_id = (uint32_t)c->nleases;
         c->lease_until[c->nleases++] = until_ns;
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     return st;
 }
 
 uint32_t kv_lease_renew(kv_core *c, uint32_t id, uint64_t until_ns) {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     uint32_t st = KV_LLM_PARAM_INVALID;
     if (id && id < c->nleases && c->lease_until[id]) {
         c->lease_until[id] = until_ns ? until_ns : 1; /* (0 would read as removed) */
         st = KV_LLM_SUCCESS;
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     return st;
 }
 
 uint32_t kv_lease_remove(kv_core *c, uint32_t id) {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     uint32_t st = KV_LLM_PARAM_INVALID;
     if (id && id < c->nleases && c->lease_until[id]) {
         c->lease_until[id] = 0;
         st = KV_LLM_SUCCESS;
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     return st;
 }
 
-/* May a job under lease `id` move another chunk? Caller holds c->mu. */
-static int lease_ok(kv_core *c, uint32_t id) { return id == 0 || c->lease_until[id] > mono_ns(); }
+/* May a job under lease `id` move another chunk? Caller holds c->lock. */
+static int lease_ok(kv_core *c, uint32_t id) { return id == 0 || c->lease_until[id] > boottime_ns(); }
 
 /* ---------------------------------------------------------------- copying */
 
@@ -282,7 +282,7 @@ static int process_gone(int pidfd) {
 }
 
 /* Copy `n` bytes at offset `off` of segment `s`. No locks held. */
-static uint32_t copy_chunk(const kv_rseg *s, uint64_t off, uint64_t n) {
+static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n) {
     void *dst = (void *)(uintptr_t)(s->dst + off);
     void *src = (void *)(uintptr_t)(s->src + off);
     if (s->src_kind == KV_REGION_LOCAL && s->dst_kind == KV_REGION_LOCAL) {
@@ -320,77 +320,73 @@ static uint32_t copy_chunk(const kv_rseg *s, uint64_t off, uint64_t n) {
 
 /* ------------------------------------------------------------------- jobs */
 
-static unsigned bucket(uint64_t id);
-
-void kv__job_hash(kv_core *c, kv_job *j) {
-    unsigned b = bucket(j->id);
-    j->hnext = c->hash[b];
-    c->hash[b] = j;
-}
-
-static unsigned bucket(uint64_t id) {
+static unsigned id_bucket(uint64_t id) {
     return (unsigned)((id * 0x9E3779B97F4A7C15ull) >> 52) & (KV_HASH_BUCKETS - 1);
 }
 
+void kv__job_hash(kv_core *c, kv_job *j) {
+    unsigned b = id_bucket(j->record.id);
+    j->hash_next = c->jobs_by_id[b];
+    c->jobs_by_id[b] = j;
+}
+
 kv_job *kv__job_find(kv_core *c, uint64_t id) {
-    for (kv_job *j = c->hash[bucket(id)]; j; j = j->hnext)
-        if (j->id == id)
+    for (kv_job *j = c->jobs_by_id[id_bucket(id)]; j; j = j->hash_next)
+        if (j->record.id == id)
             return j;
     return NULL;
 }
 
 static void job_unhash(kv_core *c, kv_job *j) {
-    kv_job **p = &c->hash[bucket(j->id)];
+    kv_job **p = &c->jobs_by_id[id_bucket(j->record.id)];
     while (*p != j)
-        p = &(*p)->hnext;
-    *p = j->hnext;
+        p = &(*p)->hash_next;
+    *p = j->hash_next;
 }
 
 int kv__queue_remove(kv_job **head, kv_job **tail, kv_job *j) {
     if (!j->queued)
         return 0;
-    if (j->qprev)
-        j->qprev->qnext = j->qnext;
+    if (j->queue_prev)
+        j->queue_prev->queue_next = j->queue_next;
     else
-        *head = j->qnext;
-    if (j->qnext)
-        j->qnext->qprev = j->qprev;
+        *head = j->queue_next;
+    if (j->queue_next)
+        j->queue_next->queue_prev = j->queue_prev;
     else
-        *tail = j->qprev;
-    j->qnext = j->qprev = NULL;
+        *tail = j->queue_prev;
+    j->queue_next = j->queue_prev = NULL;
     j->queued = 0;
     return 1;
 }
 
-static void queue_remove(kv_core *c, kv_job *j) { kv__queue_remove(&c->qhead, &c->qtail, j); }
-
 void kv__rank_insert(kv_job **head, kv_job **tail, kv_job *j) {
     kv_job *after = *tail;
     while (after && after->rank > j->rank)
-        after = after->qprev;
-    j->qprev = after;
-    j->qnext = after ? after->qnext : *head;
-    if (j->qnext)
-        j->qnext->qprev = j;
+        after = after->queue_prev;
+    j->queue_prev = after;
+    j->queue_next = after ? after->queue_next : *head;
+    if (j->queue_next)
+        j->queue_next->queue_prev = j;
     else
         *tail = j;
     if (after)
-        after->qnext = j;
+        after->queue_next = j;
     else
         *head = j;
     j->queued = 1;
 }
 
+/* Drop the first `nrefs` region refs of `j` and free its segments. Returns 1
+ * if the eventfd must be signalled (a notifying region was released). */
 static int job_release_refs(kv_core *c, kv_job *j, size_t nrefs) {
     int sig = 0;
     for (size_t i = 0; i < nrefs; i++)
-        sig |= region_unref_sig(c, j->regions[i]);
-    free(j->regions);
-    free(j->segs);
-    free(j->pt);
-    j->pt = NULL;
-    j->regions = NULL;
-    j->segs = NULL;
+        sig |= region_unref_sig(c, j->region_refs[i]);
+    free(j->region_refs);
+    free(j->segments);
+    j->region_refs = NULL;
+    j->segments = NULL;
     return sig;
 }
 
@@ -398,124 +394,138 @@ void kv__signal_loop(kv_core *c) {
     uint64_t one = 1;
     ssize_t r;
     do
-        r = write(c->efd, &one, sizeof one);
+        r = write(c->event_fd, &one, sizeof one);
     while (r < 0 && errno == EINTR);
     /* EAGAIN means the counter is saturated: the loop is already woken. */
 }
 
 /* Append a finished job or an event to the completion list (no allocation: a
  * completion cannot be lost). Returns 1 if the eventfd must be signalled. */
-int kv__post_event(kv_core *c, kv_job *j) {
-    j->dnext = NULL;
+static int post_record(kv_core *c, kv_record *r) {
+    r->done_next = NULL;
     int was_empty = c->done_head == NULL;
     if (c->done_tail)
-        c->done_tail->dnext = j;
+        c->done_tail->done_next = r;
     else
-        c->done_head = j;
-    c->done_tail = j;
+        c->done_head = r;
+    c->done_tail = r;
     if (was_empty)
-        c->st.wakeups++; /* the reader drains everything on one wake-up */
+        c->stats.wakeups++; /* the reader drains everything on one wake-up */
     return was_empty;
 }
 
+int kv__post_event(kv_core *c, kv_event *ev) { return post_record(c, &ev->record); }
+
 int kv__job_complete(kv_core *c, kv_job *j, uint32_t status) {
-    if (j->status == KV_LLM_SUCCESS)
-        j->status = status;
+    if (j->record.status == KV_LLM_SUCCESS)
+        j->record.status = status;
     job_unhash(c, j);
-    int sig = job_release_refs(c, j, j->nsegs * 2);
-    c->st.jobs_live--;
-    c->st.jobs_completed++;
-    return kv__post_event(c, j) | sig;
+    int sig = job_release_refs(c, j, j->nsegments * 2);
+    c->stats.jobs_live--;
+    c->stats.jobs_completed++;
+    return post_record(c, &j->record) | sig;
 }
 
-/* If nothing more will be copied for `j`, complete it.
+/* ------------------------------------------------------------------ movers */
+
+static void mover_queue_remove(kv_core *c, kv_mover_job *m) { kv__queue_remove(&c->mover_queue_head, &c->mover_queue_tail, &m->job); }
+
+/* If nothing more will be copied for `m`, complete it.
  * Caller holds the lock. Returns 1 if the eventfd must be signalled. */
-static int job_maybe_finish(kv_core *c, kv_job *j) {
-    if (j->state != KV_JS_DRAINING || j->active)
+static int mover_job_maybe_finish(kv_core *c, kv_mover_job *m) {
+    if (m->job.state != KV_JS_DRAINING || m->chunks_active)
         return 0;
-    j->state = KV_JS_DONE;
-    return kv__job_complete(c, j, KV_LLM_SUCCESS);
+    m->job.state = KV_JS_DONE;
+    return kv__job_complete(c, &m->job, KV_LLM_SUCCESS);
 }
 
 /* A mover job stops handing out chunks (all claimed, failed or aborted). */
-static void job_drain(kv_core *c, kv_job *j) {
-    assert(j->state == KV_JS_QUEUED || j->state == KV_JS_DRAINING);
-    j->state = KV_JS_DRAINING;
-    queue_remove(c, j);
+static void mover_job_drain(kv_core *c, kv_mover_job *m) {
+    assert(m->job.state == KV_JS_QUEUED || m->job.state == KV_JS_DRAINING);
+    m->job.state = KV_JS_DRAINING;
+    mover_queue_remove(c, m);
 }
 
 /* A mover job fails (or is aborted) with `status`, unless it failed already: no
  * more chunks; it completes once the chunks in progress end. */
-static void job_fail(kv_core *c, kv_job *j, uint32_t status) {
-    if (j->status == KV_LLM_SUCCESS)
-        j->status = status;
-    job_drain(c, j);
+static void mover_job_fail(kv_core *c, kv_mover_job *m, uint32_t status) {
+    if (m->job.record.status == KV_LLM_SUCCESS)
+        m->job.record.status = status;
+    mover_job_drain(c, m);
 }
 
-/* A mover's step ended: complete `j` if nothing more will be copied for it,
+/* A mover's step ended: complete `m` if nothing more will be copied for it,
  * signalling the loop outside the lock. Caller holds the lock. */
-static void mover_maybe_finish(kv_core *c, kv_job *j) {
-    if (job_maybe_finish(c, j)) {
-        pthread_mutex_unlock(&c->mu);
+static void mover_maybe_finish(kv_core *c, kv_mover_job *m) {
+    if (mover_job_maybe_finish(c, m)) {
+        pthread_mutex_unlock(&c->lock);
         kv__signal_loop(c);
-        pthread_mutex_lock(&c->mu);
+        pthread_mutex_lock(&c->lock);
     }
 }
 
+/* The movers' queue holds mover jobs only: the head job's next chunk is claimed. */
 static void *mover_main(void *arg) {
     kv_core *c = arg;
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     for (;;) {
-        kv_job *j = c->qhead;
+        kv_mover_job *m = (kv_mover_job *)c->mover_queue_head;
         if (c->stopping)
             break;
-        if (!j) {
-            pthread_cond_wait(&c->cv, &c->mu);
+        if (!m) {
+            pthread_cond_wait(&c->work_ready, &c->lock);
             continue;
         }
-        if (!lease_ok(c, j->lease)) { /* its peer may have stopped answering: no more chunks */
-            job_fail(c, j, KV_LLM_LINK_FAILED);
-            mover_maybe_finish(c, j);
+        kv_job *j = &m->job;
+        if (!lease_ok(c, m->lease)) { /* its peer may have stopped answering: no more chunks */
+            mover_job_fail(c, m, KV_LLM_LINK_FAILED);
+            mover_maybe_finish(c, m);
             continue;
         }
-        const kv_rseg *s = &j->segs[j->cur_seg];
-        uint64_t off = j->cur_off;
+        const kv_segment *s = &j->segments[j->claim_segment];
+        uint64_t off = j->claim_offset;
         uint64_t n = s->len - off;
-        if (n > c->chunk)
-            n = c->chunk;
-        j->cur_off += n;
-        if (j->cur_off == s->len) {
-            j->cur_off = 0;
-            if (++j->cur_seg == j->nsegs) {
-                job_drain(c, j);
+        if (n > c->chunk_bytes)
+            n = c->chunk_bytes;
+        j->claim_offset += n;
+        if (j->claim_offset == s->len) {
+            j->claim_offset = 0;
+            if (++j->claim_segment == j->nsegments) {
+                mover_job_drain(c, m);
             }
         }
-        j->active++;
-        pthread_mutex_unlock(&c->mu);
+        m->chunks_active++;
+        pthread_mutex_unlock(&c->lock);
 
         uint32_t st = copy_chunk(s, off, n);
 
-        pthread_mutex_lock(&c->mu);
-        j->active--;
-        c->st.bytes_moved += st == KV_LLM_SUCCESS ? n : 0;
+        pthread_mutex_lock(&c->lock);
+        m->chunks_active--;
+        c->stats.bytes_moved += st == KV_LLM_SUCCESS ? n : 0;
         if (st == KV_LLM_SUCCESS)
-            j->done_bytes += n;
+            j->bytes_done += n;
         else
-            job_fail(c, j, st);
-        mover_maybe_finish(c, j);
+            mover_job_fail(c, m, st);
+        mover_maybe_finish(c, m);
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     return NULL;
 }
 
+/* Regions the movers cannot reach: a transport carries their bytes. */
+static int transport_kind(int kind) { return kind != KV_REGION_LOCAL && kind != KV_REGION_PROCESS; }
+
 /* Resolve and bounds-check `segs` into `out`, taking region refs into `refs`.
- * Caller holds the lock. On failure no ref is held. */
-static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_rseg *out,
-                        uint32_t *refs, uint64_t *total, int32_t *tcp_link) {
+ * Every segment has a local side; either every segment's other side is local
+ * or a process (a mover job: *remote_kind = -1), or every one is a region of
+ * one transport kind on one link (*remote_kind = that kind). Caller holds the
+ * lock. On failure no ref is held. */
+static uint32_t resolve_segments(kv_core *c, const uint64_t *segs, size_t nsegs, kv_segment *out,
+                        uint32_t *refs, uint64_t *total, int *remote_kind) {
     uint64_t sum = 0;
     size_t i;
     uint32_t st = KV_LLM_SUCCESS;
-    int tcp = -1; /* -1 undecided, 0 local/process job, 1 TCP job */
+    int32_t first_link = 0;
     for (i = 0; i < nsegs; i++) {
         const uint64_t *w = segs + i * KV_SEG_WORDS;
         uint64_t len = w[4];
@@ -539,24 +549,24 @@ static uint32_t resolve(kv_core *c, const uint64_t *segs, size_t nsegs, kv_rseg 
             st = KV_LLM_PARAM_INVALID; /* one side must be this process's memory */
             break;
         }
-        int seg_tcp = sr->kind == KV_REGION_TCP || dr->kind == KV_REGION_TCP;
-        int32_t link = sr->kind == KV_REGION_TCP ? sr->pid : dr->pid;
-        if ((tcp >= 0 && tcp != seg_tcp) || (seg_tcp && i > 0 && link != *tcp_link)) {
+        const kv_region *remote = transport_kind(sr->kind) ? sr : transport_kind(dr->kind) ? dr : NULL;
+        int kind = remote ? remote->kind : -1;
+        if ((i > 0 && kind != *remote_kind) || (remote && i > 0 && remote->pid != first_link)) {
             st = KV_LLM_PARAM_INVALID; /* one job, one way: all segments local or all on one link */
             break;
         }
-        tcp = seg_tcp;
-        if (seg_tcp)
-            *tcp_link = link;
-        out[i].src = sr->kind == KV_REGION_TCP ? w[1] : sr->addr + w[1];
-        out[i].dst = dr->kind == KV_REGION_TCP ? w[3] : dr->addr + w[3];
+        *remote_kind = kind;
+        if (remote)
+            first_link = remote->pid;
+        out[i].src = transport_kind(sr->kind) ? w[1] : sr->addr + w[1];
+        out[i].dst = transport_kind(dr->kind) ? w[3] : dr->addr + w[3];
         out[i].len = len;
         out[i].src_kind = (int8_t)sr->kind;
         out[i].dst_kind = (int8_t)dr->kind;
         out[i].pid = sr->kind != KV_REGION_LOCAL ? sr->pid : dr->pid;
         const kv_region *pr = sr->kind == KV_REGION_PROCESS ? sr : dr->kind == KV_REGION_PROCESS ? dr : NULL;
         out[i].pidfd = pr && pr->pidref ? pr->pidref->fd : -1; /* lives while the job holds the region */
-        out[i].rrid = (uint32_t)(sr->kind == KV_REGION_TCP ? sr->addr : dr->addr);
+        out[i].remote_region = (uint32_t)(transport_kind(sr->kind) ? sr->addr : dr->addr);
         sr->refs++;
         dr->refs++;
         refs[2 * i] = (uint32_t)w[0];
@@ -582,116 +592,137 @@ uint32_t kv_core_submit_ranked(kv_core *c, uint64_t job_id, const uint64_t *segs
     return kv_core_submit_leased(c, job_id, segs, nsegs, inline_max, rank, 0, done, nbytes);
 }
 
+/* Copy a job's segments on the calling thread. Called without the lock. */
+static uint32_t copy_inline(const kv_segment *segs, size_t nsegs, uint64_t *nbytes) {
+    uint32_t st = KV_LLM_SUCCESS;
+    for (size_t i = 0; i < nsegs && st == KV_LLM_SUCCESS; i++) {
+        st = copy_chunk(&segs[i], 0, segs[i].len);
+        if (st == KV_LLM_SUCCESS)
+            *nbytes += segs[i].len;
+    }
+    return st;
+}
+
 uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                                uint64_t inline_max, uint64_t rank, uint32_t lease, int *done, uint64_t *nbytes) {
     *done = 0;
     *nbytes = 0;
     if (nsegs == 0 || nsegs > SIZE_MAX / (2 * sizeof(uint32_t)) / KV_SEG_WORDS)
         return KV_LLM_PARAM_INVALID;
-    kv_job *j = calloc(1, sizeof *j);
-    kv_rseg *rs = malloc(nsegs * sizeof *rs);
+    kv_segment *rs = malloc(nsegs * sizeof *rs);
     uint32_t *refs = malloc(2 * nsegs * sizeof *refs);
-    if (!j || !rs || !refs) {
-        free(j);
+    if (!rs || !refs) {
         free(rs);
         free(refs);
         return KV_LLM_OUT_OF_MEMORY;
     }
     uint64_t total = 0;
-    int32_t link = 0;
-    pthread_mutex_lock(&c->mu);
+    int remote_kind = -1;
+    pthread_mutex_lock(&c->lock);
     uint32_t st = c->closed ? KV_LLM_ENGINE_FINALIZED : KV_LLM_SUCCESS;
     if (st == KV_LLM_SUCCESS && (kv__job_find(c, job_id) || (job_id & KV_EVENT) || lease >= c->nleases + !lease))
         st = KV_LLM_PARAM_INVALID; /* job ids are unique among live jobs, below 2**63; a lease must exist */
     if (st == KV_LLM_SUCCESS)
-        st = resolve(c, segs, nsegs, rs, refs, &total, &link);
+        st = resolve_segments(c, segs, nsegs, rs, refs, &total, &remote_kind);
     if (st != KV_LLM_SUCCESS) {
-        pthread_mutex_unlock(&c->mu);
-        free(j);
+        pthread_mutex_unlock(&c->lock);
         free(rs);
         free(refs);
         return st;
     }
-    j->id = job_id;
-    j->segs = rs;
-    j->nsegs = nsegs;
-    j->regions = refs;
-    j->total = total;
-    j->rank = rank;
-    j->lease = lease;
-    if (rs[0].src_kind == KV_REGION_TCP || rs[0].dst_kind == KV_REGION_TCP) {
-        j->tcp = 1;
-        j->is_pull = rs[0].src_kind == KV_REGION_TCP;
-        j->link_id = (uint32_t)link;
-        st = kv__tcp_submit(c, j); /* hashes and queues it, or fails */
+    /* the common part; copied into the kind's struct once one is needed */
+    kv_job fields = {.record = {.id = job_id}, .segments = rs, .nsegments = nsegs, .region_refs = refs,
+                     .total_bytes = total, .rank = rank};
+    if (remote_kind >= 0) {
+        kv_transport *t = c->transports[remote_kind];
+        kv_job *j = t ? calloc(1, t->ops->job_size) : NULL;
+        st = !t ? KV_LLM_LINK_FAILED : !j ? KV_LLM_OUT_OF_MEMORY : KV_LLM_SUCCESS;
+        if (st == KV_LLM_SUCCESS) {
+            *j = fields;
+            j->record.kind = KV_RECORD_TRANSPORT_JOB;
+            j->transport = t;
+            st = t->ops->submit(t, j); /* hashes and starts it, or fails */
+        }
         if (st != KV_LLM_SUCCESS) {
-            job_release_refs(c, j, 2 * nsegs);
-            pthread_mutex_unlock(&c->mu);
+            job_release_refs(c, &fields, 2 * nsegs);
+            pthread_mutex_unlock(&c->lock);
             free(j);
             return st;
         }
-        c->st.jobs_submitted++;
-        c->st.jobs_live++;
-        pthread_mutex_unlock(&c->mu);
+        c->stats.jobs_submitted++;
+        c->stats.jobs_live++;
+        pthread_mutex_unlock(&c->lock);
         return KV_LLM_SUCCESS;
     }
     if (total <= inline_max) {
-        c->st.jobs_inline++;
+        c->stats.jobs_inline++;
         if (!lease_ok(c, lease))
             st = KV_LLM_LINK_FAILED;
-        pthread_mutex_unlock(&c->mu);
-        for (size_t i = 0; i < nsegs && st == KV_LLM_SUCCESS; i++) {
-            st = copy_chunk(&rs[i], 0, rs[i].len);
-            if (st == KV_LLM_SUCCESS)
-                *nbytes += rs[i].len;
-        }
-        pthread_mutex_lock(&c->mu);
-        c->st.bytes_moved += *nbytes;
-        job_release_refs(c, j, 2 * nsegs);
-        pthread_mutex_unlock(&c->mu);
-        free(j);
+        pthread_mutex_unlock(&c->lock);
+        if (st == KV_LLM_SUCCESS)
+            st = copy_inline(rs, nsegs, nbytes);
+        pthread_mutex_lock(&c->lock);
+        c->stats.bytes_moved += *nbytes;
+        job_release_refs(c, &fields, 2 * nsegs);
+        pthread_mutex_unlock(&c->lock);
         *done = 1;
         return st;
     }
-    unsigned b = bucket(job_id);
-    j->hnext = c->hash[b];
-    c->hash[b] = j;
-    j->state = KV_JS_QUEUED;
-    kv__rank_insert(&c->qhead, &c->qtail, j); /* movers claim chunks of the head job */
-    c->st.jobs_submitted++;
-    c->st.jobs_live++;
-    pthread_cond_broadcast(&c->cv);
-    pthread_mutex_unlock(&c->mu);
+    kv_mover_job *m = calloc(1, sizeof *m);
+    if (!m) {
+        job_release_refs(c, &fields, 2 * nsegs);
+        pthread_mutex_unlock(&c->lock);
+        return KV_LLM_OUT_OF_MEMORY;
+    }
+    m->job = fields;
+    m->job.record.kind = KV_RECORD_MOVER_JOB;
+    m->job.state = KV_JS_QUEUED;
+    m->lease = lease;
+    kv__job_hash(c, &m->job);
+    kv__rank_insert(&c->mover_queue_head, &c->mover_queue_tail, &m->job); /* movers claim chunks of the head job */
+    c->stats.jobs_submitted++;
+    c->stats.jobs_live++;
+    pthread_cond_broadcast(&c->work_ready);
+    pthread_mutex_unlock(&c->lock);
     return KV_LLM_SUCCESS;
 }
 
-/* A mover job (TCP jobs: kv__tcp_abort). */
-static int abort_locked(kv_core *c, kv_job *j, uint32_t status) {
-    job_fail(c, j, status);
-    c->st.jobs_aborted++;
-    return job_maybe_finish(c, j);
+/* A mover job (transport jobs: their ops->abort). */
+static int mover_job_abort(kv_core *c, kv_mover_job *m, uint32_t status) {
+    mover_job_fail(c, m, status);
+    c->stats.jobs_aborted++;
+    return mover_job_maybe_finish(c, m);
 }
 
 uint32_t kv_core_abort(kv_core *c, uint64_t job_id, uint32_t status) {
     if (status == KV_LLM_SUCCESS)
         return KV_LLM_PARAM_INVALID;
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     kv_job *j = kv__job_find(c, job_id);
     uint32_t st = KV_LLM_SUCCESS;
     int sig = 0;
     if (!j)
         st = KV_LLM_PARAM_INVALID;
-    else if (j->tcp) /* the I/O thread fences it: ABORT, then ABORT_ACK from the peer */
-        st = kv__tcp_abort(c, j, status, &sig);
-    else if (j->state == KV_JS_DRAINING && j->status != KV_LLM_SUCCESS)
+    else if (j->transport) /* its transport fences it (TCP: ABORT, then ABORT_ACK from the peer) */
+        st = j->transport->ops->abort(j->transport, j, status, &sig);
+    else if (j->state == KV_JS_DRAINING && j->record.status != KV_LLM_SUCCESS)
         st = KV_LLM_PARAM_INVALID;
     else
-        sig = abort_locked(c, j, status);
-    pthread_mutex_unlock(&c->mu);
+        sig = mover_job_abort(c, (kv_mover_job *)j, status);
+    pthread_mutex_unlock(&c->lock);
     if (sig)
         kv__signal_loop(c);
     return st;
 }
+
+/* --------------------------------------------------------------- transports */
+
+void kv__transport_register(kv_core *c, int kind, kv_transport *t) {
+    assert(kind >= 0 && kind < KV_REGION_KINDS && !c->transports[kind] && !c->closed);
+    c->transports[kind] = t;
+}
+
+kv_transport *kv__transport_get(kv_core *c, int kind) { return c->transports[kind]; }
 
 /* --------------------------------------------------------------- lifecycle */
 
@@ -701,26 +732,26 @@ uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes) {
     kv_core *c = calloc(1, sizeof *c);
     if (!c)
         return KV_LLM_OUT_OF_MEMORY;
-    c->chunk = chunk_bytes;
+    c->chunk_bytes = chunk_bytes;
     c->nregions = 1; /* id 0 is never valid */
-    c->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (c->efd < 0) {
+    c->event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (c->event_fd < 0) {
         free(c);
         return KV_LLM_FAILED;
     }
-    pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv, NULL);
+    pthread_mutex_init(&c->lock, NULL);
+    pthread_cond_init(&c->work_ready, NULL);
     /* Movers take no signals: Python handles them on the main thread. */
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
     for (int i = 0; i < movers; i++) {
-        if (pthread_create(&c->threads[i], NULL, mover_main, c) != 0)
+        if (pthread_create(&c->movers[i], NULL, mover_main, c) != 0)
             break;
-        c->nthreads++;
+        c->nmovers++;
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (c->nthreads != movers) {
+    if (c->nmovers != movers) {
         kv_core_close(c);
         kv_core_free(c);
         return KV_LLM_FAILED;
@@ -729,60 +760,70 @@ uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes) {
     return KV_LLM_SUCCESS;
 }
 
-int kv_core_fileno(const kv_core *c) { return c->efd; }
+int kv_core_fileno(const kv_core *c) { return c->event_fd; }
 
 size_t kv_core_poll(kv_core *c, kv_completion *out, size_t max) {
     uint64_t v;
     ssize_t r;
     do /* reset first, then drain: a completion posted after this read signals again */
-        r = read(c->efd, &v, sizeof v);
+        r = read(c->event_fd, &v, sizeof v);
     while (r < 0 && errno == EINTR);
     size_t n = 0;
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     while (n < max && c->done_head) {
-        kv_job *j = c->done_head;
-        c->done_head = j->dnext;
-        out[n].job_id = j->id;
-        out[n].status = j->status;
-        out[n].nbytes = j->done_bytes;
-        /* nothing of it went out: a TCP job with no frame started, a mover job with no chunk claimed */
-        out[n].flags = (j->tcp ? j->frames == 0 : j->cur_seg == 0 && j->cur_off == 0) ? KV_DONE_UNSTARTED : 0;
+        kv_record *r = c->done_head;
+        c->done_head = r->done_next;
+        out[n].job_id = r->id;
+        out[n].status = r->status;
+        out[n].nbytes = 0;
+        out[n].flags = KV_DONE_UNSTARTED; /* an event moves nothing */
+        if (r->kind != KV_RECORD_EVENT) {
+            const kv_job *j = (const kv_job *)r;
+            out[n].nbytes = j->bytes_done;
+            /* nothing of it went out: no chunk (mover) or frame (TCP) claimed */
+            out[n].flags = j->claim_segment == 0 && j->claim_offset == 0 ? KV_DONE_UNSTARTED : 0;
+        }
         n++;
-        free(j);
+        free(r);
     }
     if (!c->done_head)
         c->done_tail = NULL;
     int more = c->done_head != NULL;
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     if (more)
         kv__signal_loop(c); /* the caller's buffer was too small: stay readable */
     return n;
 }
 
 void kv_core_close(kv_core *c) {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->lock);
     if (c->closed) {
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         return;
     }
-    c->closed = 1;
-    pthread_mutex_unlock(&c->mu);
-    kv__tcp_close(c); /* stops the I/O thread; TCP jobs complete ENGINE_FINALIZED (fenced) */
-    pthread_mutex_lock(&c->mu);
+    c->closed = 1; /* from here no transport is registered: the array is read once */
+    kv_transport *transports[KV_REGION_KINDS];
+    memcpy(transports, c->transports, sizeof transports);
+    pthread_mutex_unlock(&c->lock);
+    for (int kind = 0; kind < KV_REGION_KINDS; kind++) /* their jobs complete ENGINE_FINALIZED (fenced) */
+        if (transports[kind])
+            transports[kind]->ops->stop(transports[kind]);
+    pthread_mutex_lock(&c->lock);
     for (unsigned b = 0; b < KV_HASH_BUCKETS; b++) {
-        kv_job *j = c->hash[b];
+        kv_job *j = c->jobs_by_id[b];
         while (j) {
-            kv_job *next = j->hnext;
-            if (!j->tcp && j->state == KV_JS_QUEUED) /* jobs on their last chunks finish normally */
-                abort_locked(c, j, KV_LLM_ENGINE_FINALIZED);
+            kv_job *next = j->hash_next;
+            if (j->record.kind == KV_RECORD_MOVER_JOB && j->state == KV_JS_QUEUED) /* jobs on their last
+                                                                                      chunks finish normally */
+                mover_job_abort(c, (kv_mover_job *)j, KV_LLM_ENGINE_FINALIZED);
             j = next;
         }
     }
     c->stopping = 1;
-    pthread_cond_broadcast(&c->cv);
-    pthread_mutex_unlock(&c->mu);
-    for (int i = 0; i < c->nthreads; i++)
-        pthread_join(c->threads[i], NULL);
+    pthread_cond_broadcast(&c->work_ready);
+    pthread_mutex_unlock(&c->lock);
+    for (int i = 0; i < c->nmovers; i++)
+        pthread_join(c->movers[i], NULL);
     /* A mover that was copying finished its chunk and posted before exiting. */
     kv__signal_loop(c);
 }
@@ -791,7 +832,11 @@ void kv_core_free(kv_core *c) {
     if (!c)
         return;
     kv_core_close(c);
-    kv__tcp_free(c);
+    for (int kind = 0; kind < KV_REGION_KINDS; kind++) {
+        if (c->transports[kind])
+            c->transports[kind]->ops->destroy(c->transports[kind]);
+        c->transports[kind] = NULL;
+    }
     for (size_t id = 1; id < c->nregions; id++) {
         kv_region *r = c->regions[id];
         if (!r)
@@ -799,24 +844,24 @@ void kv_core_free(kv_core *c) {
         if (r->flags & KV_REGION_F_UNMAP)
             munmap((void *)(uintptr_t)r->addr, (size_t)r->len);
         pidref_put(c, r->pidref);
-        free(r->notify);
+        free(r->freed_event);
         free(r);
     }
     free(c->regions);
     free(c->lease_until);
     while (c->done_head) {
-        kv_job *j = c->done_head;
-        c->done_head = j->dnext;
-        free(j);
+        kv_record *r = c->done_head;
+        c->done_head = r->done_next;
+        free(r);
     }
-    close(c->efd);
-    pthread_mutex_destroy(&c->mu);
-    pthread_cond_destroy(&c->cv);
+    close(c->event_fd);
+    pthread_mutex_destroy(&c->lock);
+    pthread_cond_destroy(&c->work_ready);
     free(c);
 }
 
 void kv_core_stats(kv_core *c, kv_stats *out) {
-    pthread_mutex_lock(&c->mu);
-    *out = c->st;
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_lock(&c->lock);
+    *out = c->stats;
+    pthread_mutex_unlock(&c->lock);
 }

@@ -10,7 +10,9 @@
 #define KV_MAX_MOVERS 64
 #define KV_HASH_BUCKETS 4096u
 
+typedef struct kv_event kv_event;         /* below */
 typedef struct kv_job kv_job;
+typedef struct kv_transport kv_transport; /* below */
 
 /* One duplicate of a peer's pidfd, shared by the regions given the same key
  * (a link's CMA regions: one descriptor per link, not per region). */
@@ -30,37 +32,46 @@ typedef struct {
     int removed;
     uint64_t refs;   /* jobs and frames using it */
     kv_pidref *pidref; /* PROCESS: the peer's pidfd (kv_region_pidfd), released with the region; NULL: none */
-    kv_job *notify;  /* preallocated KV_EVENT_REGION_FREED record (F_NOTIFY) */
+    kv_event *freed_event; /* F_NOTIFY: posted (KV_EVENT_REGION_FREED) when it is released */
 } kv_region;
 
+/* One segment of a job, resolved at submit. */
 typedef struct {
-    uint64_t src, dst, len; /* resolved addresses; for a TCP side: offset in the peer's region */
-    int32_t pid;            /* PROCESS: peer pid; TCP: link id */
-    int pidfd;              /* PROCESS: a pidfd of that process (kv_region_pidfd), or -1 */
-    uint32_t rrid;          /* TCP: the peer's region id */
+    uint64_t src, dst, len;  /* resolved addresses; for a transport side: offset in the peer's region */
+    int32_t pid;             /* PROCESS: peer pid; transport (TCP): link id */
+    int pidfd;               /* PROCESS: a pidfd of that process (kv_region_pidfd), or -1 */
+    uint32_t remote_region;  /* transport side: the peer's region id */
     int8_t src_kind, dst_kind;
-} kv_rseg;
+} kv_segment;
 
-struct kv_link;
+/* ---- records: what the completion list holds. Every record starts with a
+ * kv_record: an event is nothing more; a job is a kv_job, itself first in its
+ * kind's struct (kv_mover_job here, kv_tcp_job in kv_tcp.c), so kv_core_poll
+ * frees any record with one free(). */
 
-/* A TCP pull's answer tracking, allocated at submit (before the job can be
- * named by a frame) and handed to the pull's tombstone if it is aborted. Chunk
- * k is the k-th READ sent (segments in order, each cut at `chunk`). */
-typedef struct kv_ptrack {
-    size_t nsegs;
-    uint64_t chunk;
-    uint64_t nch;     /* chunks in all */
-    uint64_t sent;    /* READs sent: chunks 0 .. sent-1 */
-    uint64_t *seglen; /* nsegs */
-    uint64_t *rbase;  /* chunks before each segment (nsegs + 1) */
-    uint32_t *rnext;  /* per chunk: bytes answered (RDATA header accepted) or given up */
-    uint8_t *rconn;   /* per chunk: the stream (index in the link) its READ went out on */
-} kv_ptrack;
+enum {
+    KV_RECORD_EVENT = 1,     /* kv_event */
+    KV_RECORD_MOVER_JOB,     /* kv_mover_job: local and process (CMA) copies */
+    KV_RECORD_TRANSPORT_JOB, /* a transport's job (kv_job.transport) */
+};
 
-/* Job states (kv_job.state), one per job. TCP jobs: INBOX .. FENCING, then DONE;
- * the I/O thread owns every transition except INBOX -> DONE and
- * INBOX/SENDING/SENT -> ABORT_REQ (kv_core_abort). Mover jobs: QUEUED ->
- * DRAINING -> DONE, under c->mu. */
+typedef struct kv_record {
+    uint64_t id;       /* a job id (below 2**63), or KV_EVENT_* | id */
+    int kind;          /* KV_RECORD_* */
+    uint32_t status;   /* a job's first failure or abort status; LINK_DOWN: why */
+    struct kv_record *done_next; /* completion list, once posted */
+} kv_record;
+
+/* Link ready/down, region freed: allocated with what it reports on, so posting
+ * it cannot fail; posted at most once, freed by kv_core_poll. */
+struct kv_event {
+    kv_record record;
+};
+
+/* Job states (kv_job.state), one per job. Transport (TCP) jobs: INBOX ..
+ * FENCING, then DONE; the I/O thread owns every transition except INBOX ->
+ * DONE and INBOX/SENDING/SENT -> ABORT_REQ (kv_core_abort). Mover jobs: QUEUED
+ * -> DRAINING -> DONE, under c->lock. */
 enum {
     KV_JS_INBOX = 1, /* handed to the I/O thread, not yet taken: no frame of it exists */
     KV_JS_SENDING,   /* in the link's send queue: frames (DATA or READ) being claimed */
@@ -70,96 +81,119 @@ enum {
     KV_JS_FENCING,   /* push: its link failed unfenced; completes at `due` (the lease release) */
     KV_JS_QUEUED,    /* mover job: in the movers' queue, chunks left to claim */
     KV_JS_DRAINING,  /* mover job: nothing more to claim (all claimed, failed or aborted); completes
-                        when the last chunk in progress (`active`) ends: the fence */
+                        when the last chunk in progress (`chunks_active`) ends: the fence */
     KV_JS_DONE       /* completed (posted) */
 };
 
+/* What every job has, whoever moves its bytes. Live jobs are in the id hash
+ * and hold a reference on both regions of each segment until they complete. */
 struct kv_job {
-    uint64_t id;
-    kv_rseg *segs;
-    size_t nsegs;
-    uint32_t *regions; /* region refs held: 2 per segment */
-    size_t cur_seg;    /* claim cursor (cur_seg == nsegs: every chunk or frame claimed) */
-    uint64_t cur_off;
-    uint64_t done_bytes;
-    uint64_t total;
-    uint64_t rank;     /* TCP send order: lowest first */
-    uint32_t lease;    /* mover lease (kv_lease_add), 0: none */
-    int active;        /* movers copying a chunk of this job */
-    int queued;        /* in a qnext/qprev queue (the movers' or a link's send queue) */
-    uint32_t status;   /* first failure, or the abort status */
-    /* TCP jobs (owned by the I/O thread once handed over) */
-    uint32_t link_id;
-    int tcp, is_pull;
-    int state;         /* KV_JS_* */
-    uint64_t frames;   /* frames (DATA or READ) started on the wire */
-    kv_ptrack *pt;     /* TCP pull: answer tracking */
-    uint32_t ack_wait; /* push, ABORTING: streams (bit = index in the link) whose ABORT_ACK is awaited */
-    int acked;         /* push, ABORTING: the receiver ACKed every byte meanwhile */
-    uint64_t due;      /* ABORTING: the fence deadline; FENCING: the release time (ns, CLOCK_BOOTTIME) */
-    int event;         /* an event record, not a job */
-    struct kv_job *qnext, *qprev; /* mover queue, or the link's send queue */
-    struct kv_job *hnext;         /* id hash chain */
-    struct kv_job *dnext;         /* completion list, once finished */
-    struct kv_job *inext, *iprev; /* I/O inbox (INBOX) */
-    struct kv_job *anext, *aprev; /* I/O abort list (ABORT_REQ) or timed list (ABORTING, FENCING) */
+    kv_record record;         /* first */
+    kv_transport *transport;  /* KV_RECORD_TRANSPORT_JOB: the transport that owns it; else NULL */
+    kv_segment *segments;
+    size_t nsegments;
+    uint32_t *region_refs;    /* region refs held: 2 per segment */
+    size_t claim_segment;     /* claim cursor: the next chunk (mover) or frame (TCP) starts here; */
+    uint64_t claim_offset;    /*  claim_segment == nsegments: every one claimed */
+    uint64_t bytes_done;      /* bytes in place at the destination */
+    uint64_t total_bytes;
+    uint64_t rank;            /* queue order: lowest first (equal ranks FIFO) */
+    int state;                /* KV_JS_* */
+    int queued;               /* in a rank queue (the movers' or a TCP link's send queue) */
+    kv_job *queue_next, *queue_prev; /* that queue */
+    kv_job *hash_next;        /* id hash chain */
 };
 
-struct kv_net;
+/* A job the movers copy. */
+typedef struct kv_mover_job {
+    kv_job job;         /* first */
+    uint32_t lease;     /* mover lease (kv_lease_add), 0: none */
+    int chunks_active;  /* movers copying a chunk of it now */
+} kv_mover_job;
+
+#define KV_REGION_KINDS 3 /* KV_REGION_LOCAL, _PROCESS, _TCP */
 
 struct kv_core {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    pthread_t threads[KV_MAX_MOVERS];
-    int nthreads;
+    pthread_mutex_t lock;          /* guards everything below and every job */
+    pthread_cond_t work_ready;     /* movers wait here for a job or stopping */
+    pthread_t movers[KV_MAX_MOVERS];
+    int nmovers;
     int stopping;
     int closed;
-    int efd;
-    uint64_t chunk;
+    int event_fd;                  /* readable when completions are ready */
+    uint64_t chunk_bytes;          /* most a mover copies (or a TCP frame carries) at once */
 
     kv_region **regions; /* index = id; NULL once released */
     kv_pidref *pidrefs;  /* every live pidref */
     size_t nregions;     /* next id */
     size_t region_cap;
 
-    kv_job *qhead, *qtail;
-    kv_job *hash[KV_HASH_BUCKETS];
+    kv_job *mover_queue_head, *mover_queue_tail; /* mover jobs with chunks to claim, by rank */
+    kv_job *jobs_by_id[KV_HASH_BUCKETS]; /* every live job */
 
-    kv_job *done_head, *done_tail; /* finished jobs and events not yet polled */
+    kv_record *done_head, *done_tail; /* finished jobs and events not yet polled */
 
-    struct kv_net *net; /* TCP data plane; NULL until first used */
+    kv_transport *transports[KV_REGION_KINDS]; /* by region kind; NULL until first used */
 
     uint64_t *lease_until; /* mover leases: index = id (0 unused); 0 once removed */
     size_t nleases, lease_cap;
 
-    kv_stats st;
+    kv_stats stats;
 };
 
-/* All of these need c->mu held. */
+/* All of these need c->lock held. */
 kv_region *kv__region_get(kv_core *c, uint32_t id);
 void kv__region_ref(kv_core *c, uint32_t id);
 void kv__region_unref(kv_core *c, uint32_t id);
 kv_job *kv__job_find(kv_core *c, uint64_t id);
 void kv__job_hash(kv_core *c, kv_job *j);
 /* Unhash `j`, drop its region refs and append it to the completion list with
- * `status`. Returns 1 if the eventfd must be signalled (after unlocking). */
+ * `status` (unless it failed already). Its transport frees what it added first.
+ * Returns 1 if the eventfd must be signalled (after unlocking). */
 int kv__job_complete(kv_core *c, kv_job *j, uint32_t status);
-/* Append an event record (preallocated; never freed by poll if it is reused). */
-int kv__post_event(kv_core *c, kv_job *ev);
+/* Append an event to the completion list (no allocation: it cannot be lost).
+ * Returns 1 if the eventfd must be signalled. */
+int kv__post_event(kv_core *c, kv_event *ev);
 void kv__signal_loop(kv_core *c);
-/* Into a qnext/qprev queue by rank, after the jobs of equal rank (FIFO among
+/* Into a queue_next/queue_prev queue by rank, after the jobs of equal rank (FIFO among
  * them): the movers' queue, a TCP link's send queue. Usually at the tail. */
 void kv__rank_insert(kv_job **head, kv_job **tail, kv_job *j);
 /* Out of such a queue; returns 0 if `j` was not queued. */
 int kv__queue_remove(kv_job **head, kv_job **tail, kv_job *j);
 
-/* kv_tcp.c, called by kv_core.c with c->mu held */
-uint32_t kv__tcp_submit(kv_core *c, kv_job *j); /* hand a TCP job to the I/O thread */
-/* Abort a TCP job: KV_LLM_SUCCESS (*sig: the loop must be signalled), or
- * KV_LLM_PARAM_INVALID if it is past being aborted. */
-uint32_t kv__tcp_abort(kv_core *c, kv_job *j, uint32_t status, int *sig);
-/* called without the lock */
-void kv__tcp_close(kv_core *c);
-void kv__tcp_free(kv_core *c);
+/* ---- transports: the data planes of regions the movers cannot reach (a peer's
+ * memory over the network: KV_REGION_TCP). A transport fills in its ops and
+ * registers itself with the core (kv__transport_register, on first use); the
+ * core calls it only through them. Transport -> core goes through the
+ * functions above. */
+
+typedef struct kv_transport_ops {
+    size_t job_size; /* its job struct: a kv_job first */
+    /* Take over job `j`, job_size bytes zeroed with the kv_job filled in (its
+     * segments all name regions of this transport, on one link): hash it
+     * (kv__job_hash) and start it. A failure status leaves `j` as it was: the
+     * core releases it. c->lock held. */
+    uint32_t (*submit)(kv_transport *t, kv_job *j);
+    /* Abort a job it owns with `status`: KV_LLM_SUCCESS (*signal: the eventfd
+     * must be signalled after unlocking), or KV_LLM_PARAM_INVALID if it is past
+     * being aborted (its completion is on its way). c->lock held. */
+    uint32_t (*abort)(kv_transport *t, kv_job *j, uint32_t status, int *signal);
+    /* Stop taking work and complete every job it owns (fenced: may wait for a
+     * lease release); returns once that is done. No lock held; kv_core_close,
+     * after the core refuses new work. */
+    void (*stop)(kv_transport *t);
+    /* Free everything it holds; kv_core_free, after stop. No lock held. */
+    void (*destroy)(kv_transport *t);
+} kv_transport_ops;
+
+/* Embedded first in the transport's own state. */
+struct kv_transport {
+    const kv_transport_ops *ops;
+};
+
+/* The transport of regions of `kind`, registered once (caller holds c->lock),
+ * or NULL if none has been started. */
+void kv__transport_register(kv_core *c, int kind, kv_transport *t);
+kv_transport *kv__transport_get(kv_core *c, int kind);
 
 #endif

@@ -46,8 +46,8 @@ enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_
 #define KV_MAX_PENDING 256           /* unauthenticated connections at once */
 #define KV_MAX_CTRL 65536            /* queued control frames per connection */
 #define KV_MAX_SERVE 4096            /* queued READs per connection */
-#define KV_MAX_RX 65536              /* per link: open incoming transfers and pull tombstones */
-#define KV_RX_BUCKETS 4096u          /* open incoming transfers per link: hash buckets */
+#define KV_MAX_INCOMING 65536        /* per link: open incoming transfers and pull tombstones */
+#define KV_INCOMING_BUCKETS 4096u    /* open incoming transfers per link: hash buckets */
 #define KV_CTRL_BATCH 64             /* control frames written by one sendmsg */
 #define KV_READ_WINDOW 4             /* chunks of READ outstanding per connection */
 #define KV_SCRATCH (1u << 20)
@@ -83,114 +83,157 @@ typedef struct {
 } kv_frame;
 typedef char kv_frame_is_64_bytes[sizeof(kv_frame) == 64 ? 1 : -1];
 
+/* A TCP pull's answer tracking, allocated at submit (before the job can be
+ * named by a frame) and handed to the pull's tombstone if it is aborted. Chunk
+ * k is the k-th READ sent (segments in order, each cut at `chunk_bytes`). */
+typedef struct kv_pull_tracking {
+    size_t nsegments;
+    uint64_t chunk_bytes;
+    uint64_t nchunks;      /* chunks in all */
+    uint64_t reads_sent;   /* READs sent: chunks 0 .. reads_sent-1 */
+    uint64_t *segment_len; /* nsegments */
+    uint64_t *first_chunk; /* chunks before each segment (nsegments + 1) */
+    uint32_t *answered;    /* per chunk: bytes answered (RDATA header accepted) or given up */
+    uint8_t *stream;       /* per chunk: the stream (index in the link) its READ went out on */
+} kv_pull_tracking;
+
+/* A push or pull over one link. Owned by the I/O thread once it leaves the
+ * inbox, except the abort request (kv_core_abort, under c->lock). */
+typedef struct kv_tcp_job {
+    kv_job job;              /* first */
+    uint32_t link_id;
+    int is_pull;
+    uint64_t frames;         /* frames (DATA or READ) started on the wire: claimed with the cursor */
+    kv_pull_tracking *pull;  /* pull: answer tracking */
+    uint32_t abort_acks_awaited; /* push, ABORTING: streams (bit = index in the link) whose ABORT_ACK is due */
+    int acked;               /* push, ABORTING: the receiver ACKed every byte meanwhile */
+    uint64_t due;            /* ABORTING: the fence deadline; FENCING: the release time (ns, CLOCK_BOOTTIME) */
+    struct kv_tcp_job *inbox_next, *inbox_prev; /* the I/O inbox (INBOX) */
+    struct kv_tcp_job *list_next, *list_prev;   /* the abort list (ABORT_REQ) or timed list (ABORTING, FENCING) */
+} kv_tcp_job;
+
+/* A READ the peer asked on a stream, queued to be answered by RDATA. Holds a
+ * ref on the region it reads from until its frame is sent (or dropped). */
 typedef struct kv_serve {
-    uint64_t xfer, src, len, total, dst_off;
-    uint32_t rid, dst_seg;
+    uint64_t xfer, src, len, total, dst_offset;
+    uint32_t region_id, dst_segment; /* dst_*: where the requester wants it, echoed in RDATA */
     struct kv_serve *next;
 } kv_serve;
 
-typedef struct kv_rx {
+/* A transfer arriving on a link: a push we receive, or the tombstone of a pull
+ * of ours that was aborted (its late RDATA is checked, then discarded). */
+typedef struct kv_incoming {
     uint64_t xfer, total, received;
     uint64_t claimed;  /* bytes of DATA headers accepted; received catches up as payloads end */
-    int pull;          /* 1: tombstone of our aborted pull, 0: a push we receive */
+    int tombstone;     /* 1: tombstone of our aborted pull, 0: a push we receive */
     int aborted;
     int aborts_seen;   /* push: ABORTs received */
-    uint32_t ack_wait; /* pull tombstone: streams whose ABORT_ACK is awaited */
-    kv_ptrack *pt;     /* pull tombstone: the pull's answer tracking (late RDATA must still fit it) */
-    struct kv_rx *next;
-} kv_rx;
+    uint32_t abort_acks_awaited; /* tombstone: streams whose ABORT_ACK is awaited */
+    kv_pull_tracking *tracking;  /* tombstone: the pull's answer tracking (late RDATA must still fit it) */
+    struct kv_incoming *next;
+} kv_incoming;
 
 enum { C_HELLO_WAIT, C_HELLO_SENT, C_UP };
-enum { RX_HDR, RX_PAYLOAD };
+enum { IN_HEADER, IN_PAYLOAD };
 
 struct kv_link;
 
+/* One TCP connection: a stream of a link once authenticated. */
 typedef struct kv_conn {
-    int fd, state, out_armed, dead;
-    int broken;   /* epoll_ctl failed on it: fail it at the next timer scan */
-    int idx;      /* its index in link->conns */
+    int fd, state, dead;
+    int out_armed; /* EPOLLOUT is armed */
+    int broken;    /* epoll_ctl failed on it: fail it at the next timer scan */
+    int index;     /* its index in link->conns */
     struct kv_link *link;
-    uint64_t born;
+    uint64_t born_ns;
     struct kv_conn *next;
     /* the lease (docs/protocol.md) */
     uint64_t lease_until; /* we may write the peer's DATA into place until then (0: never granted) */
     uint64_t granted_at;  /* the last LEASE we queued for the peer (0: never: no DATA of ours yet) */
-    /* progress (the idle bound), at the round's time */
-    uint64_t rx_mark, tx_mark;
-    /* send */
-    kv_frame *ctrl;
-    size_t ch, cn, ccap;
-    kv_frame cur;
-    size_t cur_hsent;
-    const uint8_t *cur_pay;
-    uint64_t cur_len, cur_psent;
-    int cur_on;
-    uint32_t cur_ref; /* region ref held while an RDATA payload is sent */
-    kv_serve *sq, *sq_tail;
-    size_t sn;
-    uint64_t reads_out; /* bytes of READ sent on this stream not yet answered (or given up) */
-    /* receive */
-    kv_frame rh;
-    size_t rh_got;
-    int rx_state, ptype, pdiscard;
-    int pwin;         /* RDATA payload: its bytes return to this stream's READ window */
-    uint8_t *pdst;
-    uint64_t pleft, plen, pxfer;
-    uint32_t pref;
-    uint8_t tok[KV_TOKEN_BYTES];
+    /* progress (the idle bound): the round's time when a byte last moved */
+    uint64_t rx_progress_ns, tx_progress_ns;
+    /* send: control frames queued (a ring), the frame going out, READs to answer */
+    kv_frame *ctrl_ring;
+    size_t ctrl_head, ctrl_count, ctrl_capacity;
+    kv_frame out;             /* the frame being sent (out_busy) */
+    size_t out_header_sent;
+    const uint8_t *out_payload;
+    uint64_t out_payload_len, out_payload_sent;
+    int out_busy;
+    uint32_t out_region_ref;  /* region ref held while an RDATA payload is sent */
+    kv_serve *serve_head, *serve_tail;
+    size_t serve_count;
+    uint64_t read_bytes_out;  /* bytes of READ sent on this stream not yet answered (or given up) */
+    /* receive: the header being read, then its payload */
+    kv_frame in_header;
+    size_t in_header_got;
+    int in_state, in_type;    /* IN_*; the type of the frame whose payload is read */
+    int in_discard;           /* the payload goes to scratch, not into place */
+    int in_returns_window;    /* RDATA payload: its bytes return to this stream's READ window */
+    uint8_t *in_dest;
+    uint64_t in_left, in_length, in_xfer;
+    uint32_t in_region_ref;   /* region ref held while a DATA payload is written into place */
+    uint8_t hello_token[KV_TOKEN_BYTES];
 } kv_conn;
 
 typedef struct kv_link {
     uint32_t id;
     uint8_t token[KV_TOKEN_BYTES];
-    int nstreams, nup, dead;
+    int nstreams, nstreams_up, dead;
     kv_conn *conns[KV_MAX_STREAMS];
     int nconns;
-    kv_job *sq_head, *sq_tail; /* jobs with frames left to claim, by rank */
-    size_t sq_pulls;           /* pull jobs among them */
-    uint64_t window;           /* push bytes on the wire (sent, not yet CREDITed) allowed; 0: no limit */
-    uint64_t wire;             /* push bytes on the wire now */
-    uint64_t lease, fence, margin; /* ns: kv_tcp_link_add */
-    uint64_t renew_at;         /* next LEASE_REQ on every stream */
-    uint64_t last_grant;       /* the last LEASE we queued on any stream (0: none) */
-    kv_rx *rx[KV_RX_BUCKETS];
-    size_t nrx;
-    kv_job *ev_ready, *ev_down;
+    kv_job *send_head, *send_tail; /* jobs with frames left to claim, by rank */
+    size_t send_pulls;             /* pull jobs among them */
+    uint64_t window;               /* push bytes on the wire (sent, not yet CREDITed) allowed; 0: no limit */
+    uint64_t wire_bytes;           /* push bytes on the wire now */
+    uint64_t lease_ns, fence_ns, margin_ns; /* kv_tcp_link_add */
+    uint64_t renew_at;             /* next LEASE_REQ on every stream */
+    uint64_t last_grant;           /* the last LEASE we queued on any stream (0: none) */
+    kv_incoming *incoming[KV_INCOMING_BUCKETS];
+    size_t nincoming;
+    kv_event *ready_event, *down_event;
     struct kv_link *next;
 } kv_link;
 
 enum { CMD_LINK_ADD = 1, CMD_CONN_ADD, CMD_LINK_CLOSE };
 
-typedef struct kv_cmd {
+/* A request from an API call to the I/O thread, run at its next round. */
+typedef struct kv_command {
     int type, fd, nstreams;
-    uint64_t window, lease, fence, margin;
+    uint64_t window, lease_ns, fence_ns, margin_ns;
     uint32_t link_id, status;
     uint8_t token[KV_TOKEN_BYTES];
-    kv_job *ev_ready, *ev_down;
-    struct kv_cmd *next;
-} kv_cmd;
+    kv_event *ready_event, *down_event;
+    struct kv_command *next;
+} kv_command;
 
 typedef struct kv_net {
-    kv_core *c;
+    kv_transport transport; /* first: the core holds &transport */
+    kv_core *core;
     pthread_t thread;
-    int ep, wake;
-    kv_link *links; /* changed under c->mu only */
+    int epoll_fd, wake_fd;
+    kv_link *links; /* changed under c->lock only */
     kv_conn *conns;
     int npending;
     uint8_t *scratch;
-    uint64_t sent, received; /* payload bytes, flushed into c->st once per round */
-    uint64_t now;            /* the round's time */
+    uint64_t sent, received; /* payload bytes, flushed into c->stats once per round */
+    uint64_t round_ns;       /* the round's time */
     int accept_paused;
     uint64_t accept_resume;
     int stopped;             /* stop acted on: links failed, waiting for the fenced pushes */
-    /* under c->mu */
-    int lfd;
-    kv_cmd *cmd_head, *cmd_tail;
-    kv_job *in_head, *in_tail; /* INBOX jobs, in submission order */
-    kv_job *ab_head;           /* ABORT_REQ jobs */
-    kv_job *tm_head;           /* ABORTING and FENCING jobs (their `due`) */
-    int stop;
+    /* under c->lock */
+    int listen_fd;
+    kv_command *commands_head, *commands_tail;
+    kv_tcp_job *inbox_head, *inbox_tail; /* INBOX jobs, in submission order */
+    kv_tcp_job *abort_head;              /* ABORT_REQ jobs */
+    kv_tcp_job *timed_head;              /* ABORTING and FENCING jobs (their `due`) */
+    int stop_requested;
 } kv_net;
+
+/* `j` as a job of this transport, or NULL (none, or a mover job). */
+static kv_tcp_job *tcp_job(kv_net *n, kv_job *j) {
+    return j && j->transport == &n->transport ? (kv_tcp_job *)j : NULL;
+}
 
 /* Every time here, lease offsets included: CLOCK_BOOTTIME, which unlike
  * CLOCK_MONOTONIC keeps counting while the machine is suspended, so a lease
@@ -201,36 +244,42 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static uint64_t sat_add(uint64_t a, uint64_t b) { return a + b < a ? UINT64_MAX : a + b; }
+static uint64_t add_saturating(uint64_t a, uint64_t b) { return a + b < a ? UINT64_MAX : a + b; }
 
-static void wake(kv_net *n) {
+static void wake_io_thread(kv_net *n) {
     uint64_t one = 1;
     ssize_t r;
     do
-        r = write(n->wake, &one, sizeof one);
+        r = write(n->wake_fd, &one, sizeof one);
     while (r < 0 && errno == EINTR);
 }
 
 static void *io_main(void *arg);
 
-/* Start the I/O thread on first use. Caller holds c->mu. */
-static uint32_t net_get(kv_core *c, kv_net **out) {
+static const kv_transport_ops tcp_ops;
+
+/* The core's TCP transport, or NULL before the first use. Caller holds c->lock. */
+static kv_net *net_of(kv_core *c) { return (kv_net *)kv__transport_get(c, KV_REGION_TCP); }
+
+/* Start the I/O thread on first use. Caller holds c->lock. */
+static uint32_t net_start(kv_core *c, kv_net **out) {
     if (c->closed)
         return KV_LLM_ENGINE_FINALIZED;
-    if (c->net) {
-        *out = c->net;
+    if (net_of(c)) {
+        *out = net_of(c);
         return KV_LLM_SUCCESS;
     }
     kv_net *n = calloc(1, sizeof *n);
     if (!n)
         return KV_LLM_OUT_OF_MEMORY;
-    n->c = c;
-    n->lfd = -1;
+    n->transport.ops = &tcp_ops;
+    n->core = c;
+    n->listen_fd = -1;
     n->scratch = malloc(KV_SCRATCH);
-    n->ep = epoll_create1(EPOLL_CLOEXEC);
-    n->wake = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    n->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+    n->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
-    if (!n->scratch || n->ep < 0 || n->wake < 0 || epoll_ctl(n->ep, EPOLL_CTL_ADD, n->wake, &ev) < 0)
+    if (!n->scratch || n->epoll_fd < 0 || n->wake_fd < 0 || epoll_ctl(n->epoll_fd, EPOLL_CTL_ADD, n->wake_fd, &ev) < 0)
         goto fail;
     sigset_t all, old;
     sigfillset(&all);
@@ -239,14 +288,14 @@ static uint32_t net_get(kv_core *c, kv_net **out) {
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0)
         goto fail;
-    c->net = n;
+    kv__transport_register(c, KV_REGION_TCP, &n->transport);
     *out = n;
     return KV_LLM_SUCCESS;
 fail:
-    if (n->ep >= 0)
-        close(n->ep);
-    if (n->wake >= 0)
-        close(n->wake);
+    if (n->epoll_fd >= 0)
+        close(n->epoll_fd);
+    if (n->wake_fd >= 0)
+        close(n->wake_fd);
     free(n->scratch);
     free(n);
     return KV_LLM_FAILED;
@@ -255,55 +304,55 @@ fail:
 /* --------------------------------------------------------------- job states */
 
 #ifndef NDEBUG
-#define JS(x) (1u << KV_JS_##x)
-static const unsigned js_next[KV_JS_DONE] = {
-    [KV_JS_INBOX] = JS(SENDING) | JS(DONE),
-    [KV_JS_SENDING] = JS(SENT) | JS(ABORT_REQ) | JS(FENCING) | JS(DONE),
-    [KV_JS_SENT] = JS(ABORT_REQ) | JS(FENCING) | JS(DONE),
-    [KV_JS_ABORT_REQ] = JS(ABORTING) | JS(FENCING) | JS(DONE),
-    [KV_JS_ABORTING] = JS(FENCING) | JS(DONE),
-    [KV_JS_FENCING] = JS(DONE),
+#define STATE_BIT(x) (1u << KV_JS_##x)
+static const unsigned job_next_states[KV_JS_DONE] = {
+    [KV_JS_INBOX] = STATE_BIT(SENDING) | STATE_BIT(DONE),
+    [KV_JS_SENDING] = STATE_BIT(SENT) | STATE_BIT(ABORT_REQ) | STATE_BIT(FENCING) | STATE_BIT(DONE),
+    [KV_JS_SENT] = STATE_BIT(ABORT_REQ) | STATE_BIT(FENCING) | STATE_BIT(DONE),
+    [KV_JS_ABORT_REQ] = STATE_BIT(ABORTING) | STATE_BIT(FENCING) | STATE_BIT(DONE),
+    [KV_JS_ABORTING] = STATE_BIT(FENCING) | STATE_BIT(DONE),
+    [KV_JS_FENCING] = STATE_BIT(DONE),
 };
-#undef JS
+#undef STATE_BIT
 #endif
 
 /* The one place a TCP job changes state: checked (unless NDEBUG). */
-static void js_to(kv_job *j, int to) {
+static void job_set_state(kv_tcp_job *j, int to) {
 #ifndef NDEBUG
-    assert(j->state >= KV_JS_INBOX && j->state < KV_JS_DONE && (js_next[j->state] & (1u << to)));
+    assert(j->job.state >= KV_JS_INBOX && j->job.state < KV_JS_DONE && (job_next_states[j->job.state] & (1u << to)));
 #endif
-    j->state = to;
+    j->job.state = to;
 }
 
-/* The abort list (ABORT_REQ) and the timed list (ABORTING, FENCING) share anext/aprev. */
-static void alist_add(kv_job **head, kv_job *j) {
-    j->aprev = NULL;
-    j->anext = *head;
+/* The abort list (ABORT_REQ) and the timed list (ABORTING, FENCING) share list_next/list_prev. */
+static void list_add(kv_tcp_job **head, kv_tcp_job *j) {
+    j->list_prev = NULL;
+    j->list_next = *head;
     if (*head)
-        (*head)->aprev = j;
+        (*head)->list_prev = j;
     *head = j;
 }
 
-static void alist_del(kv_job **head, kv_job *j) {
-    if (j->aprev)
-        j->aprev->anext = j->anext;
+static void list_del(kv_tcp_job **head, kv_tcp_job *j) {
+    if (j->list_prev)
+        j->list_prev->list_next = j->list_next;
     else
-        *head = j->anext;
-    if (j->anext)
-        j->anext->aprev = j->aprev;
-    j->anext = j->aprev = NULL;
+        *head = j->list_next;
+    if (j->list_next)
+        j->list_next->list_prev = j->list_prev;
+    j->list_next = j->list_prev = NULL;
 }
 
-static void inbox_del(kv_net *n, kv_job *j) {
-    if (j->iprev)
-        j->iprev->inext = j->inext;
+static void inbox_del(kv_net *n, kv_tcp_job *j) {
+    if (j->inbox_prev)
+        j->inbox_prev->inbox_next = j->inbox_next;
     else
-        n->in_head = j->inext;
-    if (j->inext)
-        j->inext->iprev = j->iprev;
+        n->inbox_head = j->inbox_next;
+    if (j->inbox_next)
+        j->inbox_next->inbox_prev = j->inbox_prev;
     else
-        n->in_tail = j->iprev;
-    j->inext = j->iprev = NULL;
+        n->inbox_tail = j->inbox_prev;
+    j->inbox_next = j->inbox_prev = NULL;
 }
 
 /* --------------------------------------------------------------- helpers */
@@ -315,75 +364,75 @@ static kv_link *link_find(kv_net *n, uint32_t id) {
     return NULL;
 }
 
-static unsigned rx_bucket(uint64_t x) { return (unsigned)((x * 0x9E3779B97F4A7C15ull) >> 52) & (KV_RX_BUCKETS - 1); }
+static unsigned incoming_bucket(uint64_t x) { return (unsigned)((x * 0x9E3779B97F4A7C15ull) >> 52) & (KV_INCOMING_BUCKETS - 1); }
 
-static kv_rx *rx_find(kv_link *l, uint64_t xfer, int pull) {
-    for (kv_rx *r = l->rx[rx_bucket(xfer)]; r; r = r->next)
-        if (r->xfer == xfer && r->pull == pull)
+static kv_incoming *incoming_find(kv_link *l, uint64_t xfer, int pull) {
+    for (kv_incoming *r = l->incoming[incoming_bucket(xfer)]; r; r = r->next)
+        if (r->xfer == xfer && r->tombstone == pull)
             return r;
     return NULL;
 }
 
-static kv_rx *rx_new(kv_link *l, uint64_t xfer, int pull) {
-    if (l->nrx >= KV_MAX_RX)
+static kv_incoming *incoming_new(kv_link *l, uint64_t xfer, int pull) {
+    if (l->nincoming >= KV_MAX_INCOMING)
         return NULL;
-    kv_rx *r = calloc(1, sizeof *r);
+    kv_incoming *r = calloc(1, sizeof *r);
     if (!r)
         return NULL;
     r->xfer = xfer;
-    r->pull = pull;
-    unsigned b = rx_bucket(xfer);
-    r->next = l->rx[b];
-    l->rx[b] = r;
-    l->nrx++;
+    r->tombstone = pull;
+    unsigned b = incoming_bucket(xfer);
+    r->next = l->incoming[b];
+    l->incoming[b] = r;
+    l->nincoming++;
     return r;
 }
 
-static void rx_del(kv_link *l, kv_rx *r) {
-    kv_rx **p = &l->rx[rx_bucket(r->xfer)];
+static void incoming_del(kv_link *l, kv_incoming *r) {
+    kv_incoming **p = &l->incoming[incoming_bucket(r->xfer)];
     while (*p != r)
         p = &(*p)->next;
     *p = r->next;
-    l->nrx--;
-    free(r->pt);
+    l->nincoming--;
+    free(r->tracking);
     free(r);
 }
 
-static void sq_remove(kv_link *l, kv_job *j) {
-    if (kv__queue_remove(&l->sq_head, &l->sq_tail, j))
-        l->sq_pulls -= j->is_pull;
+static void send_queue_remove(kv_link *l, kv_tcp_job *j) {
+    if (kv__queue_remove(&l->send_head, &l->send_tail, &j->job))
+        l->send_pulls -= j->is_pull;
 }
 
-static void sq_insert(kv_link *l, kv_job *j) {
-    kv__rank_insert(&l->sq_head, &l->sq_tail, j);
-    l->sq_pulls += j->is_pull;
+static void send_queue_insert(kv_link *l, kv_tcp_job *j) {
+    kv__rank_insert(&l->send_head, &l->send_tail, &j->job);
+    l->send_pulls += j->is_pull;
 }
 
 /* A pull's answer tracking (one allocation), or NULL if out of memory. */
-static kv_ptrack *ptrack_new(const kv_job *j, uint64_t chunk) {
+static kv_pull_tracking *pull_tracking_new(const kv_tcp_job *j, uint64_t chunk) {
     uint64_t nch = 0;
-    for (size_t i = 0; i < j->nsegs; i++)
-        nch += (j->segs[i].len + chunk - 1) / chunk; /* total < 2^64: no overflow */
-    size_t ns = j->nsegs;
-    if (nch > (SIZE_MAX / 2 - 8 * (2 * ns + 1) - sizeof(kv_ptrack)) / 5)
+    for (size_t i = 0; i < j->job.nsegments; i++)
+        nch += (j->job.segments[i].len + chunk - 1) / chunk; /* total < 2^64: no overflow */
+    size_t ns = j->job.nsegments;
+    if (nch > (SIZE_MAX / 2 - 8 * (2 * ns + 1) - sizeof(kv_pull_tracking)) / 5)
         return NULL;
-    size_t sz = sizeof(kv_ptrack) + 8 * (2 * ns + 1) + 4 * (size_t)nch + (size_t)nch;
-    kv_ptrack *pt = calloc(1, sz);
-    if (!pt)
+    size_t sz = sizeof(kv_pull_tracking) + 8 * (2 * ns + 1) + 4 * (size_t)nch + (size_t)nch;
+    kv_pull_tracking *tracking = calloc(1, sz);
+    if (!tracking)
         return NULL;
-    pt->nsegs = ns;
-    pt->chunk = chunk;
-    pt->nch = nch;
-    pt->seglen = (uint64_t *)(pt + 1);
-    pt->rbase = pt->seglen + ns;
-    pt->rnext = (uint32_t *)(pt->rbase + ns + 1);
-    pt->rconn = (uint8_t *)(pt->rnext + nch);
-    pt->rbase[0] = 0;
+    tracking->nsegments = ns;
+    tracking->chunk_bytes = chunk;
+    tracking->nchunks = nch;
+    tracking->segment_len = (uint64_t *)(tracking + 1);
+    tracking->first_chunk = tracking->segment_len + ns;
+    tracking->answered = (uint32_t *)(tracking->first_chunk + ns + 1);
+    tracking->stream = (uint8_t *)(tracking->answered + nch);
+    tracking->first_chunk[0] = 0;
     for (size_t i = 0; i < ns; i++) {
-        pt->seglen[i] = j->segs[i].len;
-        pt->rbase[i + 1] = pt->rbase[i] + (j->segs[i].len + chunk - 1) / chunk;
+        tracking->segment_len[i] = j->job.segments[i].len;
+        tracking->first_chunk[i + 1] = tracking->first_chunk[i] + (j->job.segments[i].len + chunk - 1) / chunk;
     }
-    return pt;
+    return tracking;
 }
 
 /* Does RDATA header `h`, read on stream `idx`, answer the next bytes of a READ
@@ -391,84 +440,86 @@ static kv_ptrack *ptrack_new(const kv_job *j, uint64_t chunk) {
  * returned; else -1. A repeated, overlapping, out-of-order, unasked or
  * misrouted answer is a protocol violation (else a peer could complete a pull
  * with bytes unwritten; and a READ's window returns exactly once). */
-static int64_t pull_claim(kv_ptrack *pt, const kv_frame *h, int idx) {
-    if (h->region >= pt->nsegs || h->offset > pt->seglen[h->region] ||
-        h->length > pt->seglen[h->region] - h->offset)
+static int64_t pull_claim(kv_pull_tracking *tracking, const kv_frame *h, int idx) {
+    if (h->region >= tracking->nsegments || h->offset > tracking->segment_len[h->region] ||
+        h->length > tracking->segment_len[h->region] - h->offset)
         return -1;
-    uint64_t k = pt->rbase[h->region] + h->offset / pt->chunk, at = h->offset % pt->chunk;
-    uint64_t clen = pt->seglen[h->region] - (h->offset - at);
-    if (clen > pt->chunk)
-        clen = pt->chunk;
-    if (k >= pt->sent || pt->rconn[k] != idx || at != pt->rnext[k] || h->length > clen - at)
+    uint64_t k = tracking->first_chunk[h->region] + h->offset / tracking->chunk_bytes, at = h->offset % tracking->chunk_bytes;
+    uint64_t clen = tracking->segment_len[h->region] - (h->offset - at);
+    if (clen > tracking->chunk_bytes)
+        clen = tracking->chunk_bytes;
+    if (k >= tracking->reads_sent || tracking->stream[k] != idx || at != tracking->answered[k] || h->length > clen - at)
         return -1;
-    pt->rnext[k] += (uint32_t)h->length;
+    tracking->answered[k] += (uint32_t)h->length;
     return (int64_t)k;
 }
 
-/* Every READ of `pt` sent on stream `idx` is answered or dropped (its ABORT_ACK
+/* Every READ of `tracking` sent on stream `idx` is answered or dropped (its ABORT_ACK
  * came): what was not answered returns to that stream's READ window, and no
  * answer to it is accepted any more. */
-static void pull_give_up(kv_ptrack *pt, kv_conn *k, int idx) {
-    for (size_t i = 0; i < pt->nsegs; i++) {
-        for (uint64_t q = pt->rbase[i]; q < pt->rbase[i + 1] && q < pt->sent; q++) {
-            if (pt->rconn[q] != idx)
+static void pull_give_up(kv_pull_tracking *tracking, kv_conn *k, int idx) {
+    for (size_t i = 0; i < tracking->nsegments; i++) {
+        for (uint64_t q = tracking->first_chunk[i]; q < tracking->first_chunk[i + 1] && q < tracking->reads_sent; q++) {
+            if (tracking->stream[q] != idx)
                 continue;
-            uint64_t off = (q - pt->rbase[i]) * pt->chunk, clen = pt->seglen[i] - off;
-            if (clen > pt->chunk)
-                clen = pt->chunk;
-            uint64_t left = clen - pt->rnext[q];
-            k->reads_out -= left < k->reads_out ? left : k->reads_out;
-            pt->rnext[q] = (uint32_t)clen;
+            uint64_t off = (q - tracking->first_chunk[i]) * tracking->chunk_bytes, clen = tracking->segment_len[i] - off;
+            if (clen > tracking->chunk_bytes)
+                clen = tracking->chunk_bytes;
+            uint64_t left = clen - tracking->answered[q];
+            k->read_bytes_out -= left < k->read_bytes_out ? left : k->read_bytes_out;
+            tracking->answered[q] = (uint32_t)clen;
         }
     }
 }
 
 static void discard_payloads(kv_link *l, kv_core *c, int ptype, uint64_t xfer);
 
-/* Complete a TCP job (any state but DONE). Caller holds c->mu; returns 1 if the
+/* Complete a TCP job (any state but DONE). Caller holds c->lock; returns 1 if the
  * loop must be signalled. */
-static int tcp_complete(kv_net *n, kv_link *l, kv_job *j, uint32_t status) {
-    if (j->queued) {
+static int tcp_complete(kv_net *n, kv_link *l, kv_tcp_job *j, uint32_t status) {
+    if (j->job.queued) {
         assert(l);
-        sq_remove(l, j);
+        send_queue_remove(l, j);
     }
     /* RDATA payloads of a pull still arriving on other streams write into its
-     * destination without a region ref: stop them now, or they land after the
-     * completion, possibly in freed memory (e.g. a peer answering a READ twice,
-     * or an abort with frames == 0; found by tests/native/fuzz_tcp.c). */
+     * destination without a region ref: no byte of a pull lands after its
+     * completion (a peer answering a READ twice, an abort with frames == 0),
+     * so they are discarded from here on. */
     if (l && !l->dead && j->is_pull)
-        discard_payloads(l, n->c, F_RDATA, j->id);
-    if (j->state == KV_JS_INBOX)
+        discard_payloads(l, n->core, F_RDATA, j->job.record.id);
+    if (j->job.state == KV_JS_INBOX)
         inbox_del(n, j);
-    else if (j->state == KV_JS_ABORT_REQ)
-        alist_del(&n->ab_head, j);
-    else if (j->state == KV_JS_ABORTING || j->state == KV_JS_FENCING)
-        alist_del(&n->tm_head, j);
-    js_to(j, KV_JS_DONE);
-    return kv__job_complete(n->c, j, status);
+    else if (j->job.state == KV_JS_ABORT_REQ)
+        list_del(&n->abort_head, j);
+    else if (j->job.state == KV_JS_ABORTING || j->job.state == KV_JS_FENCING)
+        list_del(&n->timed_head, j);
+    job_set_state(j, KV_JS_DONE);
+    free(j->pull);
+    j->pull = NULL;
+    return kv__job_complete(n->core, &j->job, status);
 }
 
 static int ctrl_push(kv_conn *k, const kv_frame *f) {
-    if (k->cn == k->ccap) {
-        if (k->ccap >= KV_MAX_CTRL)
+    if (k->ctrl_count == k->ctrl_capacity) {
+        if (k->ctrl_capacity >= KV_MAX_CTRL)
             return -1;
-        size_t cap = k->ccap ? k->ccap * 2 : 16;
+        size_t cap = k->ctrl_capacity ? k->ctrl_capacity * 2 : 16;
         kv_frame *nf = malloc(cap * sizeof *nf);
         if (!nf)
             return -1;
-        for (size_t i = 0; i < k->cn; i++)
-            nf[i] = k->ctrl[(k->ch + i) % k->ccap];
-        free(k->ctrl);
-        k->ctrl = nf;
-        k->ch = 0;
-        k->ccap = cap;
+        for (size_t i = 0; i < k->ctrl_count; i++)
+            nf[i] = k->ctrl_ring[(k->ctrl_head + i) % k->ctrl_capacity];
+        free(k->ctrl_ring);
+        k->ctrl_ring = nf;
+        k->ctrl_head = 0;
+        k->ctrl_capacity = cap;
     }
-    k->ctrl[(k->ch + k->cn) % k->ccap] = *f;
-    k->cn++;
+    k->ctrl_ring[(k->ctrl_head + k->ctrl_count) % k->ctrl_capacity] = *f;
+    k->ctrl_count++;
     return 0;
 }
 
-static kv_frame frame(uint16_t type, uint16_t flags, uint64_t xfer) {
+static kv_frame frame_new(uint16_t type, uint16_t flags, uint64_t xfer) {
     kv_frame f;
     memset(&f, 0, sizeof f);
     f.magic = KV_MAGIC;
@@ -480,23 +531,23 @@ static kv_frame frame(uint16_t type, uint16_t flags, uint64_t xfer) {
 
 /* Ask the peer for a lease on stream k (it echoes `offset`, our clock, in a LEASE). */
 static int lease_request(kv_conn *k, uint64_t now) {
-    kv_frame f = frame(F_LEASE_REQ, 0, 0);
+    kv_frame f = frame_new(F_LEASE_REQ, 0, 0);
     f.offset = now;
     return ctrl_push(k, &f);
 }
 
-static void arm(kv_net *n, kv_conn *k, int out) {
+static void arm_output(kv_net *n, kv_conn *k, int out) {
     if (k->dead || k->out_armed == out)
         return;
     struct epoll_event ev = {.events = EPOLLIN | (out ? EPOLLOUT : 0u), .data.ptr = k};
-    if (epoll_ctl(n->ep, EPOLL_CTL_MOD, k->fd, &ev) < 0) {
+    if (epoll_ctl(n->epoll_fd, EPOLL_CTL_MOD, k->fd, &ev) < 0) {
         k->broken = 1; /* failed at the next timer scan (we may not hold the lock here) */
         return;
     }
     k->out_armed = out;
 }
 
-/* Close a connection and drop every region ref it holds. Caller holds c->mu.
+/* Close a connection and drop every region ref it holds. Caller holds c->lock.
  * A stream of a link is reset (SO_LINGER 0): the kernel drops what it still
  * holds for either side, so no frame of ours lands after the link failed.
  * The struct is freed at the end of the I/O iteration (it may be on the stack of a caller). */
@@ -504,21 +555,21 @@ static void conn_kill(kv_net *n, kv_conn *k) {
     if (k->dead)
         return;
     k->dead = 1;
-    epoll_ctl(n->ep, EPOLL_CTL_DEL, k->fd, NULL); /* close() removes it anyway */
+    epoll_ctl(n->epoll_fd, EPOLL_CTL_DEL, k->fd, NULL); /* close() removes it anyway */
     if (k->link) {
         struct linger lg = {1, 0};
         setsockopt(k->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg); /* if it fails: a FIN; the lease still holds */
     }
     close(k->fd);
-    if (k->cur_ref)
-        kv__region_unref(n->c, k->cur_ref);
-    if (k->pref)
-        kv__region_unref(n->c, k->pref);
-    k->cur_ref = k->pref = 0;
-    while (k->sq) {
-        kv_serve *s = k->sq;
-        k->sq = s->next;
-        kv__region_unref(n->c, s->rid);
+    if (k->out_region_ref)
+        kv__region_unref(n->core, k->out_region_ref);
+    if (k->in_region_ref)
+        kv__region_unref(n->core, k->in_region_ref);
+    k->out_region_ref = k->in_region_ref = 0;
+    while (k->serve_head) {
+        kv_serve *s = k->serve_head;
+        k->serve_head = s->next;
+        kv__region_unref(n->core, s->region_id);
         free(s);
     }
     if (k->state == C_HELLO_WAIT)
@@ -529,175 +580,176 @@ static void conn_kill(kv_net *n, kv_conn *k) {
  * pushes with nothing on the wire and pushes the peer fenced (ACK) at once;
  * other pushes (the peer may still write their bytes under its lease) at the
  * lease release: the last lease we granted on the link + lease + margin.
- * Caller holds c->mu. */
+ * Caller holds c->lock. */
 static int link_fail(kv_net *n, kv_link *l, uint32_t status, int post_down) {
     int sig = 0;
     if (!l->dead) {
         l->dead = 1;
         if (post_down)
-            n->c->st.tcp_links_failed++; /* counters: at once, under the lock (tests read them) */
-        /* Only here: a dead link's streams were killed when it died and reap()
+            n->core->stats.tcp_links_failed++; /* counters: at once, under the lock (tests read them) */
+        /* Only here: a dead link's streams were killed when it died and reap_dead_conns()
          * freed them at the end of that round, so a later link_fail of the same
-         * link (kv_core_close, link_close or conn_add after a failure) must not
-         * touch l->conns (heap-use-after-free found by tests/native/fuzz_tcp.c). */
+         * link (kv_core_close, link_close or conn_add after a failure) never
+         * touches l->conns. */
         for (int i = 0; i < l->nconns; i++)
             conn_kill(n, l->conns[i]);
     }
-    kv_core *c = n->c;
+    kv_core *c = n->core;
     uint64_t now = now_ns();
-    uint64_t release = l->last_grant ? sat_add(l->last_grant, sat_add(l->lease, l->margin)) : 0;
+    uint64_t release = l->last_grant ? add_saturating(l->last_grant, add_saturating(l->lease_ns, l->margin_ns)) : 0;
     for (unsigned b = 0; b < KV_HASH_BUCKETS; b++) {
-        kv_job *j = c->hash[b];
-        while (j) {
-            kv_job *next = j->hnext;
-            if (!j->tcp || j->link_id != l->id || j->state == KV_JS_INBOX || j->state == KV_JS_FENCING) {
-                j = next; /* inbox jobs: next round; fencing ones: already */
+        kv_job *job = c->jobs_by_id[b];
+        while (job) {
+            kv_job *next = job->hash_next;
+            kv_tcp_job *j = tcp_job(n, job);
+            if (!j || j->link_id != l->id || job->state == KV_JS_INBOX || job->state == KV_JS_FENCING) {
+                job = next; /* inbox jobs: next round; fencing ones: already */
                 continue;
             }
             if (j->is_pull || j->frames == 0 || j->acked) {
                 sig |= tcp_complete(n, l, j, status);
             } else { /* a push the peer did not fence: its status says so, once its lease is over */
-                j->status = status;
+                j->job.record.status = status;
                 if (release <= now) {
                     sig |= tcp_complete(n, l, j, status);
                 } else {
-                    if (j->queued)
-                        sq_remove(l, j);
-                    if (j->state == KV_JS_ABORT_REQ)
-                        alist_del(&n->ab_head, j);
-                    else if (j->state == KV_JS_ABORTING)
-                        alist_del(&n->tm_head, j);
-                    js_to(j, KV_JS_FENCING);
+                    if (j->job.queued)
+                        send_queue_remove(l, j);
+                    if (j->job.state == KV_JS_ABORT_REQ)
+                        list_del(&n->abort_head, j);
+                    else if (j->job.state == KV_JS_ABORTING)
+                        list_del(&n->timed_head, j);
+                    job_set_state(j, KV_JS_FENCING);
                     j->due = release;
-                    alist_add(&n->tm_head, j);
+                    list_add(&n->timed_head, j);
                 }
             }
-            j = next;
+            job = next;
         }
     }
-    for (unsigned b = 0; b < KV_RX_BUCKETS; b++)
-        while (l->rx[b])
-            rx_del(l, l->rx[b]);
-    if (post_down && l->ev_down) {
-        l->ev_down->status = status;
-        sig |= kv__post_event(c, l->ev_down);
-        l->ev_down = NULL;
+    for (unsigned b = 0; b < KV_INCOMING_BUCKETS; b++)
+        while (l->incoming[b])
+            incoming_del(l, l->incoming[b]);
+    if (post_down && l->down_event) {
+        l->down_event->record.status = status;
+        sig |= kv__post_event(c, l->down_event);
+        l->down_event = NULL;
     }
     return sig;
 }
 
 /* Drop a connection: before authentication it is just closed (counted as
- * refused); after, its whole link fails. `bad`: a malformed frame. Caller holds c->mu. */
+ * refused); after, its whole link fails. `bad`: a malformed frame. Caller holds c->lock. */
 static int fail_conn(kv_net *n, kv_conn *k, int bad) {
     if (k->dead)
         return 0;
     if (!k->link) {
-        n->c->st.tcp_refused++;
+        n->core->stats.tcp_refused++;
         conn_kill(n, k);
         return 0;
     }
     if (bad)
-        n->c->st.tcp_bad_frames++;
+        n->core->stats.tcp_bad_frames++;
     return link_fail(n, k->link, KV_LLM_LINK_FAILED, 1);
 }
 
-/* DATA was to be written into place on k without a valid lease. Caller holds c->mu. */
+/* DATA was to be written into place on k without a valid lease. Caller holds c->lock. */
 static int lease_fail(kv_net *n, kv_conn *k) {
-    n->c->st.tcp_lease_expired++;
+    n->core->stats.tcp_lease_expired++;
     return link_fail(n, k->link, KV_LLM_LINK_FAILED, 1);
 }
 
 /* ------------------------------------------------------------------ sending */
 
-/* Pick the next frame for `k`. Caller holds c->mu. */
+/* Pick the next frame for `k`. Caller holds c->lock. */
 static int next_frame(kv_net *n, kv_conn *k) {
-    if (k->cn) {
-        k->cur = k->ctrl[k->ch];
-        k->ch = (k->ch + 1) % k->ccap;
-        k->cn--;
-        k->cur_pay = k->cur.type == F_HELLO ? k->link->token : NULL;
-        k->cur_len = k->cur.type == F_HELLO ? KV_TOKEN_BYTES : 0;
+    if (k->ctrl_count) {
+        k->out = k->ctrl_ring[k->ctrl_head];
+        k->ctrl_head = (k->ctrl_head + 1) % k->ctrl_capacity;
+        k->ctrl_count--;
+        k->out_payload = k->out.type == F_HELLO ? k->link->token : NULL;
+        k->out_payload_len = k->out.type == F_HELLO ? KV_TOKEN_BYTES : 0;
         goto start;
     }
     if (k->state != C_UP)
         return 0;
-    if (k->sq) {
-        kv_serve *s = k->sq;
-        k->sq = s->next;
-        if (!k->sq)
-            k->sq_tail = NULL;
-        k->sn--;
-        k->cur = frame(F_RDATA, 0, s->xfer);
-        k->cur.region = s->dst_seg;
-        k->cur.offset = s->dst_off;
-        k->cur.length = s->len;
-        k->cur.total = s->total;
-        k->cur_pay = (const uint8_t *)(uintptr_t)s->src;
-        k->cur_len = s->len;
-        k->cur_ref = s->rid; /* the ref moves from the task to the frame */
+    if (k->serve_head) {
+        kv_serve *s = k->serve_head;
+        k->serve_head = s->next;
+        if (!k->serve_head)
+            k->serve_tail = NULL;
+        k->serve_count--;
+        k->out = frame_new(F_RDATA, 0, s->xfer);
+        k->out.region = s->dst_segment;
+        k->out.offset = s->dst_offset;
+        k->out.length = s->len;
+        k->out.total = s->total;
+        k->out_payload = (const uint8_t *)(uintptr_t)s->src;
+        k->out_payload_len = s->len;
+        k->out_region_ref = s->region_id; /* the ref moves from the task to the frame */
         free(s);
         goto start;
     }
     kv_link *l = k->link;
-    uint64_t chunk = n->c->chunk;
+    uint64_t chunk = n->core->chunk_bytes;
     /* pushes wait while the window is full (the receiver has not consumed enough:
      * its CREDITs reopen it), and on a stream where we never granted the peer a
      * lease (its LEASE_REQ comes first: the LEASE then precedes our DATA in the
      * stream); then only pulls can go, if any are queued */
-    int push_ok = (!l->window || l->wire < l->window) && k->granted_at;
-    if (!push_ok && !l->sq_pulls)
+    int push_ok = (!l->window || l->wire_bytes < l->window) && k->granted_at;
+    if (!push_ok && !l->send_pulls)
         return 0;
-    for (kv_job *j = l->sq_head; j; j = j->qnext) {
-        if (j->state != KV_JS_SENDING) /* ABORT_REQ: the I/O thread acts on it this round */
+    for (kv_tcp_job *j = (kv_tcp_job *)l->send_head; j; j = (kv_tcp_job *)j->job.queue_next) {
+        if (j->job.state != KV_JS_SENDING) /* ABORT_REQ: the I/O thread acts on it this round */
             continue;
-        if (j->is_pull && k->reads_out >= KV_READ_WINDOW * chunk)
+        if (j->is_pull && k->read_bytes_out >= KV_READ_WINDOW * chunk)
             continue;
         if (!j->is_pull && !push_ok)
             continue;
-        const kv_rseg *s = &j->segs[j->cur_seg];
-        uint64_t off = j->cur_off, len = s->len - off;
+        const kv_segment *s = &j->job.segments[j->job.claim_segment];
+        uint64_t off = j->job.claim_offset, len = s->len - off;
         if (len > chunk)
             len = chunk;
-        size_t seg = j->cur_seg;
-        j->cur_off += len;
-        if (j->cur_off == s->len) {
-            j->cur_off = 0;
-            if (++j->cur_seg == j->nsegs) {
-                sq_remove(l, j);
-                js_to(j, KV_JS_SENT);
+        size_t seg = j->job.claim_segment;
+        j->job.claim_offset += len;
+        if (j->job.claim_offset == s->len) {
+            j->job.claim_offset = 0;
+            if (++j->job.claim_segment == j->job.nsegments) {
+                send_queue_remove(l, j);
+                job_set_state(j, KV_JS_SENT);
             }
         }
         if (j->is_pull) {
-            j->pt->rconn[j->frames] = (uint8_t)k->idx; /* READ k is chunk k */
-            j->pt->sent = j->frames + 1;
-            k->cur = frame(F_READ, 0, j->id);
-            k->cur.region = s->rrid;
-            k->cur.offset = s->src + off;
-            k->cur.length = len;
-            k->cur.total = j->total;
-            k->cur.region2 = (uint32_t)seg;
-            k->cur.offset2 = off;
-            k->cur_pay = NULL;
-            k->cur_len = 0;
-            k->reads_out += len;
+            j->pull->stream[j->frames] = (uint8_t)k->index; /* READ k is chunk k */
+            j->pull->reads_sent = j->frames + 1;
+            k->out = frame_new(F_READ, 0, j->job.record.id);
+            k->out.region = s->remote_region;
+            k->out.offset = s->src + off;
+            k->out.length = len;
+            k->out.total = j->job.total_bytes;
+            k->out.region2 = (uint32_t)seg;
+            k->out.offset2 = off;
+            k->out_payload = NULL;
+            k->out_payload_len = 0;
+            k->read_bytes_out += len;
         } else {
-            l->wire += len;
-            k->cur = frame(F_DATA, 0, j->id);
-            k->cur.region = s->rrid;
-            k->cur.offset = s->dst + off;
-            k->cur.length = len;
-            k->cur.total = j->total;
-            k->cur_pay = (const uint8_t *)(uintptr_t)(s->src + off);
-            k->cur_len = len;
+            l->wire_bytes += len;
+            k->out = frame_new(F_DATA, 0, j->job.record.id);
+            k->out.region = s->remote_region;
+            k->out.offset = s->dst + off;
+            k->out.length = len;
+            k->out.total = j->job.total_bytes;
+            k->out_payload = (const uint8_t *)(uintptr_t)(s->src + off);
+            k->out_payload_len = len;
         }
         j->frames++;
         goto start;
     }
     return 0;
 start:
-    k->cur_on = 1;
-    k->cur_hsent = 0;
-    k->cur_psent = 0;
+    k->out_busy = 1;
+    k->out_header_sent = 0;
+    k->out_payload_sent = 0;
     return 1;
 }
 
@@ -706,12 +758,12 @@ start:
  * becomes the connection's current frame. Returns 1 if the loop must be
  * signalled; arms EPOLLOUT when the socket is full. */
 static int send_ctrl(kv_net *n, kv_conn *k) {
-    if (k->dead || k->cur_on || k->cn == 0)
+    if (k->dead || k->out_busy || k->ctrl_count == 0)
         return 0;
     struct iovec iov[KV_CTRL_BATCH];
     int cnt = 0;
-    while (cnt < KV_CTRL_BATCH && (size_t)cnt < k->cn) {
-        kv_frame *f = &k->ctrl[(k->ch + (size_t)cnt) % k->ccap];
+    while (cnt < KV_CTRL_BATCH && (size_t)cnt < k->ctrl_count) {
+        kv_frame *f = &k->ctrl_ring[(k->ctrl_head + (size_t)cnt) % k->ctrl_capacity];
         if (f->type == F_HELLO)
             break; /* has a payload: conn_send sends it */
         iov[cnt].iov_base = f;
@@ -729,55 +781,55 @@ static int send_ctrl(kv_net *n, kv_conn *k) {
     while (r < 0 && errno == EINTR);
     if (r < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            arm(n, k, 1);
+            arm_output(n, k, 1);
             return 0;
         }
-        pthread_mutex_lock(&n->c->mu);
+        pthread_mutex_lock(&n->core->lock);
         int sig = fail_conn(n, k, 0);
-        pthread_mutex_unlock(&n->c->mu);
+        pthread_mutex_unlock(&n->core->lock);
         return sig;
     }
-    k->tx_mark = n->now;
+    k->tx_progress_ns = n->round_ns;
     size_t whole = (size_t)r / sizeof(kv_frame), part = (size_t)r % sizeof(kv_frame);
-    k->ch = (k->ch + whole) % k->ccap;
-    k->cn -= whole;
+    k->ctrl_head = (k->ctrl_head + whole) % k->ctrl_capacity;
+    k->ctrl_count -= whole;
     if (part) { /* the rest of this frame goes out first, through conn_send */
-        k->cur = k->ctrl[k->ch];
-        k->ch = (k->ch + 1) % k->ccap;
-        k->cn--;
-        k->cur_pay = NULL;
-        k->cur_len = 0;
-        k->cur_psent = 0;
-        k->cur_hsent = part;
-        k->cur_on = 1;
+        k->out = k->ctrl_ring[k->ctrl_head];
+        k->ctrl_head = (k->ctrl_head + 1) % k->ctrl_capacity;
+        k->ctrl_count--;
+        k->out_payload = NULL;
+        k->out_payload_len = 0;
+        k->out_payload_sent = 0;
+        k->out_header_sent = part;
+        k->out_busy = 1;
     }
-    if (k->cn || k->cur_on)
-        arm(n, k, 1);
+    if (k->ctrl_count || k->out_busy)
+        arm_output(n, k, 1);
     return 0;
 }
 
 static int conn_send(kv_net *n, kv_conn *k) {
-    kv_core *c = n->c;
+    kv_core *c = n->core;
     int sig = send_ctrl(n, k);
     for (int budget = 0; budget < 256 && !k->dead; budget++) {
-        if (!k->cur_on) {
-            pthread_mutex_lock(&c->mu);
+        if (!k->out_busy) {
+            pthread_mutex_lock(&c->lock);
             int got = next_frame(n, k);
-            pthread_mutex_unlock(&c->mu);
+            pthread_mutex_unlock(&c->lock);
             if (!got) {
-                arm(n, k, 0);
+                arm_output(n, k, 0);
                 return sig;
             }
         }
         struct iovec iov[2];
         int cnt = 0;
-        if (k->cur_hsent < sizeof k->cur) {
-            iov[cnt].iov_base = (char *)&k->cur + k->cur_hsent;
-            iov[cnt++].iov_len = sizeof k->cur - k->cur_hsent;
+        if (k->out_header_sent < sizeof k->out) {
+            iov[cnt].iov_base = (char *)&k->out + k->out_header_sent;
+            iov[cnt++].iov_len = sizeof k->out - k->out_header_sent;
         }
-        if (k->cur_psent < k->cur_len) {
-            iov[cnt].iov_base = (void *)(uintptr_t)(k->cur_pay + k->cur_psent);
-            iov[cnt++].iov_len = (size_t)(k->cur_len - k->cur_psent);
+        if (k->out_payload_sent < k->out_payload_len) {
+            iov[cnt].iov_base = (void *)(uintptr_t)(k->out_payload + k->out_payload_sent);
+            iov[cnt++].iov_len = (size_t)(k->out_payload_len - k->out_payload_sent);
         }
         struct msghdr m;
         memset(&m, 0, sizeof m);
@@ -788,43 +840,43 @@ static int conn_send(kv_net *n, kv_conn *k) {
             if (errno == EINTR)
                 continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                arm(n, k, 1);
+                arm_output(n, k, 1);
                 return sig;
             }
-            pthread_mutex_lock(&c->mu);
+            pthread_mutex_lock(&c->lock);
             sig |= fail_conn(n, k, 0);
-            pthread_mutex_unlock(&c->mu);
+            pthread_mutex_unlock(&c->lock);
             return sig;
         }
-        k->tx_mark = n->now;
+        k->tx_progress_ns = n->round_ns;
         uint64_t got = (uint64_t)r;
-        uint64_t h = sizeof k->cur - k->cur_hsent;
+        uint64_t h = sizeof k->out - k->out_header_sent;
         if (got < h) {
-            k->cur_hsent += (size_t)got;
+            k->out_header_sent += (size_t)got;
             continue;
         }
-        k->cur_hsent = sizeof k->cur;
+        k->out_header_sent = sizeof k->out;
         got -= h;
-        k->cur_psent += got;
-        if (k->cur.type == F_DATA || k->cur.type == F_RDATA)
+        k->out_payload_sent += got;
+        if (k->out.type == F_DATA || k->out.type == F_RDATA)
             n->sent += got;
-        if (k->cur_psent == k->cur_len) {
-            k->cur_on = 0;
-            if (k->cur_ref) {
-                pthread_mutex_lock(&c->mu);
-                kv__region_unref(c, k->cur_ref);
-                pthread_mutex_unlock(&c->mu);
-                k->cur_ref = 0;
+        if (k->out_payload_sent == k->out_payload_len) {
+            k->out_busy = 0;
+            if (k->out_region_ref) {
+                pthread_mutex_lock(&c->lock);
+                kv__region_unref(c, k->out_region_ref);
+                pthread_mutex_unlock(&c->lock);
+                k->out_region_ref = 0;
             }
         }
     }
-    arm(n, k, 1); /* budget used up: come back when writable */
+    arm_output(n, k, 1); /* budget used up: come back when writable */
     return sig;
 }
 
 /* ---------------------------------------------------------------- receiving */
 
-/* A region this engine exports, or NULL. Caller holds c->mu. */
+/* A region this engine exports, or NULL. Caller holds c->lock. */
 static kv_region *exported(kv_core *c, uint32_t id) {
     kv_region *r = kv__region_get(c, id);
     if (!r || r->removed || r->kind != KV_REGION_LOCAL || !(r->flags & KV_REGION_F_EXPORT))
@@ -833,11 +885,11 @@ static kv_region *exported(kv_core *c, uint32_t id) {
 }
 
 /* A DATA frame of push `xfer` is part-way out on one of l's streams: its payload
- * is still read from the source by sendmsg. Caller holds c->mu. */
+ * is still read from the source by sendmsg. Caller holds c->lock. */
 static int data_in_flight(kv_link *l, uint64_t xfer) {
     for (int i = 0; i < l->nconns; i++) {
         kv_conn *k = l->conns[i];
-        if (!k->dead && k->cur_on && k->cur.type == F_DATA && k->cur.xfer == xfer)
+        if (!k->dead && k->out_busy && k->out.type == F_DATA && k->out.xfer == xfer)
             return 1;
     }
     return 0;
@@ -846,11 +898,11 @@ static int data_in_flight(kv_link *l, uint64_t xfer) {
 static void discard_payloads(kv_link *l, kv_core *c, int ptype, uint64_t xfer) {
     for (int i = 0; i < l->nconns; i++) {
         kv_conn *k = l->conns[i];
-        if (!k->dead && k->rx_state == RX_PAYLOAD && k->ptype == ptype && k->pxfer == xfer && !k->pdiscard) {
-            k->pdiscard = 1;
-            if (k->pref) {
-                kv__region_unref(c, k->pref);
-                k->pref = 0;
+        if (!k->dead && k->in_state == IN_PAYLOAD && k->in_type == ptype && k->in_xfer == xfer && !k->in_discard) {
+            k->in_discard = 1;
+            if (k->in_region_ref) {
+                kv__region_unref(c, k->in_region_ref);
+                k->in_region_ref = 0;
             }
         }
     }
@@ -859,16 +911,16 @@ static void discard_payloads(kv_link *l, kv_core *c, int ptype, uint64_t xfer) {
 /* Act on an ABORT_REQ job: complete it now if nothing of it went out; else
  * ABORT on every stream, then push: ABORTING until every ABORT_ACK (or the
  * fence: the link fails); pull: a tombstone (late RDATA is checked, then
- * discarded) and complete now. Caller holds c->mu. */
-static int handle_abort(kv_net *n, kv_job *j) {
+ * discarded) and complete now. Caller holds c->lock. */
+static int handle_abort(kv_net *n, kv_tcp_job *j) {
     kv_link *l = link_find(n, j->link_id);
     if (!l || l->dead) /* (link_fail ends every job of its link: not reached) */
         return tcp_complete(n, l, j, KV_LLM_LINK_FAILED);
-    if (j->queued)
-        sq_remove(l, j);
+    if (j->job.queued)
+        send_queue_remove(l, j);
     if (j->frames == 0)
-        return tcp_complete(n, l, j, j->status);
-    kv_frame f = frame(F_ABORT, j->is_pull ? F_FLAG_PULL : 0, j->id);
+        return tcp_complete(n, l, j, j->job.record.status);
+    kv_frame f = frame_new(F_ABORT, j->is_pull ? F_FLAG_PULL : 0, j->job.record.id);
     uint32_t wait = 0;
     for (int i = 0; i < l->nconns; i++) {
         kv_conn *k = l->conns[i];
@@ -879,105 +931,104 @@ static int handle_abort(kv_net *n, kv_job *j) {
         wait |= 1u << i;
     }
     if (j->is_pull) {
-        discard_payloads(l, n->c, F_RDATA, j->id);
+        discard_payloads(l, n->core, F_RDATA, j->job.record.id);
         if (wait) {
-            kv_rx *t = rx_new(l, j->id, 1);
-            if (!t) /* KV_MAX_RX: a peer that never answers our ABORTs */
+            kv_incoming *t = incoming_new(l, j->job.record.id, 1);
+            if (!t) /* KV_MAX_INCOMING: a peer that never answers our ABORTs */
                 return link_fail(n, l, KV_LLM_LINK_FAILED, 1);
-            t->ack_wait = wait;
-            t->pt = j->pt; /* late answers must still be answers to what we asked */
-            j->pt = NULL;
+            t->abort_acks_awaited = wait;
+            t->tracking = j->pull; /* late answers must still be answers to what we asked */
+            j->pull = NULL;
         }
-        return tcp_complete(n, l, j, j->status);
+        return tcp_complete(n, l, j, j->job.record.status);
     }
     if (!wait)
-        return tcp_complete(n, l, j, j->status);
-    j->ack_wait = wait;
-    alist_del(&n->ab_head, j);
-    js_to(j, KV_JS_ABORTING);
-    j->due = sat_add(now_ns(), l->fence);
-    alist_add(&n->tm_head, j);
+        return tcp_complete(n, l, j, j->job.record.status);
+    j->abort_acks_awaited = wait;
+    list_del(&n->abort_head, j);
+    job_set_state(j, KV_JS_ABORTING);
+    j->due = add_saturating(now_ns(), l->fence_ns);
+    list_add(&n->timed_head, j);
     return 0;
 }
 
-#define BAD() (*sig |= fail_conn(n, k, 1), 0)
+#define BAD_FRAME() (*sig |= fail_conn(n, k, 1), 0)
 
-/* The frame handlers: the header is in k->rh, the stream is up (C_UP).
- * Each returns 0 if the connection was dropped. Caller holds c->mu. */
+/* The frame handlers: the header is in k->in_header, the stream is up (C_UP).
+ * Each returns 0 if the connection was dropped. Caller holds c->lock. */
 
 static int on_data(kv_net *n, kv_conn *k, int *sig) {
-    kv_frame *h = &k->rh;
-    kv_core *c = n->c;
+    kv_frame *h = &k->in_header;
+    kv_core *c = n->core;
     kv_link *l = k->link;
     kv_region *r = exported(c, h->region);
     if (h->length == 0 || h->length > KV_MAX_FRAME || h->total > KV_MAX_TOTAL || h->length > h->total || !r ||
         h->offset > r->len || h->length > r->len - h->offset)
-        return BAD();
-    kv_rx *x = rx_find(l, h->xfer, 0);
+        return BAD_FRAME();
+    kv_incoming *x = incoming_find(l, h->xfer, 0);
     if (!x) {
-        if (!(x = rx_new(l, h->xfer, 0)))
-            return BAD();
+        if (!(x = incoming_new(l, h->xfer, 0)))
+            return BAD_FRAME();
         x->total = h->total;
     }
     /* claimed, not received: two streams with payloads under way must not both
      * fit in what is left of the total */
     if (!x->aborted && (x->total != h->total || h->length > x->total - x->claimed))
-        return BAD();
+        return BAD_FRAME();
     if (!x->aborted && now_ns() >= k->lease_until) /* checked again before every recv into place */
         return *sig |= lease_fail(n, k), 0;
-    k->pdiscard = x->aborted;
+    k->in_discard = x->aborted;
     if (!x->aborted) {
         x->claimed += h->length;
         kv__region_ref(c, h->region);
-        k->pref = h->region;
-        k->pdst = (uint8_t *)(uintptr_t)(r->addr + h->offset);
+        k->in_region_ref = h->region;
+        k->in_dest = (uint8_t *)(uintptr_t)(r->addr + h->offset);
     }
     return 1;
 }
 
 static int on_rdata(kv_net *n, kv_conn *k, int *sig) {
-    kv_frame *h = &k->rh;
+    kv_frame *h = &k->in_header;
     kv_link *l = k->link;
     if (h->length == 0 || h->length > KV_MAX_FRAME)
-        return BAD();
-    kv_job *j = kv__job_find(n->c, h->xfer);
-    kv_rx *t;
+        return BAD_FRAME();
+    kv_tcp_job *j = tcp_job(n, kv__job_find(n->core, h->xfer));
+    kv_incoming *t;
     int64_t q;
-    if (j && j->tcp && j->is_pull && j->link_id == l->id &&
-        (j->state == KV_JS_SENDING || j->state == KV_JS_SENT || j->state == KV_JS_ABORT_REQ)) {
-        if ((q = pull_claim(j->pt, h, k->idx)) < 0)
-            return BAD();
-        k->pdst = (uint8_t *)(uintptr_t)(j->segs[h->region].dst + h->offset);
-        k->pdiscard = 0;
-        k->pwin = 1;
-    } else if ((t = rx_find(l, h->xfer, 1))) { /* our aborted pull: checked, then discarded */
-        if ((q = pull_claim(t->pt, h, k->idx)) < 0)
-            return BAD();
-        k->pdiscard = 1;
-        k->pwin = 1;
+    if (j && j->is_pull && j->link_id == l->id &&
+        (j->job.state == KV_JS_SENDING || j->job.state == KV_JS_SENT || j->job.state == KV_JS_ABORT_REQ)) {
+        if ((q = pull_claim(j->pull, h, k->index)) < 0)
+            return BAD_FRAME();
+        k->in_dest = (uint8_t *)(uintptr_t)(j->job.segments[h->region].dst + h->offset);
+        k->in_discard = 0;
+        k->in_returns_window = 1;
+    } else if ((t = incoming_find(l, h->xfer, 1))) { /* our aborted pull: checked, then discarded */
+        if ((q = pull_claim(t->tracking, h, k->index)) < 0)
+            return BAD_FRAME();
+        k->in_discard = 1;
+        k->in_returns_window = 1;
     } else { /* an answer to nothing we asked (INBOX: nothing asked yet) */
-        return BAD();
+        return BAD_FRAME();
     }
     return 1;
 }
 
 static int on_ack(kv_net *n, kv_conn *k, int *sig) {
-    kv_frame *h = &k->rh;
+    kv_frame *h = &k->in_header;
     kv_link *l = k->link;
-    kv_job *j = kv__job_find(n->c, h->xfer);
-    if (!j || !j->tcp || j->is_pull || j->link_id != l->id)
-        return BAD(); /* about no push of ours on this link */
+    kv_tcp_job *j = tcp_job(n, kv__job_find(n->core, h->xfer));
+    if (!j || j->is_pull || j->link_id != l->id)
+        return BAD_FRAME(); /* about no push of ours on this link */
     /* every frame must have been claimed (SENT, perhaps aborted since), and none
      * may be still going out: no honest receiver ACKs bytes not even sent yet,
-     * and completing now would release the source while sendmsg still reads it
-     * (heap-use-after-free found by tests/native/fuzz_tcp.c) */
-    int all = j->cur_seg == j->nsegs;
-    if (!all || !(j->state == KV_JS_SENT || j->state == KV_JS_ABORT_REQ || j->state == KV_JS_ABORTING) ||
-        (j->state == KV_JS_ABORTING && j->acked) || data_in_flight(l, j->id))
-        return BAD();
+     * and a push completes only once sendmsg reads nothing more of its source */
+    int all = j->job.claim_segment == j->job.nsegments;
+    if (!all || !(j->job.state == KV_JS_SENT || j->job.state == KV_JS_ABORT_REQ || j->job.state == KV_JS_ABORTING) ||
+        (j->job.state == KV_JS_ABORTING && j->acked) || data_in_flight(l, j->job.record.id))
+        return BAD_FRAME();
     if (!h->status)
-        j->done_bytes = j->total; /* the receiver counted every byte in place */
-    if (j->state == KV_JS_ABORTING) { /* fenced by ACK; its ABORT_ACKs still come: wait for them */
+        j->job.bytes_done = j->job.total_bytes; /* the receiver counted every byte in place */
+    if (j->job.state == KV_JS_ABORTING) { /* fenced by ACK; its ABORT_ACKs still come: wait for them */
         j->acked = 1;
         return 1;
     }
@@ -986,86 +1037,86 @@ static int on_ack(kv_net *n, kv_conn *k, int *sig) {
 }
 
 static int on_abort(kv_net *n, kv_conn *k, int *sig) {
-    kv_frame *h = &k->rh;
+    kv_frame *h = &k->in_header;
     kv_link *l = k->link;
-    kv_frame ack = frame(F_ABORT_ACK, h->flags & F_FLAG_PULL, h->xfer);
+    kv_frame ack = frame_new(F_ABORT_ACK, h->flags & F_FLAG_PULL, h->xfer);
     if (h->flags & F_FLAG_PULL) { /* stop serving READs of that pull on this stream */
-        kv_serve **p = &k->sq;
-        k->sq_tail = NULL;
+        kv_serve **p = &k->serve_head;
+        k->serve_tail = NULL;
         while (*p) {
             kv_serve *s = *p;
             if (s->xfer == h->xfer) {
                 *p = s->next;
                 ack.length += s->len;
-                kv__region_unref(n->c, s->rid);
+                kv__region_unref(n->core, s->region_id);
                 free(s);
-                k->sn--;
+                k->serve_count--;
             } else {
-                k->sq_tail = s;
+                k->serve_tail = s;
                 p = &s->next;
             }
         }
     } else {
-        kv_rx *x = rx_find(l, h->xfer, 0);
-        if (!x && !(x = rx_new(l, h->xfer, 0)))
-            return BAD();
+        kv_incoming *x = incoming_find(l, h->xfer, 0);
+        if (!x && !(x = incoming_new(l, h->xfer, 0)))
+            return BAD_FRAME();
         x->aborted = 1;
-        discard_payloads(l, n->c, F_DATA, h->xfer);
+        discard_payloads(l, n->core, F_DATA, h->xfer);
         if (++x->aborts_seen >= l->nconns)
-            rx_del(l, x);
+            incoming_del(l, x);
     }
     if (ctrl_push(k, &ack) < 0)
-        return BAD();
+        return BAD_FRAME();
     return 1;
 }
 
 static int on_abort_ack(kv_net *n, kv_conn *k, int *sig) {
-    kv_frame *h = &k->rh;
+    kv_frame *h = &k->in_header;
     kv_link *l = k->link;
-    uint32_t bit = 1u << k->idx;
+    uint32_t bit = 1u << k->index;
     if (h->flags & F_FLAG_PULL) {
-        kv_rx *t = rx_find(l, h->xfer, 1);
-        if (!t || !(t->ack_wait & bit))
-            return BAD(); /* no ABORT of ours awaits it on this stream */
+        kv_incoming *t = incoming_find(l, h->xfer, 1);
+        if (!t || !(t->abort_acks_awaited & bit))
+            return BAD_FRAME(); /* no ABORT of ours awaits it on this stream */
         /* the READs this stream carried are answered or dropped: the window gets
          * back exactly what we asked and saw no answer to (not the peer's length) */
-        pull_give_up(t->pt, k, k->idx);
-        t->ack_wait &= ~bit;
-        if (!t->ack_wait)
-            rx_del(l, t);
+        pull_give_up(t->tracking, k, k->index);
+        t->abort_acks_awaited &= ~bit;
+        if (!t->abort_acks_awaited)
+            incoming_del(l, t);
         return 1;
     }
-    kv_job *j = kv__job_find(n->c, h->xfer);
-    if (!j || !j->tcp || j->is_pull || j->link_id != l->id || j->state != KV_JS_ABORTING || !(j->ack_wait & bit))
-        return BAD();
-    j->ack_wait &= ~bit;
-    if (j->ack_wait)
+    kv_tcp_job *j = tcp_job(n, kv__job_find(n->core, h->xfer));
+    if (!j || j->is_pull || j->link_id != l->id || j->job.state != KV_JS_ABORTING || !(j->abort_acks_awaited & bit))
+        return BAD_FRAME();
+    j->abort_acks_awaited &= ~bit;
+    if (j->abort_acks_awaited)
         return 1;
     /* the fence: every stream's ABORT (sent after its DATA) was answered; an
-     * early ABORT_ACK must not complete the job under a frame still going out
-     * (same use-after-free as an early ACK) */
-    if (data_in_flight(l, j->id))
-        return BAD();
-    *sig |= tcp_complete(n, l, j, j->status);
+     * early ABORT_ACK never completes the job under a frame still going out
+     * (as for an early ACK) */
+    if (data_in_flight(l, j->job.record.id))
+        return BAD_FRAME();
+    *sig |= tcp_complete(n, l, j, j->job.record.status);
     return 1;
 }
 
 static int on_read(kv_net *n, kv_conn *k, int *sig) {
-    kv_frame *h = &k->rh;
-    kv_core *c = n->c;
-    if (h->length == 0 || h->length > KV_MAX_FRAME || k->sn >= KV_MAX_SERVE)
-        return BAD();
+    kv_frame *h = &k->in_header;
+    kv_core *c = n->core;
+    if (h->length == 0 || h->length > KV_MAX_FRAME || k->serve_count >= KV_MAX_SERVE)
+        return BAD_FRAME();
     kv_region *r = exported(c, h->region);
     if (!r) { /* unregistered meanwhile: the requester gets a status, the link lives */
-        kv_frame e = frame(F_RERR, 0, h->xfer);
+        kv_frame e = frame_new(F_RERR, 0, h->xfer);
         e.status = KV_LLM_KV_CACHE_NOT_EXIST;
         e.length = h->length;
         if (ctrl_push(k, &e) < 0)
-            return BAD();
+            return BAD_FRAME();
         return 1;
     }
     if (h->offset > r->len || h->length > r->len - h->offset)
-        return BAD();
+        return BAD_FRAME();
     kv_serve *s = calloc(1, sizeof *s);
     if (!s)
         return *sig |= fail_conn(n, k, 0), 0;
@@ -1073,47 +1124,47 @@ static int on_read(kv_net *n, kv_conn *k, int *sig) {
     s->src = r->addr + h->offset;
     s->len = h->length;
     s->total = h->total;
-    s->rid = h->region;
-    s->dst_seg = h->region2;
-    s->dst_off = h->offset2;
+    s->region_id = h->region;
+    s->dst_segment = h->region2;
+    s->dst_offset = h->offset2;
     kv__region_ref(c, h->region);
-    if (k->sq_tail)
-        k->sq_tail->next = s;
+    if (k->serve_tail)
+        k->serve_tail->next = s;
     else
-        k->sq = s;
-    k->sq_tail = s;
-    k->sn++;
+        k->serve_head = s;
+    k->serve_tail = s;
+    k->serve_count++;
     return 1;
 }
 
 static int on_rerr(kv_net *n, kv_conn *k, int *sig) {
-    kv_frame *h = &k->rh;
+    kv_frame *h = &k->in_header;
     kv_link *l = k->link;
-    kv_job *j = kv__job_find(n->c, h->xfer);
-    if (j && j->tcp && j->is_pull && j->link_id == l->id &&
-        (j->state == KV_JS_SENDING || j->state == KV_JS_SENT || j->state == KV_JS_ABORT_REQ) && j->frames) {
+    kv_tcp_job *j = tcp_job(n, kv__job_find(n->core, h->xfer));
+    if (j && j->is_pull && j->link_id == l->id &&
+        (j->job.state == KV_JS_SENDING || j->job.state == KV_JS_SENT || j->job.state == KV_JS_ABORT_REQ) && j->frames) {
         /* a READ named a region the peer no longer exports: the pull ends with
          * that status (aborted: tombstone; the READ's window returns with the
          * stream's ABORT_ACK, not by this frame's length) */
-        if (j->status == KV_LLM_SUCCESS)
-            j->status = h->status ? h->status : KV_LLM_FAILED;
-        if (j->state != KV_JS_ABORT_REQ) {
-            js_to(j, KV_JS_ABORT_REQ);
-            alist_add(&n->ab_head, j);
+        if (j->job.record.status == KV_LLM_SUCCESS)
+            j->job.record.status = h->status ? h->status : KV_LLM_FAILED;
+        if (j->job.state != KV_JS_ABORT_REQ) {
+            job_set_state(j, KV_JS_ABORT_REQ);
+            list_add(&n->abort_head, j);
         }
         *sig |= handle_abort(n, j);
         return !k->dead;
     }
-    if (rx_find(l, h->xfer, 1)) /* a READ of our aborted pull, refused before our ABORT came */
+    if (incoming_find(l, h->xfer, 1)) /* a READ of our aborted pull, refused before our ABORT came */
         return 1;
-    return BAD(); /* about nothing we asked */
+    return BAD_FRAME(); /* about nothing we asked */
 }
 
 static int on_lease_req(kv_net *n, kv_conn *k, int *sig) {
-    kv_frame g = frame(F_LEASE, 0, 0);
-    g.offset = k->rh.offset; /* the requester's clock, echoed: its lease runs from there */
+    kv_frame g = frame_new(F_LEASE, 0, 0);
+    g.offset = k->in_header.offset; /* the requester's clock, echoed: its lease runs from there */
     if (ctrl_push(k, &g) < 0)
-        return BAD();
+        return BAD_FRAME();
     uint64_t t = now_ns();
     k->granted_at = t; /* from now on our DATA may go on this stream */
     k->link->last_grant = t;
@@ -1121,42 +1172,42 @@ static int on_lease_req(kv_net *n, kv_conn *k, int *sig) {
 }
 
 static int on_lease(kv_net *n, kv_conn *k, int *sig) {
-    uint64_t t = now_ns(), off = k->rh.offset;
+    uint64_t t = now_ns(), off = k->in_header.offset;
     if (off > t) /* our clock, from a LEASE_REQ of ours: never in the future */
-        return BAD();
-    uint64_t until = sat_add(off, k->link->lease); /* a stale grant (read late) gives a stale lease */
+        return BAD_FRAME();
+    uint64_t until = add_saturating(off, k->link->lease_ns); /* a stale grant (read late) gives a stale lease */
     if (until > k->lease_until)
         k->lease_until = until;
     return 1;
 }
 
 /* Validate a received header and set up its payload. Returns 0 if the
- * connection was dropped. Caller holds c->mu. */
+ * connection was dropped. Caller holds c->lock. */
 static int on_header(kv_net *n, kv_conn *k, int *sig) {
-    kv_frame *h = &k->rh;
-    kv_core *c = n->c;
+    kv_frame *h = &k->in_header;
+    kv_core *c = n->core;
     if (h->magic != KV_MAGIC || h->type < F_HELLO || h->type > F_LAST)
-        return BAD();
+        return BAD_FRAME();
     if (k->state == C_HELLO_WAIT) {
         if (h->type != F_HELLO || h->length != KV_TOKEN_BYTES)
-            return BAD();
-        k->ptype = F_HELLO;
-        k->pdst = k->tok;
-        k->pleft = k->plen = KV_TOKEN_BYTES;
-        k->pdiscard = 0;
-        k->rx_state = RX_PAYLOAD;
+            return BAD_FRAME();
+        k->in_type = F_HELLO;
+        k->in_dest = k->hello_token;
+        k->in_left = k->in_length = KV_TOKEN_BYTES;
+        k->in_discard = 0;
+        k->in_state = IN_PAYLOAD;
         return 1;
     }
     kv_link *l = k->link;
     if (k->state == C_HELLO_SENT) {
         if (h->type != F_HELLO_ACK)
-            return BAD();
+            return BAD_FRAME();
         k->state = C_UP;
         if (lease_request(k, now_ns()) < 0)
             return *sig |= fail_conn(n, k, 0), 0;
-        if (++l->nup == l->nstreams && l->ev_ready) {
-            *sig |= kv__post_event(c, l->ev_ready);
-            l->ev_ready = NULL;
+        if (++l->nstreams_up == l->nstreams && l->ready_event) {
+            *sig |= kv__post_event(c, l->ready_event);
+            l->ready_event = NULL;
         }
         return 1;
     }
@@ -1181,20 +1232,20 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
         return on_rerr(n, k, sig);
     case F_CREDIT: /* the receiver consumed one of our DATA frames: the window moves */
         if (h->length > KV_MAX_FRAME)
-            return BAD();
-        l->wire -= h->length < l->wire ? h->length : l->wire;
+            return BAD_FRAME();
+        l->wire_bytes -= h->length < l->wire_bytes ? h->length : l->wire_bytes;
         return 1;
     case F_LEASE_REQ:
         return on_lease_req(n, k, sig);
     case F_LEASE:
         return on_lease(n, k, sig);
     default: /* HELLO, HELLO_ACK on an authenticated stream */
-        return BAD();
+        return BAD_FRAME();
     }
-    k->ptype = h->type;
-    k->pxfer = h->xfer;
-    k->pleft = k->plen = h->length;
-    k->rx_state = RX_PAYLOAD;
+    k->in_type = h->type;
+    k->in_xfer = h->xfer;
+    k->in_left = k->in_length = h->length;
+    k->in_state = IN_PAYLOAD;
     return 1;
 }
 
@@ -1205,66 +1256,65 @@ static int tokens_equal(const uint8_t *a, const uint8_t *b) {
     return d == 0;
 }
 
-/* A frame's payload is in place. Caller holds c->mu. Returns 0 if the connection was dropped. */
+/* A frame's payload is in place. Caller holds c->lock. Returns 0 if the connection was dropped. */
 static int on_payload(kv_net *n, kv_conn *k, int *sig) {
-    kv_core *c = n->c;
-    k->rx_state = RX_HDR;
-    if (k->pref) {
-        kv__region_unref(c, k->pref);
-        k->pref = 0;
+    kv_core *c = n->core;
+    k->in_state = IN_HEADER;
+    if (k->in_region_ref) {
+        kv__region_unref(c, k->in_region_ref);
+        k->in_region_ref = 0;
     }
-    if (k->ptype == F_HELLO) {
+    if (k->in_type == F_HELLO) {
         kv_link *l = n->links;
-        while (l && (l->dead || !tokens_equal(l->token, k->tok) || l->nconns >= l->nstreams))
+        while (l && (l->dead || !tokens_equal(l->token, k->hello_token) || l->nconns >= l->nstreams))
             l = l->next;
         if (!l)
-            return BAD();
-        k->idx = l->nconns;
+            return BAD_FRAME();
+        k->index = l->nconns;
         l->conns[l->nconns++] = k;
         k->link = l;
         k->state = C_UP;
         n->npending--;
-        kv_frame ack = frame(F_HELLO_ACK, 0, 0);
+        kv_frame ack = frame_new(F_HELLO_ACK, 0, 0);
         if (ctrl_push(k, &ack) < 0 || lease_request(k, now_ns()) < 0)
             return *sig |= fail_conn(n, k, 0), 0;
         return 1;
     }
     kv_link *l = k->link;
-    if (k->ptype == F_DATA) {
+    if (k->in_type == F_DATA) {
         /* every DATA frame consumed, written or discarded, is CREDITed on its
          * stream: the sender keeps at most its window on the wire, paced here
-         * with no Python round trip (unbounded, a large push ran ~8% slower:
-         * docs/tuning.md, tcp_window_bytes) */
-        kv_frame cr = frame(F_CREDIT, 0, k->pxfer);
-        cr.length = k->plen;
+         * with no Python round trip (why a window: docs/tuning.md, tcp_window_bytes) */
+        kv_frame cr = frame_new(F_CREDIT, 0, k->in_xfer);
+        cr.length = k->in_length;
         if (ctrl_push(k, &cr) < 0)
-            return BAD();
-        kv_rx *x = rx_find(l, k->pxfer, 0);
-        if (!k->pdiscard)
-            n->received += k->plen;
+            return BAD_FRAME();
+        kv_incoming *x = incoming_find(l, k->in_xfer, 0);
+        if (!k->in_discard)
+            n->received += k->in_length;
         if (x && !x->aborted) {
-            x->received += k->plen;
+            x->received += k->in_length;
             if (x->received == x->total) {
-                kv_frame ack = frame(F_ACK, 0, k->pxfer);
-                rx_del(l, x);
+                kv_frame ack = frame_new(F_ACK, 0, k->in_xfer);
+                incoming_del(l, x);
                 if (ctrl_push(k, &ack) < 0)
-                    return BAD();
+                    return BAD_FRAME();
             }
         }
         return 1;
     }
-    if (k->ptype == F_RDATA) {
-        if (k->pwin) { /* the READ it answers (asked on this stream) leaves the window */
-            k->reads_out -= k->plen < k->reads_out ? k->plen : k->reads_out;
-            k->pwin = 0;
+    if (k->in_type == F_RDATA) {
+        if (k->in_returns_window) { /* the READ it answers (asked on this stream) leaves the window */
+            k->read_bytes_out -= k->in_length < k->read_bytes_out ? k->in_length : k->read_bytes_out;
+            k->in_returns_window = 0;
         }
-        if (k->pdiscard)
+        if (k->in_discard)
             return 1;
-        n->received += k->plen;
-        kv_job *j = kv__job_find(c, k->pxfer);
-        if (j && j->is_pull && j->state != KV_JS_DONE) {
-            j->done_bytes += k->plen;
-            if (j->done_bytes >= j->total)
+        n->received += k->in_length;
+        kv_tcp_job *j = tcp_job(n, kv__job_find(c, k->in_xfer));
+        if (j && j->is_pull && j->job.state != KV_JS_DONE) {
+            j->job.bytes_done += k->in_length;
+            if (j->job.bytes_done >= j->job.total_bytes)
                 *sig |= tcp_complete(n, l, j, KV_LLM_SUCCESS);
         }
     }
@@ -1272,29 +1322,29 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
 }
 
 static int conn_recv(kv_net *n, kv_conn *k) {
-    kv_core *c = n->c;
+    kv_core *c = n->core;
     int sig = 0;
     uint64_t budget = KV_RECV_BUDGET;
     while (!k->dead && budget) {
         ssize_t r;
-        if (k->rx_state == RX_HDR) {
-            r = recv(k->fd, (char *)&k->rh + k->rh_got, sizeof k->rh - k->rh_got, MSG_DONTWAIT);
+        if (k->in_state == IN_HEADER) {
+            r = recv(k->fd, (char *)&k->in_header + k->in_header_got, sizeof k->in_header - k->in_header_got, MSG_DONTWAIT);
         } else {
-            uint64_t want = k->pleft;
-            void *dst = k->pdst;
-            if (k->pdiscard) {
+            uint64_t want = k->in_left;
+            void *dst = k->in_dest;
+            if (k->in_discard) {
                 dst = n->scratch;
                 if (want > KV_SCRATCH)
                     want = KV_SCRATCH;
-            } else if (k->ptype == F_DATA) {
+            } else if (k->in_type == F_DATA) {
                 if (want > KV_RECV_PLACE)
                     want = KV_RECV_PLACE;
                 if (now_ns() >= k->lease_until) {
                     /* the lease, right before the write: once it is over the pusher may
                      * have reported the push failed (docs/protocol.md, "Leases") */
-                    pthread_mutex_lock(&c->mu);
+                    pthread_mutex_lock(&c->lock);
                     sig |= lease_fail(n, k);
-                    pthread_mutex_unlock(&c->mu);
+                    pthread_mutex_unlock(&c->lock);
                     break;
                 }
             }
@@ -1305,34 +1355,34 @@ static int conn_recv(kv_net *n, kv_conn *k) {
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
             break;
         if (r <= 0) { /* EOF or error */
-            pthread_mutex_lock(&c->mu);
+            pthread_mutex_lock(&c->lock);
             sig |= fail_conn(n, k, 0);
-            pthread_mutex_unlock(&c->mu);
+            pthread_mutex_unlock(&c->lock);
             break;
         }
-        k->rx_mark = n->now;
+        k->rx_progress_ns = n->round_ns;
         budget = (uint64_t)r >= budget ? 0 : budget - (uint64_t)r;
-        if (k->rx_state == RX_HDR) {
-            k->rh_got += (size_t)r;
-            if (k->rh_got < sizeof k->rh)
+        if (k->in_state == IN_HEADER) {
+            k->in_header_got += (size_t)r;
+            if (k->in_header_got < sizeof k->in_header)
                 continue;
-            k->rh_got = 0;
-            pthread_mutex_lock(&c->mu);
+            k->in_header_got = 0;
+            pthread_mutex_lock(&c->lock);
             int ok = on_header(n, k, &sig);
-            pthread_mutex_unlock(&c->mu);
+            pthread_mutex_unlock(&c->lock);
             if (!ok)
                 break;
         } else {
-            if (!k->pdiscard)
-                k->pdst += r;
-            k->pleft -= (uint64_t)r;
-            if (k->pleft == 0) {
-                pthread_mutex_lock(&c->mu);
+            if (!k->in_discard)
+                k->in_dest += r;
+            k->in_left -= (uint64_t)r;
+            if (k->in_left == 0) {
+                pthread_mutex_lock(&c->lock);
                 int ok = on_payload(n, k, &sig);
-                pthread_mutex_unlock(&c->mu);
+                pthread_mutex_unlock(&c->lock);
                 if (!ok)
                     break;
-                if (k->cn) /* CREDIT/ACK: out now, not after the read budget */
+                if (k->ctrl_count) /* CREDIT/ACK: out now, not after the read budget */
                     sig |= send_ctrl(n, k);
             }
         }
@@ -1353,10 +1403,10 @@ static kv_conn *conn_new(kv_net *n, int fd, int state) {
         return NULL;
     k->fd = fd;
     k->state = state;
-    k->born = now_ns();
-    k->rx_mark = k->tx_mark = k->born;
+    k->born_ns = now_ns();
+    k->rx_progress_ns = k->tx_progress_ns = k->born_ns;
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = k};
-    if (epoll_ctl(n->ep, EPOLL_CTL_ADD, fd, &ev) < 0) {
+    if (epoll_ctl(n->epoll_fd, EPOLL_CTL_ADD, fd, &ev) < 0) {
         free(k);
         return NULL;
     }
@@ -1366,31 +1416,31 @@ static kv_conn *conn_new(kv_net *n, int fd, int state) {
 }
 
 static void link_free(kv_link *l) {
-    free(l->ev_ready);
-    free(l->ev_down);
+    free(l->ready_event);
+    free(l->down_event);
     free(l);
 }
 
-/* Caller holds c->mu. */
-static int run_cmd(kv_net *n, kv_cmd *m) {
+/* Caller holds c->lock. */
+static int run_command(kv_net *n, kv_command *m) {
     int sig = 0;
     if (m->type == CMD_LINK_ADD) {
         kv_link *l = calloc(1, sizeof *l);
         if (!l || link_find(n, m->link_id)) {
             free(l);
-            free(m->ev_ready);
-            free(m->ev_down);
+            free(m->ready_event);
+            free(m->down_event);
             return 0;
         }
         l->id = m->link_id;
         memcpy(l->token, m->token, KV_TOKEN_BYTES);
         l->nstreams = m->nstreams;
         l->window = m->window;
-        l->lease = m->lease;
-        l->fence = m->fence;
-        l->margin = m->margin;
-        l->ev_ready = m->ev_ready;
-        l->ev_down = m->ev_down;
+        l->lease_ns = m->lease_ns;
+        l->fence_ns = m->fence_ns;
+        l->margin_ns = m->margin_ns;
+        l->ready_event = m->ready_event;
+        l->down_event = m->down_event;
         l->next = n->links;
         n->links = l;
     } else if (m->type == CMD_CONN_ADD) {
@@ -1403,9 +1453,9 @@ static int run_cmd(kv_net *n, kv_cmd *m) {
             return sig;
         }
         k->link = l;
-        k->idx = l->nconns;
+        k->index = l->nconns;
         l->conns[l->nconns++] = k;
-        kv_frame h = frame(F_HELLO, 0, 0);
+        kv_frame h = frame_new(F_HELLO, 0, 0);
         h.length = KV_TOKEN_BYTES;
         if (ctrl_push(k, &h) < 0)
             sig |= link_fail(n, l, KV_LLM_LINK_FAILED, 1);
@@ -1426,13 +1476,13 @@ static int run_cmd(kv_net *n, kv_cmd *m) {
     return sig;
 }
 
-static void reap(kv_net *n) {
+static void reap_dead_conns(kv_net *n) {
     kv_conn **p = &n->conns;
     while (*p) {
         kv_conn *k = *p;
         if (k->dead) {
             *p = k->next;
-            free(k->ctrl);
+            free(k->ctrl_ring);
             free(k);
         } else {
             p = &k->next;
@@ -1451,19 +1501,19 @@ static int accept_conns(kv_net *n, int lfd) {
             /* EMFILE, ENFILE, ENOBUFS, ENOMEM...: the connection stays queued, so the
              * (level-triggered) listener would wake us at once, forever. Stop
              * listening for a while instead of spinning. */
-            epoll_ctl(n->ep, EPOLL_CTL_DEL, lfd, NULL);
+            epoll_ctl(n->epoll_fd, EPOLL_CTL_DEL, lfd, NULL);
             n->accept_paused = 1;
             n->accept_resume = now_ns() + KV_ACCEPT_PAUSE_NS;
-            pthread_mutex_lock(&n->c->mu);
-            n->c->st.tcp_accept_paused++;
-            pthread_mutex_unlock(&n->c->mu);
+            pthread_mutex_lock(&n->core->lock);
+            n->core->stats.tcp_accept_paused++;
+            pthread_mutex_unlock(&n->core->lock);
             return 0;
         }
         if (n->npending >= KV_MAX_PENDING) {
             close(fd);
-            pthread_mutex_lock(&n->c->mu);
-            n->c->st.tcp_refused++;
-            pthread_mutex_unlock(&n->c->mu);
+            pthread_mutex_lock(&n->core->lock);
+            n->core->stats.tcp_refused++;
+            pthread_mutex_unlock(&n->core->lock);
             continue;
         }
         if (conn_new(n, fd, C_HELLO_WAIT))
@@ -1475,9 +1525,9 @@ static int accept_conns(kv_net *n, int lfd) {
 
 /* The timers, once a round: unauthenticated connections' lifetime, the idle
  * bound, lease renewals, abort fences, lease releases, the accept pause.
- * Caller holds c->mu. Returns the signal flag; *next: when to look again. */
+ * Caller holds c->lock. Returns the signal flag; *next: when to look again. */
 static int timers(kv_net *n, uint64_t t, uint64_t *next) {
-    kv_core *c = n->c;
+    kv_core *c = n->core;
     int sig = 0;
     uint64_t nx = t + KV_TICK_NS;
     for (kv_conn *k = n->conns; k; k = k->next) {
@@ -1488,7 +1538,7 @@ static int timers(kv_net *n, uint64_t t, uint64_t *next) {
             continue;
         }
         if (k->state == C_HELLO_WAIT) {
-            if (t - k->born > KV_HELLO_NS)
+            if (t - k->born_ns > KV_HELLO_NS)
                 sig |= fail_conn(n, k, 0);
             continue;
         }
@@ -1496,13 +1546,13 @@ static int timers(kv_net *n, uint64_t t, uint64_t *next) {
             continue;
         /* the idle bound: a payload under way or output waiting that moves no byte
          * for 2 * fence (an authenticated peer pinning a region, or not reading) */
-        uint64_t idle = sat_add(k->link->fence, k->link->fence);
-        if (k->rx_state != RX_PAYLOAD)
-            k->rx_mark = t;
-        if (!k->cur_on && !k->cn && !k->sq)
-            k->tx_mark = t;
-        if (t - k->rx_mark > idle || t - k->tx_mark > idle) {
-            c->st.tcp_stalled++;
+        uint64_t idle = add_saturating(k->link->fence_ns, k->link->fence_ns);
+        if (k->in_state != IN_PAYLOAD)
+            k->rx_progress_ns = t;
+        if (!k->out_busy && !k->ctrl_count && !k->serve_head)
+            k->tx_progress_ns = t;
+        if (t - k->rx_progress_ns > idle || t - k->tx_progress_ns > idle) {
+            c->stats.tcp_stalled++;
             sig |= link_fail(n, k->link, KV_LLM_LINK_FAILED, 1);
         }
     }
@@ -1515,35 +1565,35 @@ static int timers(kv_net *n, uint64_t t, uint64_t *next) {
                 if (!k->dead && k->state == C_UP && lease_request(k, t) < 0)
                     sig |= fail_conn(n, k, 0); /* its control queue is full: the peer reads nothing */
             }
-            l->renew_at = t + (l->lease / 4 ? l->lease / 4 : 1);
+            l->renew_at = t + (l->lease_ns / 4 ? l->lease_ns / 4 : 1);
         }
         if (!l->dead && l->renew_at < nx)
             nx = l->renew_at;
     }
     /* a push aborted here whose ABORT_ACKs are not all in by its fence: the link fails */
-    for (kv_job *j = n->tm_head; j;) {
-        if (j->state == KV_JS_ABORTING && t >= j->due) {
+    for (kv_tcp_job *j = n->timed_head; j;) {
+        if (j->job.state == KV_JS_ABORTING && t >= j->due) {
             kv_link *l = link_find(n, j->link_id);
-            c->st.tcp_fence_expired++;
+            c->stats.tcp_fence_expired++;
             sig |= l ? link_fail(n, l, KV_LLM_LINK_FAILED, 1) : tcp_complete(n, NULL, j, KV_LLM_LINK_FAILED);
-            j = n->tm_head; /* the list changed */
+            j = n->timed_head; /* the list changed */
             continue;
         }
-        j = j->anext;
+        j = j->list_next;
     }
     /* pushes of failed links whose peer's lease is over */
-    for (kv_job *j = n->tm_head; j;) {
-        kv_job *nj = j->anext;
-        if (j->state == KV_JS_FENCING && t >= j->due)
-            sig |= tcp_complete(n, NULL, j, j->status);
+    for (kv_tcp_job *j = n->timed_head; j;) {
+        kv_tcp_job *nj = j->list_next;
+        if (j->job.state == KV_JS_FENCING && t >= j->due)
+            sig |= tcp_complete(n, NULL, j, j->job.record.status);
         else if (j->due < nx)
             nx = j->due;
         j = nj;
     }
     if (n->accept_paused) {
         if (t >= n->accept_resume) {
-            struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &n->lfd};
-            if (n->lfd < 0 || epoll_ctl(n->ep, EPOLL_CTL_ADD, n->lfd, &ev) == 0 || errno == EEXIST)
+            struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &n->listen_fd};
+            if (n->listen_fd < 0 || epoll_ctl(n->epoll_fd, EPOLL_CTL_ADD, n->listen_fd, &ev) == 0 || errno == EEXIST)
                 n->accept_paused = 0;
             else
                 n->accept_resume = t + KV_ACCEPT_PAUSE_NS;
@@ -1557,81 +1607,80 @@ static int timers(kv_net *n, uint64_t t, uint64_t *next) {
 
 static void *io_main(void *arg) {
     kv_net *n = arg;
-    kv_core *c = n->c;
+    kv_core *c = n->core;
     struct epoll_event evs[64];
     uint64_t last_busy = 0, next_due = 0;
     for (;;) {
-        /* Spin (poll without sleeping) for a short while after activity: a sleeping
-         * thread takes tens of microseconds to wake on these VMs, once per frame.
+        /* Spin (poll without sleeping) for KV_SPIN_NS after activity, so a frame
+         * does not wait for a sleeping thread to wake (docs/tuning.md, KV_SPIN_NS).
          * Each empty poll yields the core, so a woken event loop sharing it runs at
-         * once (64 KiB push p99 354 -> 87 us on 2 vCPUs, throughput unchanged).
-         * Otherwise sleep until the next timer (lease renewal, fence, release). */
+         * once. Otherwise sleep until the next timer (lease renewal, fence, release). */
         uint64_t t0 = now_ns();
         int spin = KV_SPIN_NS && t0 - last_busy < KV_SPIN_NS;
         int tmo = 0;
         if (!spin)
             tmo = next_due <= t0 ? 0 : (int)((next_due - t0 + 999999) / 1000000);
-        int ne = epoll_wait(n->ep, evs, 64, tmo);
+        int ne = epoll_wait(n->epoll_fd, evs, 64, tmo);
         if (ne < 0)
             ne = 0;
-        n->now = now_ns();
+        n->round_ns = now_ns();
         if (ne > 0)
-            last_busy = n->now;
+            last_busy = n->round_ns;
         else if (spin) /* nothing yet: let a runnable thread (the event loop) have the core */
             sched_yield();
         int sig = 0;
-        pthread_mutex_lock(&c->mu);
-        kv_cmd *cmds = n->cmd_head;
-        n->cmd_head = n->cmd_tail = NULL;
-        int stop = n->stop, lfd = n->lfd;
+        pthread_mutex_lock(&c->lock);
+        kv_command *cmds = n->commands_head;
+        n->commands_head = n->commands_tail = NULL;
+        int stop = n->stop_requested, lfd = n->listen_fd;
         /* commands first (a link is declared before jobs on it), then new jobs,
          * then aborts: one critical section, so nothing comes between them */
         while (cmds) {
-            kv_cmd *m = cmds;
+            kv_command *m = cmds;
             cmds = m->next;
             if (!stop) {
-                sig |= run_cmd(n, m);
+                sig |= run_command(n, m);
             } else {
                 if (m->type == CMD_CONN_ADD)
                     close(m->fd);
                 if (m->type == CMD_LINK_ADD) {
-                    free(m->ev_ready);
-                    free(m->ev_down);
+                    free(m->ready_event);
+                    free(m->down_event);
                 }
             }
             free(m);
         }
-        while (n->in_head) { /* new jobs join their link's send queue */
-            kv_job *j = n->in_head;
+        while (n->inbox_head) { /* new jobs join their link's send queue */
+            kv_tcp_job *j = n->inbox_head;
             kv_link *l = stop ? NULL : link_find(n, j->link_id);
             if (!l || l->dead) {
                 sig |= tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
                 continue;
             }
             inbox_del(n, j);
-            js_to(j, KV_JS_SENDING);
-            sq_insert(l, j);
+            job_set_state(j, KV_JS_SENDING);
+            send_queue_insert(l, j);
         }
-        while (n->ab_head) /* aborts requested since the last round */
-            sig |= handle_abort(n, n->ab_head);
+        while (n->abort_head) /* aborts requested since the last round */
+            sig |= handle_abort(n, n->abort_head);
         if (stop && !n->stopped) { /* every link fails; pushes not fenced wait for their release */
             n->stopped = 1;
             for (kv_link *l = n->links; l; l = l->next)
                 sig |= link_fail(n, l, KV_LLM_ENGINE_FINALIZED, 0);
             for (kv_conn *k = n->conns; k; k = k->next)
                 conn_kill(n, k);
-            if (n->lfd >= 0 && !n->accept_paused)
-                epoll_ctl(n->ep, EPOLL_CTL_DEL, n->lfd, NULL);
+            if (n->listen_fd >= 0 && !n->accept_paused)
+                epoll_ctl(n->epoll_fd, EPOLL_CTL_DEL, n->listen_fd, NULL);
             n->accept_paused = 0;
         }
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->lock);
         for (int i = 0; i < ne; i++) {
             void *p = evs[i].data.ptr;
             if (p == NULL) {
                 uint64_t v;
-                ssize_t r = read(n->wake, &v, sizeof v);
+                ssize_t r = read(n->wake_fd, &v, sizeof v);
                 (void)r;
-            } else if (p == &n->lfd) {
+            } else if (p == &n->listen_fd) {
                 if (!stop)
                     sig |= accept_conns(n, lfd);
             } else {
@@ -1643,10 +1692,10 @@ static void *io_main(void *arg) {
             }
         }
         uint64_t t = now_ns();
-        pthread_mutex_lock(&c->mu);
+        pthread_mutex_lock(&c->lock);
         sig |= timers(n, t, &next_due);
-        int done = stop && !n->tm_head;
-        pthread_mutex_unlock(&c->mu);
+        int done = stop && !n->timed_head;
+        pthread_mutex_unlock(&c->lock);
         if (sig) { /* completions first: the loop refills the queue while this thread sends */
             kv__signal_loop(c);
             sig = 0;
@@ -1654,40 +1703,40 @@ static void *io_main(void *arg) {
         for (kv_conn *k = n->conns; k; k = k->next) /* start whatever became sendable */
             if (!k->dead && !k->out_armed)
                 sig |= conn_send(n, k);
-        pthread_mutex_lock(&c->mu);
-        c->st.tcp_bytes_sent += n->sent;
-        c->st.tcp_bytes_received += n->received;
+        pthread_mutex_lock(&c->lock);
+        c->stats.tcp_bytes_sent += n->sent;
+        c->stats.tcp_bytes_received += n->received;
         n->sent = n->received = 0;
         uint64_t open = 0;
         for (kv_conn *k = n->conns; k; k = k->next)
             open += !k->dead;
-        c->st.tcp_conns = open;
-        pthread_mutex_unlock(&c->mu);
-        reap(n);
+        c->stats.tcp_conns = open;
+        pthread_mutex_unlock(&c->lock);
+        reap_dead_conns(n);
         if (sig)
             kv__signal_loop(c);
         if (done)
             break;
     }
-    reap(n);
+    reap_dead_conns(n);
     return NULL;
 }
 
 /* ------------------------------------------------------------------- API */
 
-static uint32_t post_cmd(kv_core *c, kv_cmd *m) {
+static uint32_t post_command(kv_core *c, kv_command *m) {
     kv_net *n;
-    pthread_mutex_lock(&c->mu);
-    uint32_t st = net_get(c, &n);
+    pthread_mutex_lock(&c->lock);
+    uint32_t st = net_start(c, &n);
     if (st == KV_LLM_SUCCESS) {
-        if (n->cmd_tail)
-            n->cmd_tail->next = m;
+        if (n->commands_tail)
+            n->commands_tail->next = m;
         else
-            n->cmd_head = m;
-        n->cmd_tail = m;
-        wake(n);
+            n->commands_head = m;
+        n->commands_tail = m;
+        wake_io_thread(n);
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     return st;
 }
 
@@ -1708,9 +1757,9 @@ uint32_t kv_tcp_listen(kv_core *c, const char *ip, uint16_t port, uint16_t *boun
     } else {
         return KV_LLM_PARAM_INVALID;
     }
-    pthread_mutex_lock(&c->mu); /* once per core (a second listener would leak the first) */
-    int again = c->net && c->net->lfd >= 0;
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_lock(&c->lock); /* once per core (a second listener would leak the first) */
+    int again = net_of(c) && net_of(c)->listen_fd >= 0;
+    pthread_mutex_unlock(&c->lock);
     if (again)
         return KV_LLM_PARAM_INVALID;
     int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -1723,19 +1772,19 @@ uint32_t kv_tcp_listen(kv_core *c, const char *ip, uint16_t port, uint16_t *boun
         return KV_LLM_FAILED;
     }
     kv_net *n;
-    pthread_mutex_lock(&c->mu);
-    uint32_t st = net_get(c, &n);
-    if (st == KV_LLM_SUCCESS && n->lfd >= 0)
+    pthread_mutex_lock(&c->lock);
+    uint32_t st = net_start(c, &n);
+    if (st == KV_LLM_SUCCESS && n->listen_fd >= 0)
         st = KV_LLM_PARAM_INVALID; /* a concurrent call won */
     if (st == KV_LLM_SUCCESS) {
-        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &n->lfd};
-        n->lfd = fd; /* before the I/O thread can see an event of it */
-        if (epoll_ctl(n->ep, EPOLL_CTL_ADD, fd, &ev) < 0) {
-            n->lfd = -1;
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &n->listen_fd};
+        n->listen_fd = fd; /* before the I/O thread can see an event of it */
+        if (epoll_ctl(n->epoll_fd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+            n->listen_fd = -1;
             st = KV_LLM_FAILED;
         }
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->lock);
     if (st != KV_LLM_SUCCESS) {
         close(fd);
         return st;
@@ -1750,28 +1799,28 @@ uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int
         lease_ns > KV_MAX_LEASE_NS || fence_ns < KV_MIN_LEASE_NS || fence_ns > KV_MAX_LEASE_NS ||
         margin_ns > KV_MAX_LEASE_NS)
         return KV_LLM_PARAM_INVALID;
-    kv_cmd *m = calloc(1, sizeof *m);
-    kv_job *r = calloc(1, sizeof *r), *d = calloc(1, sizeof *d);
+    kv_command *m = calloc(1, sizeof *m);
+    kv_event *r = calloc(1, sizeof *r), *d = calloc(1, sizeof *d);
     if (!m || !r || !d) {
         free(m);
         free(r);
         free(d);
         return KV_LLM_OUT_OF_MEMORY;
     }
-    r->event = d->event = 1;
-    r->id = KV_EVENT_LINK_READY | link_id;
-    d->id = KV_EVENT_LINK_DOWN | link_id;
+    r->record.kind = d->record.kind = KV_RECORD_EVENT;
+    r->record.id = KV_EVENT_LINK_READY | link_id;
+    d->record.id = KV_EVENT_LINK_DOWN | link_id;
     m->type = CMD_LINK_ADD;
     m->link_id = link_id;
     m->nstreams = nstreams;
     m->window = window;
-    m->lease = lease_ns;
-    m->fence = fence_ns;
-    m->margin = margin_ns;
+    m->lease_ns = lease_ns;
+    m->fence_ns = fence_ns;
+    m->margin_ns = margin_ns;
     memcpy(m->token, token, KV_TOKEN_BYTES);
-    m->ev_ready = r;
-    m->ev_down = d;
-    uint32_t st = post_cmd(c, m);
+    m->ready_event = r;
+    m->down_event = d;
+    uint32_t st = post_command(c, m);
     if (st != KV_LLM_SUCCESS) {
         free(m);
         free(r);
@@ -1781,7 +1830,7 @@ uint32_t kv_tcp_link_add(kv_core *c, uint32_t link_id, const uint8_t *token, int
 }
 
 uint32_t kv_tcp_conn_add(kv_core *c, int fd, uint32_t link_id) {
-    kv_cmd *m = calloc(1, sizeof *m);
+    kv_command *m = calloc(1, sizeof *m);
     if (!m) {
         close(fd);
         return KV_LLM_OUT_OF_MEMORY;
@@ -1789,7 +1838,7 @@ uint32_t kv_tcp_conn_add(kv_core *c, int fd, uint32_t link_id) {
     m->type = CMD_CONN_ADD;
     m->fd = fd;
     m->link_id = link_id;
-    uint32_t st = post_cmd(c, m);
+    uint32_t st = post_command(c, m);
     if (st != KV_LLM_SUCCESS) {
         close(fd);
         free(m);
@@ -1798,85 +1847,100 @@ uint32_t kv_tcp_conn_add(kv_core *c, int fd, uint32_t link_id) {
 }
 
 uint32_t kv_tcp_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
-    kv_cmd *m = calloc(1, sizeof *m);
+    kv_command *m = calloc(1, sizeof *m);
     if (!m)
         return KV_LLM_OUT_OF_MEMORY;
     m->type = CMD_LINK_CLOSE;
     m->link_id = link_id;
     m->status = status ? status : KV_LLM_LINK_FAILED;
-    uint32_t st = post_cmd(c, m);
+    uint32_t st = post_command(c, m);
     if (st != KV_LLM_SUCCESS)
         free(m);
     return st;
 }
 
-uint32_t kv__tcp_submit(kv_core *c, kv_job *j) {
-    kv_net *n = c->net;
-    if (!n || n->stop)
+/* ------------------------------------------------- the transport interface */
+
+static uint32_t tcp_submit(kv_transport *t, kv_job *job) {
+    kv_net *n = (kv_net *)t;
+    kv_tcp_job *j = (kv_tcp_job *)job; /* allocated tcp_ops.job_size */
+    kv_core *c = n->core;
+    if (n->stop_requested)
         return KV_LLM_LINK_FAILED;
+    /* resolve() put the link and the peer's side in every segment alike */
+    j->link_id = (uint32_t)job->segments[0].pid;
+    j->is_pull = job->segments[0].src_kind == KV_REGION_TCP;
     /* a pull's answer tracking exists before any frame can name the job */
-    if (j->is_pull && !(j->pt = ptrack_new(j, c->chunk)))
+    if (j->is_pull && !(j->pull = pull_tracking_new(j, c->chunk_bytes)))
         return KV_LLM_OUT_OF_MEMORY;
-    kv__job_hash(c, j);
-    j->state = KV_JS_INBOX;
-    j->inext = NULL;
-    j->iprev = n->in_tail;
-    if (n->in_tail)
-        n->in_tail->inext = j;
+    kv__job_hash(c, job);
+    j->job.state = KV_JS_INBOX;
+    j->inbox_next = NULL;
+    j->inbox_prev = n->inbox_tail;
+    if (n->inbox_tail)
+        n->inbox_tail->inbox_next = j;
     else
-        n->in_head = j;
-    n->in_tail = j;
-    wake(n);
+        n->inbox_head = j;
+    n->inbox_tail = j;
+    wake_io_thread(n);
     return KV_LLM_SUCCESS;
 }
 
-uint32_t kv__tcp_abort(kv_core *c, kv_job *j, uint32_t status, int *sig) {
-    kv_net *n = c->net;
-    if (j->state != KV_JS_INBOX && j->state != KV_JS_SENDING && j->state != KV_JS_SENT)
+static uint32_t tcp_abort(kv_transport *t, kv_job *job, uint32_t status, int *sig) {
+    kv_net *n = (kv_net *)t;
+    kv_tcp_job *j = (kv_tcp_job *)job;
+    kv_core *c = n->core;
+    if (j->job.state != KV_JS_INBOX && j->job.state != KV_JS_SENDING && j->job.state != KV_JS_SENT)
         return KV_LLM_PARAM_INVALID; /* aborting, fencing: its completion is on its way */
-    if (j->status == KV_LLM_SUCCESS)
-        j->status = status;
-    c->st.jobs_aborted++;
-    if (j->state == KV_JS_INBOX) { /* nothing of it exists on the wire: done */
+    if (j->job.record.status == KV_LLM_SUCCESS)
+        j->job.record.status = status;
+    c->stats.jobs_aborted++;
+    if (j->job.state == KV_JS_INBOX) { /* nothing of it exists on the wire: done */
         *sig = tcp_complete(n, NULL, j, status);
         return KV_LLM_SUCCESS;
     }
-    js_to(j, KV_JS_ABORT_REQ);
-    alist_add(&n->ab_head, j);
-    wake(n);
+    job_set_state(j, KV_JS_ABORT_REQ);
+    list_add(&n->abort_head, j);
+    wake_io_thread(n);
     return KV_LLM_SUCCESS;
 }
 
-void kv__tcp_close(kv_core *c) {
-    pthread_mutex_lock(&c->mu);
-    kv_net *n = c->net;
-    if (!n || n->stop) {
-        pthread_mutex_unlock(&c->mu);
+static void tcp_stop(kv_transport *t) {
+    kv_net *n = (kv_net *)t;
+    kv_core *c = n->core;
+    pthread_mutex_lock(&c->lock);
+    if (n->stop_requested) {
+        pthread_mutex_unlock(&c->lock);
         return;
     }
-    n->stop = 1;
-    wake(n);
-    pthread_mutex_unlock(&c->mu);
+    n->stop_requested = 1;
+    wake_io_thread(n);
+    pthread_mutex_unlock(&c->lock);
     pthread_join(n->thread, NULL);
 }
 
-void kv__tcp_free(kv_core *c) {
-    kv_net *n = c->net;
-    if (!n)
-        return;
+static void tcp_destroy(kv_transport *t) {
+    kv_net *n = (kv_net *)t;
     while (n->links) {
         kv_link *l = n->links;
         n->links = l->next;
-        for (unsigned b = 0; b < KV_RX_BUCKETS; b++)
-            while (l->rx[b])
-                rx_del(l, l->rx[b]);
+        for (unsigned b = 0; b < KV_INCOMING_BUCKETS; b++)
+            while (l->incoming[b])
+                incoming_del(l, l->incoming[b]);
         link_free(l);
     }
-    if (n->lfd >= 0)
-        close(n->lfd);
-    close(n->ep);
-    close(n->wake);
+    if (n->listen_fd >= 0)
+        close(n->listen_fd);
+    close(n->epoll_fd);
+    close(n->wake_fd);
     free(n->scratch);
     free(n);
-    c->net = NULL;
 }
+
+static const kv_transport_ops tcp_ops = {
+    .job_size = sizeof(kv_tcp_job),
+    .submit = tcp_submit,
+    .abort = tcp_abort,
+    .stop = tcp_stop,
+    .destroy = tcp_destroy,
+};
