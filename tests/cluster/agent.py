@@ -10,7 +10,8 @@ wait_link_down, stats, ...) plus what the fault matrix needs:
   each one's latency;
 - ``reopen``: close the engine and start a new one on the same address;
 - ``hammer_start`` / ``hammer_stop``: keep linking and pushing to a peer, whatever
-  happens to it (listener churn).
+  happens to it (listener churn);
+- ``gc``: a full garbage collection (leak measurements).
 
     ip netns exec NS python tests/cluster/agent.py --cluster-id 2 --listen 10.213.0.2:0
 
@@ -111,6 +112,9 @@ class Server(_Server):
             self.hammer_stop.set()
             await asyncio.wait_for(self.hammer, m.get("wait", 30))
             return {"counts": dict(self.hammer_counts)}
+        if op == "gc":   # a full collection: what only a reference cycle kept alive goes now
+            import gc
+            return {"collected": gc.collect()}
         if op == "unlink":
             st, per = await e.unlink_clusters([kv_.ClusterInfo(m["cluster_id"], m["address"])],
                                               force=m.get("force", False))
