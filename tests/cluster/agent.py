@@ -85,9 +85,9 @@ class Server(_Server):
             targets = m["targets"]
             for k in range(m["n"]):
                 cid, dst = targets[k % len(targets)]
+                row = (k // len(targets)) % m.get("rows", 1)   # each target gets every row in turn
                 t0 = loop.time()
-                st = await e.push_kv_cache(src, kv_.CacheIndex(cid, dst, k % m.get("rows", 1)),
-                                           k % m.get("rows", 1), timeout=m.get("deadline"))
+                st = await e.push_kv_cache(src, kv_.CacheIndex(cid, dst, row), row, timeout=m.get("deadline"))
                 dt = loop.time() - t0
                 lat.setdefault(str(cid), []).append(dt)
                 sts.setdefault(str(cid), Counter())[kv_.LLMStatusCode(st).name] += 1
