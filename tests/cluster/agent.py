@@ -83,6 +83,8 @@ class Server(_Server):
             lat: dict[str, list[float]] = {}
             sts: dict[str, Counter] = {}
             targets = m["targets"]
+            for cid, dst in targets:   # a cache allocated just now may not be announced yet
+                await e.wait_remote_cache(cid, dst, timeout=m.get("deadline"))
             for k in range(m["n"]):
                 cid, dst = targets[k % len(targets)]
                 row = (k // len(targets)) % m.get("rows", 1)   # each target gets every row in turn
