@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-import netbed
+from . import netbed
 
 
 

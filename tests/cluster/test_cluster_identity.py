@@ -13,8 +13,8 @@ import sys
 
 from kvengine import control
 
-import netbed
-from netbed import HB, SECRET
+from . import netbed
+from .netbed import HB, SECRET
 
 _PRINT = "from kvengine.control import host_identity; print(host_identity())"
 
