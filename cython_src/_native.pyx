@@ -14,6 +14,7 @@ from libc.stdint cimport uint16_t, uint32_t, uint64_t, int32_t
 from libc.stdlib cimport malloc, free
 cimport kvc
 
+import os
 import warnings
 
 REGION_LOCAL = kvc.KV_REGION_LOCAL
@@ -49,12 +50,16 @@ cdef class Core:
     """One native core: region table, mover threads, completion eventfd.
 
     Invariants: ``close()`` is idempotent and joins every mover; after it, only
-    ``poll()`` and ``stats()`` are meaningful; ``__dealloc__`` of an unclosed
-    core closes it and warns (uvloop's ResourceWarning rule).
+    ``poll()`` and ``stats()`` are meaningful; ``release()`` (after the last
+    ``poll()``) frees the core and its descriptors at once, and every method
+    then answers LLM_ENGINE_FINALIZED (``stats()`` the last counters);
+    ``__dealloc__`` of an unclosed core closes it and warns (uvloop's
+    ResourceWarning rule).
     """
     cdef kvc.kv_core *c
     cdef bint closed
     cdef kvc.kv_completion *buf
+    cdef object final_stats
 
     def __cinit__(self, int movers=2, uint64_t chunk_bytes=1 << 20):
         cdef uint32_t st = kvc.kv_core_new(&self.c, movers, chunk_bytes)
@@ -77,27 +82,35 @@ cdef class Core:
         free(self.buf)
 
     def fileno(self):
-        return kvc.kv_core_fileno(self.c)
+        return kvc.kv_core_fileno(self.c) if self.c != NULL else -1
 
     def region_add(self, int kind, int32_t pid, uint64_t addr, uint64_t length, unsigned flags=0):
         """Register memory (flags: F_UNMAP, F_EXPORT, F_NOTIFY); returns ``(status, region_id)``."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED, 0
         cdef uint32_t rid = 0
         cdef uint32_t st = kvc.kv_region_add(self.c, kind, pid, addr, length, flags, &rid)
         return st, rid
 
     def region_remove(self, uint32_t region_id):
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_region_remove(self.c, region_id)
 
     def region_pidfd(self, uint32_t region_id, int pidfd, uint64_t key=0):
         """Attach a pidfd of a REGION_PROCESS region's process (the core keeps a dup, one per
         nonzero ``key``: a link's regions share it): once that process has exited, CMA through
         its pid fails LLM_LINK_FAILED instead. Returns a status."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_region_pidfd(self.c, region_id, pidfd, key)
 
     def submit(self, uint64_t job_id, const uint64_t[::1] segs, uint64_t inline_max, uint64_t rank=0,
                uint32_t lease=0):
         """Start a job (TCP links send lower ``rank`` first; movers claim no chunk once ``lease``,
         from lease_add, has run out). Returns ``(status, done_inline, nbytes)``."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED, False, 0
         cdef size_t nsegs = segs.shape[0] // kvc.KV_SEG_WORDS
         cdef int done = 0
         cdef uint64_t nbytes = 0
@@ -111,23 +124,33 @@ cdef class Core:
 
     def lease_add(self, uint64_t until_ns):
         """A mover lease until ``until_ns`` (``time.clock_gettime_ns(time.CLOCK_BOOTTIME)``): returns ``(status, lease_id)``."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED, 0
         cdef uint32_t lid = 0
         cdef uint32_t st = kvc.kv_lease_add(self.c, until_ns, &lid)
         return st, lid
 
     def lease_renew(self, uint32_t lease_id, uint64_t until_ns):
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_lease_renew(self.c, lease_id, until_ns)
 
     def lease_remove(self, uint32_t lease_id):
         """Jobs under the lease claim no more chunks (they fail LLM_LINK_FAILED)."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_lease_remove(self.c, lease_id)
 
     def abort(self, uint64_t job_id, uint32_t status):
         """Fenced abort: the job's completion (with ``status``) follows once no byte can land."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_core_abort(self.c, job_id, status)
 
     def poll(self):
         """Reset the eventfd and return ready completions as ``[(job_id, status, nbytes, flags), ...]``."""
+        if self.c == NULL:
+            return []
         cdef size_t n, i
         out = []
         while True:
@@ -146,6 +169,8 @@ cdef class Core:
 
     def tcp_listen(self, str ip, uint16_t port):
         """Listen for data connections; returns ``(status, bound_port)``."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED, 0
         cdef uint16_t bound = 0
         cdef bytes b = ip.encode()
         cdef uint32_t st = kvc.kv_tcp_listen(self.c, b, port, &bound)
@@ -155,6 +180,8 @@ cdef class Core:
                      double lease=0.8, double fence=1.0, double margin=0.1):
         """Declare a TCP link. ``lease``, ``fence``, ``margin`` in seconds (kvengine passes
         0.4, 0.5 and 0.05 * heartbeat_timeout; the defaults are those of the default 2 s)."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED
         if len(token) != kvc.KV_TOKEN_BYTES or not (0 <= lease <= 3600 and 0 <= fence <= 3600 and 0 <= margin <= 3600):
             return kvc.KV_LLM_PARAM_INVALID
         return kvc.kv_tcp_link_add(self.c, link_id, <const unsigned char *>token, nstreams, window,
@@ -162,13 +189,30 @@ cdef class Core:
 
     def tcp_conn_add(self, int fd, uint32_t link_id):
         """Hand a connected socket to the core (it owns ``fd`` from now on, also on failure)."""
+        if self.c == NULL:
+            os.close(fd)   # the core owned it from this call on
+            return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_tcp_conn_add(self.c, fd, link_id)
 
     def tcp_link_close(self, uint32_t link_id, uint32_t status):
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_tcp_link_close(self.c, link_id, status)
+
+    def release(self):
+        """Free a closed core now (its eventfd, listener, epoll, streams, peer mappings),
+        rather than when the object is collected. Call it after the last ``poll()``."""
+        if self.c != NULL and self.closed:
+            self.final_stats = self.stats()
+            with nogil:
+                kvc.kv_core_free(self.c)
+            self.c = NULL
+            self.final_stats.update(regions_live=0, tcp_conns=0)   # freed with the core
 
     def stats(self):
         cdef kvc.kv_stats s
+        if self.c == NULL:
+            return dict(self.final_stats) if self.final_stats is not None else {}
         kvc.kv_core_stats(self.c, &s)
         return {
             "jobs_submitted": s.jobs_submitted, "jobs_inline": s.jobs_inline,

@@ -7,6 +7,7 @@ cdef extern from "kv_core.h" nogil:
     int KV_REGION_TCP
     int KV_SEG_WORDS
     unsigned int KV_LLM_PARAM_INVALID  # kv_status.h, checked against status.py by tests/test_status.py
+    unsigned int KV_LLM_ENGINE_FINALIZED
     unsigned KV_REGION_F_UNMAP
     unsigned KV_REGION_F_EXPORT
     unsigned KV_DONE_UNSTARTED

@@ -60,6 +60,7 @@ class Core:
     def poll(self) -> list[tuple[int, int, int, int]]:
         """Ready completions: ``[(job_id, status, nbytes, flags), ...]``."""
     def close(self) -> None: ...
+    def release(self) -> None: ...
     def tcp_listen(self, ip: str, port: int) -> tuple[int, int]:
         """Returns ``(status, bound_port)``."""
     def tcp_link_add(self, link_id: int, token: bytes, nstreams: int, window: int = 0,

@@ -85,6 +85,7 @@ class Parts:
         self.core.close()          # aborts every job, joins the movers and the I/O thread
         self.loop.remove_reader(self.core.fileno())
         self.drain()
+        self.core.release()        # its descriptors and threads' memory, now (not at a GC)
         self.scheduler.close()
         self.registry.close()      # the core is closed: no thread touches the caches any more
         await self.acceptor.wait_closed()

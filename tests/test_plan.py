@@ -9,9 +9,6 @@ layer ranges, layer ``L`` = tensors ``L*tnpl .. L*tnpl+tnpl-1``).
 
 from __future__ import annotations
 
-import re
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

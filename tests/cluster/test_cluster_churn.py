@@ -2,7 +2,7 @@
 cluster id, same address) 20 times while the prefill side keeps linking and pushing.
 
 Proves (docs/reliability.md): no leak on either side, measured at the same quiet state
-(no link, no transfer, after a full garbage collection: see the xfail test below) after
+(no link, no transfer, after a full garbage collection) after
 warm-up and after the churn: open fds (/proc/PID/fd) and
 threads (/proc/PID/task) back to the baseline, current RSS (VmRSS) within a bound, the
 native live counters (jobs_live, regions_live, tcp_conns) back to the baseline; and the
@@ -80,11 +80,9 @@ async def test_listener_churn_leaks_nothing(bed_factory):
         await bed.aclose()
 
 
-@pytest.mark.xfail(strict=True, reason="finding: KvEngine.close() leaves the native core's eventfd/epoll/timer fds "
-                   "and its TCP data listener open until a garbage collection frees the engine (a reference "
-                   "cycle); Core.close() joins the threads, only kv_core_free() closes the fds")
 async def test_close_releases_the_native_fds_without_a_garbage_collection():
-    """In this process, no namespaces: close() alone should give back every fd of the engine."""
+    """In this process, no namespaces: close() alone gives back every fd of the engine
+    (Core.release frees the core at close, not when a collection frees the engine)."""
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
     gc.collect()
