@@ -142,6 +142,7 @@ def plot(all_results: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     names = list(all_results)
     ax = axes[0]
@@ -161,6 +162,9 @@ def plot(all_results: dict, path: str) -> None:
         ax.plot(us, np.linspace(0, 1, len(us)), label=f"{n}: p50 {all_results[n]['latency']['p50_us']:.1f} us")
     ax.axvline(30, color="grey", ls=":", label="goal p50 30 us")
     ax.set_xscale("log")
+    # plain numbers on the decades only: minor labels (3x10^1, 4x10^1, ...) overlap
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("await push_kv_cache, 64 KiB layer (us)")
     ax.set_ylabel("CDF")
     ax.legend(fontsize=8)
