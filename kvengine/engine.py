@@ -24,12 +24,12 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from . import control, plan
 from .layers import LayerStream
-from .link import Link, RemoteCache, overall
+from .link import Link, RemoteCache
 from .notify import Notification
 from .parts import Parts
 from .registry import LocalCache
 from .stats import Accounting
-from .status import LLMError, LLMStatusCode as S, LinkResult, error_for
+from .status import LLMError, LLMStatusCode as S, LinkResult, error_for, overall
 from .transfer import Transfer
 from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, ClusterInfo, EngineOptions, KvCacheExtParam,
                     Role, check_timeout, param_invalid)

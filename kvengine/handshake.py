@@ -23,11 +23,11 @@ from typing import Any, Callable, Sequence
 from . import channels, control, kernel
 from .control import ProtocolError
 from .channels import SeqpacketChannel, StreamChannel
-from .link import Link, overall
+from .link import Link
 from .links import LinkManager
 from .native import _native
 from .registry import LOCAL_REGISTRIES
-from .status import LLMStatusCode as S, LinkResult, to_status
+from .status import LLMStatusCode as S, LinkResult, overall, to_status
 from .tables import int_in
 from .types import ClusterInfo, EngineOptions, Role
 

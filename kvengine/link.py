@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import TYPE_CHECKING, Any, Coroutine, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Coroutine, Protocol
 
 from .status import LLMStatusCode as S
 from .types import CacheDesc
@@ -31,7 +31,7 @@ class Channel(Protocol):
     def backlog(self) -> int: ...
     def close(self) -> None: ...
 
-__all__ = ["Link", "Channel", "RemoteCache", "Detached", "TaskSet", "wait_idle", "boot_ns", "mover_lease_ns", "overall"]
+__all__ = ["Link", "Channel", "RemoteCache", "Detached", "TaskSet", "wait_idle", "boot_ns", "mover_lease_ns"]
 
 _serials = itertools.count(1)
 
@@ -143,14 +143,6 @@ def mover_lease_ns(heartbeat_timeout: float) -> int:
     progress, at most chunk_bytes per mover, is the residue; docs/security.md).
     """
     return int(0.75 * heartbeat_timeout * 1e9)
-
-
-def overall(results: Iterable[int]) -> S:
-    """The first failure among per-cluster results, else ``LLM_SUCCESS``."""
-    for r in results:
-        if r != S.LLM_SUCCESS:
-            return S(int(r))
-    return S.LLM_SUCCESS
 
 
 class TaskSet:

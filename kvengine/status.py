@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import numbers
-from typing import Callable, Self
+from typing import Callable, Iterable, Self
 
 __all__ = [
     "LLMStatusCode",
@@ -384,3 +384,11 @@ def raise_for(status: int, message: str = "") -> LLMStatusCode:
     if status == 0:
         return LLMStatusCode.LLM_SUCCESS
     raise error_for(status, message)
+
+
+def overall(results: Iterable[int]) -> LLMStatusCode:
+    """The first failure among per-cluster results, else ``LLM_SUCCESS``."""
+    for r in results:
+        if r != LLMStatusCode.LLM_SUCCESS:
+            return LLMStatusCode(int(r))
+    return LLMStatusCode.LLM_SUCCESS
