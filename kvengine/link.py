@@ -17,7 +17,7 @@ from .status import LLMStatusCode as S
 from .types import CacheDesc
 
 if TYPE_CHECKING:
-    from .transfer import Transfer
+    from .transfer import Counted, Transfer
 
 Message = dict[str, Any]
 
@@ -39,7 +39,7 @@ _serials = itertools.count(1)
 class RemoteCache:
     """A peer's cache as this engine reaches it: regions in this engine's core."""
 
-    __slots__ = ("cache_id", "desc", "regions", "region_ids", "keep", "serial", "_inflight", "_idle")
+    __slots__ = ("cache_id", "desc", "regions", "region_ids", "keep", "serial", "users", "idle")
 
     def __init__(self, cache_id: int, desc: CacheDesc, regions: list[tuple[int, int]],
                  region_ids: list[int], keep: Any) -> None:
@@ -49,8 +49,8 @@ class RemoteCache:
         self.region_ids = region_ids
         self.keep = keep              # the peer's Cache object (local transport) or None
         self.serial = next(_serials)
-        self._inflight = 0            # transfers using it (Transfer keeps the count)
-        self._idle: asyncio.Future[None] | None = None
+        self.users = 0            # transfers using it (Transfer keeps the count)
+        self.idle: asyncio.Future[None] | None = None
 
 
 class Link:
@@ -116,12 +116,12 @@ class Detached:
         pass
 
 
-async def wait_idle(obj: RemoteCache | Any) -> None:
-    """Wait until no transfer is in flight on a cache (``_inflight`` / ``_idle`` protocol)."""
-    if obj._inflight:
-        if obj._idle is None:
-            obj._idle = asyncio.get_running_loop().create_future()
-        await asyncio.shield(obj._idle)
+async def wait_idle(obj: "Counted") -> None:
+    """Wait until no transfer is in flight on a cache (``users`` / ``idle``: transfer.Counted)."""
+    if obj.users:
+        if obj.idle is None:
+            obj.idle = asyncio.get_running_loop().create_future()
+        await asyncio.shield(obj.idle)
 
 
 def boot_ns() -> int:

@@ -35,15 +35,15 @@ LOCAL_REGISTRIES: "weakref.WeakValueDictionary[str, CacheRegistry]" = weakref.We
 class LocalCache:
     """Registry-side bookkeeping of one local cache."""
 
-    __slots__ = ("cache", "serial", "regions", "memfd", "_inflight", "_idle", "unfreed", "released")
+    __slots__ = ("cache", "serial", "regions", "memfd", "users", "idle", "unfreed", "released")
 
     def __init__(self, cache: Cache, regions: list[tuple[int, int]], memfd: int | None) -> None:
         self.cache = cache
         self.serial = next(_serials)
         self.regions = regions            # (native region id, length)
         self.memfd = memfd
-        self._inflight = 0                # transfers using it (Transfer keeps the count)
-        self._idle: asyncio.Future[None] | None = None
+        self.users = 0                # transfers using it (Transfer keeps the count)
+        self.idle: asyncio.Future[None] | None = None
         self.unfreed: set[int] = set()    # regions removed, not yet released by the core
         self.released: asyncio.Future[None] | None = None
 

@@ -47,8 +47,8 @@ class TransferOwner(Protocol):
 
 class Counted(Protocol):
     """A cache a transfer keeps busy (local or remote: the in-flight count)."""
-    _inflight: int
-    _idle: asyncio.Future[None] | None
+    users: int
+    idle: asyncio.Future[None] | None
 
 _SEG = 5  # words per segment: src_region, src_off, dst_region, dst_off, nbytes
 
@@ -117,7 +117,7 @@ class Transfer:
         self._notify = notify
         self._t_queued = perf_counter()   # stats clock; `now` is the loop's, for the deadline
         for r in refs:
-            r._inflight += 1
+            r.users += 1
         self._timer = self._owner.loop.call_at(self.deadline, self._on_deadline)
 
     def _next_piece(self, limit: int) -> tuple[array.array[int], int]:
@@ -187,11 +187,11 @@ class Transfer:
             self._timer = None
         link, self._link = self._link, None
         for r in self._refs:
-            r._inflight -= 1
-            if r._inflight == 0 and r._idle is not None:
-                if not r._idle.done():
-                    r._idle.set_result(None)
-                r._idle = None
+            r.users -= 1
+            if r.users == 0 and r.idle is not None:
+                if not r.idle.done():
+                    r.idle.set_result(None)
+                r.idle = None
         self._refs = ()
         self._segs = None
         self._owner.finished(self, st, link)
