@@ -93,13 +93,14 @@ class _Joining:
     """A client that authenticated on TCP (attach) and was given a one-time join token
     for the Unix socket (local/shm), or whose TCP link is being set up."""
 
-    __slots__ = ("cluster_id", "transport", "streams", "peer_token", "expiry")
+    __slots__ = ("cluster_id", "transport", "streams", "peer_token", "incarnation", "expiry")
 
-    def __init__(self, cluster_id: int, transport: str, streams: int, peer_token: str) -> None:
+    def __init__(self, cluster_id: int, transport: str, streams: int, peer_token: str, incarnation: str) -> None:
         self.cluster_id = cluster_id
         self.transport = transport
         self.streams = streams
         self.peer_token = peer_token
+        self.incarnation = incarnation
         self.expiry: asyncio.TimerHandle | None = None
 
 
@@ -107,13 +108,15 @@ class Acceptor:
     """The listening side of links (see the module docstring)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, core: _native.Core, options: EngineOptions,
-                 cluster_id: int, host: str, token: str, links: LinkManager, tasks: TaskSet) -> None:
+                 cluster_id: int, host: str, token: str, incarnation: str, links: LinkManager,
+                 tasks: TaskSet) -> None:
         self._loop = loop
         self._core = core
         self._options = options
         self._cluster_id = cluster_id
         self._host = host
         self._token = token
+        self._incarnation = incarnation
         self._links = links
         self._tasks = tasks
         self._joins: dict[str, _Joining] = {}
@@ -245,7 +248,7 @@ class Acceptor:
         if cid == self._cluster_id:
             return reject(S.LLM_PARAM_INVALID, f"cluster id {cid} is this engine's own")
         busy = self._links.busy(cid)
-        if busy is not None:
+        if busy is not None and not self._links.restarted(cid, h["inc"]):   # (decided after the proof)
             return reject(*busy)
         if h["auth"] != (opts.secret is not None):
             return reject(S.LLM_LINK_FAILED, "authentication mismatch: one engine has a secret, the other not")
@@ -272,6 +275,7 @@ class Acceptor:
         nonce = control.new_nonce()
         return {"t": "welcome", "v": control.PROTOCOL_VERSION, "cluster": self._cluster_id,
                 "transport": transport, "nonce": nonce, "streams": min(h["streams"], opts.tcp_streams),
+                "inc": self._incarnation,
                 "proof": (control.proof(opts.secret, "server", h["nonce"], nonce)
                           if opts.secret is not None else None)}, nonce
 
@@ -291,11 +295,15 @@ class Acceptor:
         ptoken = msg.get("ptoken") if transport == "local" else ""
         if not isinstance(ptoken, str) or len(ptoken) > 64:
             return reject(S.LLM_LINK_FAILED, "malformed attach: bad 'ptoken'")
+        if self._links.restarted(cid, h["inc"]):
+            # the same cluster id, another engine (a restart), and it proved the secret:
+            # the old link is stale; its transfers fail and its tables go with it
+            self._links.drop_stale(cid, h["inc"])
         busy = self._links.busy(cid)   # again: it may have changed since the hello
         if busy is not None:
             return reject(*busy)
         self._links.reserve(cid)
-        joining = _Joining(cid, transport, welcome["streams"], ptoken)
+        joining = _Joining(cid, transport, welcome["streams"], ptoken, h["inc"])
         if transport == "tcp":
             return {"t": "attached", "data_port": self._data_port,
                     "data_token": secrets.token_hex(_native.TOKEN_BYTES)}, joining
@@ -319,7 +327,7 @@ class Acceptor:
         cid, streams, data_token = joining.cluster_id, joining.streams, attached["data_token"]
         link = None
         try:
-            link = Link(cid, ch, "tcp", 0, "", "")
+            link = Link(cid, ch, "tcp", 0, "", "", incarnation=joining.incarnation)
             self._links.data.add_data_link(link, data_token, streams)
             async with asyncio.timeout(self._options.link_timeout):
                 if await self._links.establish(link, False) == S.LLM_SUCCESS:
@@ -378,7 +386,8 @@ class Acceptor:
             slot = None
             pid, pidfd = peer_process(ch.sock, joining.transport, joining.peer_token)
             ch.release()
-            link = Link(joining.cluster_id, ch, joining.transport, pid, joining.peer_token, "", pidfd)
+            link = Link(joining.cluster_id, ch, joining.transport, pid, joining.peer_token, "", pidfd,
+                        joining.incarnation)
             pidfd = None
             async with asyncio.timeout(self._options.link_timeout):
                 keep = await self._links.establish(link, False) == S.LLM_SUCCESS

@@ -26,7 +26,7 @@ import secrets
 import socket
 from typing import Any
 
-PROTOCOL_VERSION = 2           # 2: pid from SO_PEERCRED, nothing before the proof, data-plane leases
+PROTOCOL_VERSION = 3           # 2: pid from SO_PEERCRED, nothing before the proof, leases; 3: incarnations
 MAX_FRAME = 4 << 20          # bytes of one control message once the peer is authenticated
 HELLO_MAX = 4096             # bytes of one frame of the hello phase (hello, welcome, attach, attached, join)
 MAX_FDS = 512                # descriptors one message may carry

@@ -59,7 +59,8 @@ def hello_problem(h: dict[str, Any]) -> str | None:
               ("process", lambda v: isinstance(v, str) and len(v) <= 64),
               ("transport", lambda v: v in TRANSPORTS),
               ("streams", lambda v: int_in(v, 1, _native.MAX_STREAMS)),
-              ("auth", lambda v: isinstance(v, bool)), ("nonce", lambda v: is_hex(v, 32)))
+              ("auth", lambda v: isinstance(v, bool)), ("nonce", lambda v: is_hex(v, 32)),
+              ("inc", lambda v: is_hex(v, 16)))
     for name, ok in checks:
         if name not in h:
             return f"malformed hello: no {name!r}"
@@ -95,13 +96,14 @@ class Dialer:
     """``link_clusters``: the client side of the handshake, many peers in parallel."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, options: EngineOptions, cluster_id: int, role: Role,
-                 host: str, token: str, links: LinkManager) -> None:
+                 host: str, token: str, incarnation: str, links: LinkManager) -> None:
         self._loop = loop
         self._options = options
         self._cluster_id = cluster_id
         self._role = role
         self._host = host
         self._token = token
+        self._incarnation = incarnation
         self._links = links
 
     async def link_clusters(self, clusters: Sequence[Any], timeout: float) -> tuple[S, list[LinkResult]]:
@@ -162,7 +164,7 @@ class Dialer:
                 await tcp.send({"t": "hello", "v": control.PROTOCOL_VERSION, "cluster": self._cluster_id,
                                 "role": int(self._role), "host": self._host, "process": control.process_tag(),
                                 "transport": opts.transport, "streams": opts.tcp_streams,
-                                "auth": opts.secret is not None, "nonce": nonce})
+                                "auth": opts.secret is not None, "nonce": nonce, "inc": self._incarnation})
                 w = await _reply(tcp, "hello")
                 if w["t"] != "welcome" or w.get("v") != control.PROTOCOL_VERSION:
                     raise _fail(S.LLM_LINK_FAILED, f"unexpected reply {w.get('t')!r} to the hello")
@@ -170,7 +172,9 @@ class Dialer:
                     raise _fail(S.LLM_LINK_FAILED, f"the engine there is cluster {w.get('cluster')}")
                 if not control.check_proof(opts.secret, w.get("proof"), "server", nonce, str(w.get("nonce"))):
                     raise _fail(S.LLM_LINK_FAILED, "the peer failed authentication")
-                transport, streams = w.get("transport"), w.get("streams")
+                transport, streams, inc = w.get("transport"), w.get("streams"), w.get("inc")
+                if not is_hex(inc, 16):
+                    raise ProtocolError("bad welcome: no incarnation")
                 if transport not in ("local", "shm", "tcp") or not int_in(streams, 1, _native.MAX_STREAMS) \
                         or opts.transport not in ("auto", transport):
                     raise ProtocolError(f"bad welcome (transport {transport!r}, streams {streams!r})")
@@ -187,7 +191,7 @@ class Dialer:
                     if not int_in(a.get("data_port"), 1, 65535) or \
                             not is_hex(a.get("data_token"), 2 * _native.TOKEN_BYTES):
                         raise ProtocolError("bad attached message")
-                    link = Link(cid, tcp, transport, 0, "", info.address)
+                    link = Link(cid, tcp, transport, 0, "", info.address, incarnation=str(inc))
                     tcp = None
                     assert isinstance(streams, int)   # int_in checked it
                     tcp_link, n = link, streams
@@ -201,7 +205,7 @@ class Dialer:
                     ptoken = str(a.get("ptoken")) if transport == "local" else ""
                     pid, pidfd = peer_process(uch.sock, transport, ptoken)   # who listens there
                     await uch.send({"t": "join", "token": a["join"]})
-                    link = Link(cid, uch, transport, pid, ptoken, info.address, pidfd)
+                    link = Link(cid, uch, transport, pid, ptoken, info.address, pidfd, str(inc))
                     uch = pidfd = None
                     # TCP stays open until the link is up: its EOF tells the server to drop a
                     # reservation we abandoned.

@@ -56,14 +56,16 @@ class RemoteCache:
 class Link:
     """One linked peer (see the module docstring for who writes what)."""
 
-    __slots__ = ("cluster_id", "ch", "transport", "peer_pid", "peer_token", "pidfd", "address", "serial",
+    __slots__ = ("cluster_id", "ch", "transport", "peer_pid", "peer_token", "pidfd", "address", "incarnation",
+                 "serial",
                  "up", "closing", "gone", "reader", "beat", "pending", "requests", "last_rx", "tcp_id",
                  "lease_id", "lease_until",
                  "remote", "waiters",
                  "heap", "inflight", "inflight_bytes")
 
     def __init__(self, cluster_id: int, ch: Channel, transport: str,
-                 peer_pid: int, peer_token: str, address: str, pidfd: int | None = None) -> None:
+                 peer_pid: int, peer_token: str, address: str, pidfd: int | None = None,
+                 incarnation: str = "") -> None:
         # set up by the handshake (kvengine/handshake.py, kvengine/accept.py)
         self.cluster_id = cluster_id
         self.ch = ch                  # SeqpacketChannel (local, shm) or StreamChannel (tcp)
@@ -72,6 +74,7 @@ class Link:
         self.peer_token = peer_token  # local: the peer engine's token (LOCAL_REGISTRIES); else ""
         self.pidfd = pidfd            # shm: a pidfd of the peer process (CMA regions name it)
         self.address = address
+        self.incarnation = incarnation   # the peer engine's, from its hello or welcome
         self.serial = next(_serials)  # never reused: names this link's pidfd in the core
         # the link manager (kvengine/links.py)
         self.up = True

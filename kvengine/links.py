@@ -87,6 +87,21 @@ class LinkManager:
             return S.LLM_PROCESSING_LINK, f"a link with cluster {cluster_id} is being set up"
         return None
 
+    def restarted(self, cluster_id: int, incarnation: str) -> bool:
+        """True if ``cluster_id`` is linked, but to another incarnation of it (the peer
+        engine restarted under the same id while we still hold its old link)."""
+        link = self._links.get(cluster_id)
+        return link is not None and link.incarnation != incarnation
+
+    def drop_stale(self, cluster_id: int, incarnation: str) -> None:
+        """Drop the link of an earlier incarnation of ``cluster_id`` (call only after the
+        new one authenticated): its transfers resolve LLM_LINK_FAILED, its tables go."""
+        link = self._links.get(cluster_id)
+        if link is not None and link.incarnation != incarnation:
+            log.warning("link %s <-> %s lost: cluster %s restarted (incarnation %s, now %s)", self._cluster_id,
+                        cluster_id, cluster_id, link.incarnation, incarnation)
+            self.link_down(link, S.LLM_LINK_FAILED)
+
     def reserve(self, cluster_id: int) -> None:
         self._linking.add(cluster_id)
 
@@ -366,6 +381,7 @@ class LinkManager:
 
     def summary(self) -> dict[int, dict[str, Any]]:
         return {cid: {"transport": link.transport, "state": "closing" if link.closing else "up",
+                      "incarnation": link.incarnation,
                       "remote_caches": len(link.remote), "control_backlog_bytes": link.ch.backlog(),
                       **self._scheduler.link_summary(link)} for cid, link in self._links.items()}
 

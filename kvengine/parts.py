@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from typing import Any
 
 from . import plan
@@ -50,8 +51,10 @@ class Parts:
         self.tables = CacheTables(loop, self.core, self.registry)
         self.links = LinkManager(loop, self.core, options, cluster_id, self.registry, self.tables,
                                  self.scheduler, self.notifier, self.tasks)
-        self.dialer = Dialer(loop, options, cluster_id, role, host, token, self.links)
-        self.acceptor = Acceptor(loop, self.core, options, cluster_id, host, token, self.links, self.tasks)
+        self.incarnation = secrets.token_hex(8)   # this start of this engine: a peer tells restarts apart
+        self.dialer = Dialer(loop, options, cluster_id, role, host, token, self.incarnation, self.links)
+        self.acceptor = Acceptor(loop, self.core, options, cluster_id, host, token, self.incarnation, self.links,
+                                 self.tasks)
         self.registry.peers = self.links
         self.scheduler.on_link_failed = lambda link: self.links.link_down(link, S.LLM_LINK_FAILED)
         loop.add_reader(self.core.fileno(), self.drain)

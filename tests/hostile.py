@@ -94,7 +94,7 @@ def frame(msg) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-PROTOCOL_VERSION = 2   # docs/protocol.md
+PROTOCOL_VERSION = 3   # docs/protocol.md
 
 
 def host_identity() -> str:
@@ -109,7 +109,7 @@ def host_identity() -> str:
 def hello(cluster: int, **fields) -> dict:
     msg = {"t": "hello", "v": PROTOCOL_VERSION, "cluster": cluster, "role": 1, "host": host_identity(),
            "transport": "auto", "streams": 1, "auth": False, "nonce": secrets.token_hex(16),
-           "process": secrets.token_hex(16)}
+           "process": secrets.token_hex(16), "inc": secrets.token_hex(8)}
     msg.update(fields)
     return {k: v for k, v in msg.items() if v is not DROP}
 

@@ -142,7 +142,7 @@ class _HostileServer:
         h = await ctl.recv()
         sn = secrets.token_hex(16)
         w = {"t": "welcome", "v": H.PROTOCOL_VERSION, "cluster": self.cluster, "transport": "shm", "nonce": sn,
-             "streams": 1, "proof": H.proof(SECRET, "server", h["nonce"], sn)}
+             "inc": "0" * 16, "streams": 1, "proof": H.proof(SECRET, "server", h["nonce"], sn)}
         if "pid" in h:   # an old client: everything in the welcome, pid included
             w.update(pid=self.claimed_pid, ptoken="0" * 32, unix=self.unix_name, token="t" * 32,
                      data_port=1, data_token="00" * 32)
@@ -234,7 +234,7 @@ async def test_nothing_is_disclosed_before_the_peer_authenticated():
             h = await ctl.recv()
             seen.append(json.dumps(h).encode())
             ctl.send({"t": "welcome", "v": H.PROTOCOL_VERSION, "cluster": 7, "transport": "shm", "nonce": "11" * 16,
-                      "streams": 1, "proof": "22" * 32, "pid": 1, "ptoken": "0" * 32, "unix": "x",
+                      "inc": "0" * 16, "streams": 1, "proof": "22" * 32, "pid": 1, "ptoken": "0" * 32, "unix": "x",
                       "token": "t", "data_port": 1, "data_token": "00" * 32})
             try:
                 seen.append(await asyncio.wait_for(reader.read(), 10))
@@ -330,7 +330,7 @@ async def _stall(n: int, port: int, sources: list[str]) -> list[socket.socket]:
     64 KiB of it."""
     loop = asyncio.get_running_loop()
     big = struct.pack("!I", (4 << 20) - 1) + b"{" * (64 << 10)
-    partial = struct.pack("!I", 4000) + b'{"t": "hello", "v": 2, ' + b" " * 1000
+    partial = struct.pack("!I", 4000) + b'{"t": "hello", "v": 3, ' + b" " * 1000
     socks = []
 
     async def one(i: int) -> None:
@@ -455,7 +455,7 @@ def _malformed_hellos() -> list:
                  ("cluster", 1.5), ("role", "x"), ("host", 5), ("host", "h" * 1000), ("process", 5),
                  ("transport", 5), ("transport", "carrier-pigeon"), ("transport", None), ("streams", 0),
                  ("streams", 1000), ("streams", "4"), ("streams", True), ("auth", "yes"), ("auth", 1),
-                 ("nonce", 5), ("nonce", "zz" * 16), ("nonce", "ab"), ("v", 1), ("v", 3), ("v", None), ("t", "attach"),
+                 ("nonce", 5), ("nonce", "zz" * 16), ("nonce", "ab"), ("v", 1), ("v", 2), ("v", None), ("t", "attach"),
                  ("t", 5)):
         out.append(_hello(**{k: v}))
     return out
