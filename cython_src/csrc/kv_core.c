@@ -644,8 +644,10 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
             st = t->ops->submit(t, j); /* hashes and starts it, or fails */
         }
         if (st != KV_LLM_SUCCESS) {
-            job_release_refs(c, &fields, 2 * nsegs);
+            int sig = job_release_refs(c, &fields, 2 * nsegs);
             pthread_mutex_unlock(&c->lock);
+            if (sig) /* it held the last reference of a removed region: REGION_FREED is posted */
+                kv__signal_loop(c);
             free(j);
             return st;
         }
@@ -663,15 +665,19 @@ uint32_t kv_core_submit_leased(kv_core *c, uint64_t job_id, const uint64_t *segs
             st = copy_inline(rs, nsegs, nbytes);
         pthread_mutex_lock(&c->lock);
         c->stats.bytes_moved += *nbytes;
-        job_release_refs(c, &fields, 2 * nsegs);
+        int sig = job_release_refs(c, &fields, 2 * nsegs);
         pthread_mutex_unlock(&c->lock);
+        if (sig)
+            kv__signal_loop(c);
         *done = 1;
         return st;
     }
     kv_mover_job *m = calloc(1, sizeof *m);
     if (!m) {
-        job_release_refs(c, &fields, 2 * nsegs);
+        int sig = job_release_refs(c, &fields, 2 * nsegs);
         pthread_mutex_unlock(&c->lock);
+        if (sig)
+            kv__signal_loop(c);
         return KV_LLM_OUT_OF_MEMORY;
     }
     m->job = fields;
