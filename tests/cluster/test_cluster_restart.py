@@ -57,6 +57,7 @@ async def test_a_replaced_engine_under_the_same_cluster_id_takes_over_at_once(be
         assert (await new.call("link", cluster_id=1, address=prefill.address))["status"] == 0
         took = time.monotonic() - t_cut
         assert took < HB["heartbeat_timeout"], f"the replacement linked only after {took:.2f} s"
+        print(f"\nthe replacement linked {took:.3f} s after the cut")
         done = (await prefill.call("bg", handles=pushes, wait=BOUND + 5))["done"]
         for r, (st, _, t1) in enumerate(done):
             assert st is not None and t1 is not None, f"push {r} has no status"
