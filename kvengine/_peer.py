@@ -237,6 +237,12 @@ class _Server:
             return {"down": False}
         if op == "stats":
             return {"stats": e.stats()}
+        if op == "take_notes":   # consume every buffered notification, as a decode worker would
+            payloads: dict[str, int] = {}
+            while e.stats()["notifications"]["pending"]:
+                note = await e.wait_notification(timeout=1.0)
+                payloads[note.payload.hex()] = payloads.get(note.payload.hex(), 0) + 1
+            return {"taken": sum(payloads.values()), "payloads": payloads}
         if op == "exit":
             return {"exit": True}
         raise ValueError(f"unknown op {op!r}")

@@ -59,3 +59,18 @@ def test_bench_latency_reports_percentiles(tmp_path):
     assert kv["n"] == 300 and 0 < kv["p50_us"] <= kv["p99_us"] <= kv["max_us"]
     assert set(r["kv_over"]) == {"raw socket", "uvloop streams"}
     check_png(prefix, out)
+
+
+def test_bench_soak_samples_at_rest_and_says_flat(tmp_path):
+    """A short soak (4 cycles of 1 s): the rest samples, the verdict, the notification
+    accounting (each successful notified push received and consumed once)."""
+    prefix = tmp_path / "soak"
+    out = bench("soak", "--minutes", "0.05", "--cycle", "1", "--out", str(prefix))
+    assert "soak: flat" in out, out[-2000:]
+    r = json.loads((tmp_path / "soak.json").read_text())
+    assert len(r["samples"]) == 4 and r["problems"] == []
+    assert r["notified_ok"] > 0 and r["notifications"]["received"] == r["notes_taken"] == r["notified_ok"]
+    assert set(r["statuses"]) == {"LLM_SUCCESS"}
+    for s in r["samples"]:
+        assert s["prefill_live"]["jobs_live"] == 0 and s["decode"]["fds"] > 0
+    check_png(prefix, out)
