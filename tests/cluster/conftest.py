@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from . import netbed
+from kvengine.bench import netbed
 
 
 

@@ -18,8 +18,8 @@ import pytest
 
 import kvengine as kv
 
-from . import netbed
-from .netbed import HB, SECRET, SILENT_BOUND
+from kvengine.bench import netbed
+from kvengine.bench.netbed import HB, SECRET, SILENT_BOUND
 
 CYCLES, WARMUP = 20, 3
 SHAPE = [1, 1 << 20]            # one 1 MiB row per push

@@ -13,14 +13,14 @@ import sys
 
 from kvengine import control
 
-from . import netbed
-from .netbed import HB, SECRET
+from kvengine.bench import netbed
+from kvengine.bench.netbed import HB, SECRET
 
 _PRINT = "from kvengine.control import host_identity; print(host_identity())"
 
 
 def _identity_in(ns: str) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (netbed.REPO, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (netbed.ROOT, os.environ.get("PYTHONPATH")) if p))
     return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _PRINT], capture_output=True,
                           text=True, check=True, env=env, timeout=30).stdout.strip()
 

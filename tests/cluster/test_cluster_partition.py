@@ -14,8 +14,8 @@ import time
 
 from kvengine import LLMStatusCode as S
 
-from . import netbed
-from .netbed import HB, SECRET, SILENT_BOUND
+from kvengine.bench import netbed
+from kvengine.bench.netbed import HB, SECRET, SILENT_BOUND
 
 ROWS, TENSORS, ROW_BYTES = 4, 2, 8 << 20     # a push or pull moves one row: 2 x 8 MiB
 SRC_SEED, DST_SEED = 11, 22

@@ -20,8 +20,8 @@ import pytest
 
 from kvengine import LLMStatusCode as S
 
-from . import netbed
-from .netbed import HB, SECRET, SILENT_BOUND
+from kvengine.bench import netbed
+from kvengine.bench.netbed import HB, SECRET, SILENT_BOUND
 
 ROWS, TENSORS, ROW_BYTES = 4, 2, 8 << 20
 SRC_SEED, DST_SEED = 31, 42

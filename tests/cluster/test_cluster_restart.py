@@ -17,8 +17,8 @@ import time
 
 from kvengine import LLMStatusCode as S
 
-from . import netbed
-from .netbed import SECRET
+from kvengine.bench import netbed
+from kvengine.bench.netbed import SECRET
 
 ROWS, TENSORS, ROW_BYTES = 4, 2, 4 << 20
 HB = {"heartbeat_interval": 0.5, "heartbeat_timeout": 4.0, "link_timeout": 4.0}   # a slow heartbeat:

@@ -14,8 +14,8 @@ import asyncio
 
 from kvengine import LLMStatusCode as S
 
-from . import netbed
-from .netbed import HB, HBT, SECRET, SLACK
+from kvengine.bench import netbed
+from kvengine.bench.netbed import HB, HBT, SECRET, SLACK
 
 LAYER = [16, 64 << 10]           # 16 rows of one 64 KiB layer
 N, GAP = 300, 0.004              # one-layer pushes per run, and the pause between them

@@ -1,4 +1,5 @@
-"""An engine in a host namespace of the test bed, driven by JSON lines (tests/cluster).
+"""An engine in a host namespace of the test bed (kvengine/bench/netbed.py), driven by JSON
+lines: used by tests/cluster and `kvengine bench cluster`.
 
 kvengine._peer's server (alloc, fill, addrs, digest, link, push_start, push_wait,
 wait_link_down, stats, ...) plus what the fault matrix needs:
@@ -13,7 +14,7 @@ wait_link_down, stats, ...) plus what the fault matrix needs:
   happens to it (listener churn);
 - ``gc``: a full garbage collection (leak measurements).
 
-    ip netns exec NS python tests/cluster/agent.py --cluster-id 2 --listen 10.213.0.2:0
+    ip netns exec NS python -m kvengine.bench.agent --cluster-id 2 --listen 10.213.0.2:0
 
 prints ``{"address": ..., "pid": ...}`` like kvengine._peer.
 """
@@ -26,6 +27,7 @@ import json
 import os
 import sys
 from collections import Counter
+from typing import Any
 
 import kvengine as kv
 from kvengine._peer import _Server
@@ -36,8 +38,8 @@ class Server(_Server):
         super().__init__(engine)
         self.args, self.opts = args, opts
         self.times: dict[int, tuple[float, float | None]] = {}   # handle -> (submit, status time)
-        self.hammer: asyncio.Task | None = None
-        self.hammer_counts: Counter = Counter()
+        self.hammer: asyncio.Task[None] | None = None
+        self.hammer_counts: Counter[str] = Counter()
         self.hammer_stop = asyncio.Event()
 
     def _track(self, t: kv.Transfer) -> int:
@@ -52,7 +54,7 @@ class Server(_Server):
         asyncio.ensure_future(stamp())
         return handle
 
-    async def handle(self, m: dict) -> dict:
+    async def handle(self, m: dict[str, Any]) -> dict[str, Any]:
         kv_, e = self.kv, self.engine
         op = m["op"]
         if op == "push_start":   # as _peer's, but stamped
@@ -75,13 +77,13 @@ class Server(_Server):
             out = []
             for h, t in zip(hs, ts):
                 t0, t1 = self.times[h]
-                out.append([int(t.status) if t.done() else None, t0, t1])
+                out.append([int(t.status) if t.status is not None else None, t0, t1])
             return {"done": out}
         if op == "series":   # sequential pushes of cache rows, round robin over [cluster, dst cache]
             loop = asyncio.get_running_loop()
             src = self.caches[m["cache_id"]]
             lat: dict[str, list[float]] = {}
-            sts: dict[str, Counter] = {}
+            sts: dict[str, Counter[str]] = {}
             targets = m["targets"]
             for cid, dst in targets:   # a cache allocated just now may not be announced yet
                 await e.wait_remote_cache(cid, dst, timeout=m.get("deadline"))
@@ -112,7 +114,8 @@ class Server(_Server):
             return {}
         if op == "hammer_stop":
             self.hammer_stop.set()
-            await asyncio.wait_for(self.hammer, m.get("wait", 30))
+            if self.hammer is not None:
+                await asyncio.wait_for(self.hammer, m.get("wait", 30))
             return {"counts": dict(self.hammer_counts)}
         if op == "gc":   # a full collection: what only a reference cycle kept alive goes now
             import gc
@@ -151,7 +154,7 @@ async def serve(args: argparse.Namespace) -> None:
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
 
-    def send(obj: dict) -> None:
+    def send(obj: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
@@ -177,7 +180,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="tests/cluster/agent.py")
+    ap = argparse.ArgumentParser(prog="python -m kvengine.bench.agent")
     ap.add_argument("--cluster-id", type=int, required=True)
     ap.add_argument("--listen", required=True)
     ap.add_argument("--transport", default="auto")

@@ -10,7 +10,7 @@ bridge namespace with their other end directly in the host's).
   ``heal(i)`` sets it up again;
 - ``shape(i, rate)`` puts a tbf qdisc on both directions of host i's link;
 - ``spawn(i, ...)`` starts an engine in host i as a separate process
-  (tests/cluster/agent.py, a kvengine._peer server with a few more ops).
+  (kvengine/bench/agent.py, a kvengine._peer server with a few more ops).
 
 Cleanup: ``close()`` kills every process the bed started (by pid) and deletes its
 namespaces. Names carry a prefix and the pytest process's pid, so ``sweep()``
@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -38,17 +38,17 @@ from kvengine._peer import PeerProcess, fill_pattern
 
 PREFIX = "kvct"                      # every namespace of the bed: kvct<pid>n<k>-br / -h<i>
 SUBNET = "10.213.0"                  # inside the bed's namespaces only
-AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent.py")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the directory kvengine is imported from: the agents in the namespaces import the same code
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _seq = itertools.count()
 _open: set["NetBed"] = set()
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
-def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=30)
 
 
@@ -117,7 +117,7 @@ def sweep() -> list[str]:
 
 
 class Agent(PeerProcess):
-    """A PeerProcess (JSON lines) running tests/cluster/agent.py in a host namespace."""
+    """A PeerProcess (JSON lines) running kvengine.bench.agent in a host namespace."""
 
     host: int
     cluster_id: int
@@ -186,9 +186,9 @@ class NetBed:
     # ------------------------------------------------------------------ engines
 
     async def spawn(self, host: int, cluster_id: int, *, role: str = "DECODER", secret: bytes | None = None,
-                    transport: str = "auto", options: dict | None = None, timeout: float = 30.0) -> Agent:
+                    transport: str = "auto", options: dict[str, Any] | None = None, timeout: float = 30.0) -> Agent:
         """Start an engine (cluster ``cluster_id``) in host ``host``, listening on its address."""
-        argv = ["ip", "netns", "exec", self.hosts[host], sys.executable, AGENT,
+        argv = ["ip", "netns", "exec", self.hosts[host], sys.executable, "-m", "kvengine.bench.agent",
                 "--cluster-id", str(cluster_id), "--listen", f"{self.addr(host)}:0",
                 "--transport", transport, "--role", role]
         if options:
@@ -196,11 +196,12 @@ class NetBed:
         if secret:
             argv += ["--secret", secret.decode()]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE, env=env, cwd=REPO)
+                                                    stdout=asyncio.subprocess.PIPE, env=env, cwd=ROOT)
         self._pids.add(proc.pid)   # `ip netns exec` execs: this is the agent's pid
         try:
+            assert proc.stdout is not None   # stdout=PIPE
             line = await asyncio.wait_for(proc.stdout.readline(), timeout)
             hello = json.loads(line)
         except BaseException:
@@ -304,7 +305,7 @@ def read_remote(pid: int, addrs: list[int], size: int) -> list[np.ndarray]:
     return out
 
 
-async def remote_view(agent: PeerProcess, cache_id: int):
+async def remote_view(agent: PeerProcess, cache_id: int) -> Callable[[], list[np.ndarray[Any, Any]]]:
     """A function that reads the agent's cache ``cache_id`` now: one uint8 array per tensor."""
     info = await agent.call("addrs", cache_id=cache_id)
     addrs, size = info["addrs"], info["size"]
