@@ -183,6 +183,10 @@ class SyncLayerStream:
         self._owner._call(self.stream.set_notify, payload)
 
 
+def _detach() -> None:
+    """The finalizer of a wrapped facade: nothing to stop."""
+
+
 class SyncKvEngine:
     """A :class:`KvEngine` on its own loop thread, with blocking twins of its methods.
 
@@ -192,12 +196,14 @@ class SyncKvEngine:
     cannot listen), with the thread already stopped.
     """
 
+    _finalizer: weakref.finalize[Any, Any]
+
     def __init__(self, cluster_id: int, role: Role = Role.PROMPT, listen: str | None = None,
                  options: EngineOptions | None = None, *, loop: str = "auto") -> None:
         self.engine = engine = KvEngine(cluster_id, role, listen, options)   # checks the arguments
         self.loop_name, self.loop = new_loop(loop)
-        self._thread = threading.Thread(target=_run_loop, args=(self.loop,), daemon=True,
-                                        name=f"kvengine-{cluster_id}")
+        self._thread: threading.Thread | None = threading.Thread(
+            target=_run_loop, args=(self.loop,), daemon=True, name=f"kvengine-{cluster_id}")
         o = engine.options
         self._bound = max(o.link_timeout, o.heartbeat_timeout) + 2.0
         self._thread.start()
@@ -210,8 +216,25 @@ class SyncKvEngine:
 
     # ------------------------------------------------------------------ plumbing
 
+    @classmethod
+    def wrap(cls, engine: KvEngine, loop: asyncio.AbstractEventLoop) -> "SyncKvEngine":
+        """The blocking facade over an engine already started on ``loop``, which runs in
+        another thread (an asyncio application with worker threads). It owns neither:
+        ``close()`` only detaches the facade (later calls raise ``LLMEngineFinalizedError``);
+        close the engine on its loop."""
+        self = cls.__new__(cls)
+        self.engine, self.loop, self.loop_name = engine, loop, type(loop).__module__.split(".")[0]
+        self._thread = None
+        self._bound = 0.0
+        self._finalizer = weakref.finalize(self, _detach)
+        return self
+
     def _check_thread(self) -> None:
-        if threading.current_thread() is self._thread:
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
             raise error_for(S.LLM_FAILED, "a blocking SyncKvEngine call on its own event-loop thread (in a "
                                           "callback?) would wait for itself: use the async engine there "
                                           "(sync_engine.engine)")
