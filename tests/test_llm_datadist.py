@@ -118,8 +118,11 @@ def test_unlink_force_on_both_ends():
     out = two("unlink_force", free_port())
     p_ret, p_rets, p_arrays = out["p"]
     (d_ret, d_rets), after, relinked, d_arrays = out["d"]
-    assert d_ret == S.LLM_SUCCESS and d_rets == [S.LLM_SUCCESS]
-    assert p_ret in (S.LLM_SUCCESS, S.LLM_NOT_YET_LINK)   # the peer may have dropped its end first
+    # a forced unlink drops one end; the other end notices the closed channel and drops itself,
+    # so whichever end comes second may find no link left (docs/llm_datadist.md, "Unlink")
+    for ret, rets in ((d_ret, d_rets), (p_ret, p_rets)):
+        assert ret in (S.LLM_SUCCESS, S.LLM_NOT_YET_LINK) and rets == [ret]
+    assert S.LLM_SUCCESS in (d_ret, p_ret)
     assert after == S.LLM_NOT_YET_LINK
     assert relinked == S.LLM_SUCCESS
     assert np.array_equal(p_arrays[0][1], d_arrays[0][0]) and np.array_equal(p_arrays[1][1], d_arrays[1][0])
