@@ -15,6 +15,10 @@ order rotates every round):
 - NIXL (UCX; ``UCX_TLS=tcp`` for tcp): WRITE of the layer's two descriptors,
   polled until DONE; Mooncake TE (TCP): a batch write of the two, when installed.
 
+``--api sync`` adds the column "kvengine sync": the same push through
+``kvengine.sync`` (``SyncKvEngine.push_kv_cache``) from a worker thread, into
+the same engine on this loop: the per-call cost of the thread hand-off.
+
 Every sample is one transfer's wall time in the process that issued it. The
 ratios are the column's percentile / kvengine's (> 1: kvengine faster).
 Writes PREFIX.json and PREFIX.png.
@@ -41,6 +45,7 @@ from .throughput import KV, MEMCPY, RAW, STREAMS, add_common_args, col_name, res
 LAYERS = 32
 HALF = 32 * KiB                 # K and V of one layer: 2 x 32 KiB = 64 KiB
 ROUNDS = 10
+KV_SYNC = "kvengine sync"
 
 
 async def run(args: argparse.Namespace) -> Report:
@@ -109,6 +114,20 @@ async def run(args: argparse.Namespace) -> Report:
                 s.append(clock() - t0)
             return s
 
+        sync_engine = None
+        if args.api == "sync":
+            from ..sync import SyncKvEngine
+            sync_engine = SyncKvEngine.wrap(engine, asyncio.get_running_loop())
+
+        def sync_samples(n: int) -> list[float]:
+            assert sync_engine is not None
+            spush, s = sync_engine.push_kv_cache, []
+            for i in range(n):
+                t0 = clock()
+                spush(src, idx, 0, ext_param=exts[i % LAYERS], timeout=10)
+                s.append(clock() - t0)
+            return s
+
         async def streams_samples(n: int) -> list[float]:
             assert streams is not None   # a tcp column
             return [await streams.send(payload) for _ in range(n)]
@@ -116,6 +135,8 @@ async def run(args: argparse.Namespace) -> Report:
         async def samples(name: str, n: int) -> list[float]:
             if name == KV:
                 return await kv_samples(n)
+            if name == KV_SYNC:
+                return await asyncio.to_thread(sync_samples, n)
             if name == MEMCPY:
                 return memcpy_samples(n)
             if name == RAW:
@@ -126,7 +147,7 @@ async def run(args: argparse.Namespace) -> Report:
                 return await streams_samples(n)
             return await asyncio.to_thread(pairs[name].run, keys, n)
 
-        configs = [KV] + ([MEMCPY] if T == "shm" else [RAW, STREAMS]) + list(pairs)
+        configs = [KV] + ([KV_SYNC] if sync_engine is not None else []) + ([MEMCPY] if T == "shm" else [RAW, STREAMS]) + list(pairs)
         per = max(1, args.n // ROUNDS)
         say(f"setup {time.perf_counter() - t_setup:.1f} s; measuring: {len(configs)} columns x {ROUNDS} rounds x "
             f"{per} samples, interleaved (columns: {', '.join(col_name(n, T) for n in configs)})", flush=True)
@@ -166,7 +187,8 @@ def report(r: Report) -> list[str]:
     lines = [f"kvengine bench latency --transport {T}: one-layer push (K + V = 2 x 32 KiB = 64 KiB), awaited one "
              f"at a time, {res[KV]['n']} samples per column in {ROUNDS} interleaved rounds ({r['loop']} here); "
              f"'x kv' = that column's percentile / kvengine's (> 1: kvengine faster)", ""]
-    what = {KV: "push_kv_cache into another process", MEMCPY: "np.copyto of the 2 rows, this process",
+    what = {KV: "push_kv_cache into another process",
+            KV_SYNC: "SyncKvEngine.push_kv_cache from a thread, same engine", MEMCPY: "np.copyto of the 2 rows, this process",
             RAW: "64 KiB sendall + 1-byte ack", STREAMS: "64 KiB write/drain + 1-byte ack",
             P.NIXL: "WRITE of 2 descriptors, until DONE", P.MOONCAKE: "batch write of 2, sync (local completion)"}
     rows = []
@@ -193,7 +215,7 @@ def plot(r: Report, path: str) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
     T = r["transport"]
-    color = {KV: "tab:blue", MEMCPY: "grey", RAW: "grey", STREAMS: "tab:brown", P.NIXL: "tab:green",
+    color = {KV: "tab:blue", KV_SYNC: "tab:purple", MEMCPY: "grey", RAW: "grey", STREAMS: "tab:brown", P.NIXL: "tab:green",
              P.MOONCAKE: "tab:orange"}
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     ax = axes[0]
@@ -235,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvengine bench latency", description=__doc__.split("\n")[0],
                                  epilog="Peers: pip install -e '.[peers]' or benchmarks/install_peers.sh; see docs/benchmarks.md.")
     add_common_args(ap, "latency")
+    ap.add_argument("--api", choices=["async", "sync"], default="async",
+                    help="sync: add a column pushing through kvengine.sync from a worker thread")
     ap.add_argument("--n", type=int, default=None, help="samples per column (default 50000, --quick 3000)")
     args = ap.parse_args(argv)
     resolve_common(ap, args, "latency")
