@@ -12,7 +12,9 @@ wait_link_down, stats, ...) plus what the fault matrix needs:
 - ``reopen``: close the engine and start a new one on the same address;
 - ``hammer_start`` / ``hammer_stop``: keep linking and pushing to a peer, whatever
   happens to it (listener churn);
-- ``gc``: a full garbage collection (leak measurements).
+- ``gc``: a full garbage collection (leak measurements);
+- ``mix``, ``verify_start`` / ``verify_stop``: the load of ``kvengine bench cluster``
+  and its byte and notification checks (kvengine/bench/mix.py).
 
     ip netns exec NS python -m kvengine.bench.agent --cluster-id 2 --listen 10.213.0.2:0
 
@@ -32,6 +34,8 @@ from typing import Any
 import kvengine as kv
 from kvengine._peer import _Server
 
+from . import mix
+
 
 class Server(_Server):
     def __init__(self, engine: kv.KvEngine, args: argparse.Namespace, opts: kv.EngineOptions) -> None:
@@ -41,6 +45,7 @@ class Server(_Server):
         self.hammer: asyncio.Task[None] | None = None
         self.hammer_counts: Counter[str] = Counter()
         self.hammer_stop = asyncio.Event()
+        self.verifier: mix.Verifier | None = None
 
     def _track(self, t: kv.Transfer) -> int:
         loop = asyncio.get_running_loop()
@@ -117,6 +122,14 @@ class Server(_Server):
             if self.hammer is not None:
                 await asyncio.wait_for(self.hammer, m.get("wait", 30))
             return {"counts": dict(self.hammer_counts)}
+        if op == "mix":   # kvengine bench cluster, prefill side (kvengine/bench/mix.py)
+            return await mix.run_mix(e, m["index"], self.caches[m["layer_cache"]], self.caches[m["big_cache"]],
+                                     m["targets"], m["seconds"], m.get("gap", 0.002))
+        if op == "verify_start":   # ... decode side: check each notification's row as it arrives
+            self.verifier = mix.Verifier(e, self.caches)
+            return {}
+        if op == "verify_stop":
+            return await self.verifier.stop(m.get("expect", 0)) if self.verifier is not None else {}
         if op == "gc":   # a full collection: what only a reference cycle kept alive goes now
             import gc
             return {"collected": gc.collect()}
