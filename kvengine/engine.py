@@ -166,7 +166,7 @@ class KvEngine:
         """
         p = self._open()
         keys = p.keys.check(cache_keys, check_desc(desc).batch_size)
-        return self._keyed(p, p.registry.allocate(desc), keys)
+        return p.keys.bind_all(p.registry.allocate(desc), keys)
 
     async def allocate_cache_async(self, desc: CacheDesc, cache_keys: Sequence[CacheKey] | None = None) -> Cache:
         """:meth:`allocate_cache`, with the pre-faulting in a worker thread."""
@@ -178,7 +178,7 @@ class KvEngine:
         except LLMError:
             await p.registry.unregister(cache.cache_id)
             raise
-        return self._keyed(p, cache, keys)
+        return p.keys.bind_all(cache, keys)
 
     def register_kv_cache(self, desc: CacheDesc, tensors: Sequence[Any],
                           cache_keys: Sequence[CacheKey] | None = None) -> Cache:
@@ -191,13 +191,7 @@ class KvEngine:
         """
         p = self._open()
         keys = p.keys.check(cache_keys, check_desc(desc).batch_size)
-        return self._keyed(p, p.registry.register(desc, tensors), keys)
-
-    @staticmethod
-    def _keyed(p: Parts, cache: Cache, keys: list[tuple[tuple[int, int, int], int]]) -> Cache:
-        # bound before the cache's announcement task runs: it carries the keys
-        p.keys.bind_all(cache.cache_id, keys)
-        return cache
+        return p.keys.bind_all(p.registry.register(desc, tensors), keys)
 
     def bind_cache_key(self, cache: Cache, key: CacheKey, batch_index: int = 0) -> None:
         """Bind ``key`` to row ``batch_index`` of a registered ``cache``, and announce it to

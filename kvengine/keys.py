@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from .link import Key
 from .status import LLMStatusCode as S, error_for
-from .types import CacheKey, param_invalid
+from .types import Cache, CacheKey, param_invalid
 
 __all__ = ["KeyTable", "KeyPeers"]
 
@@ -97,11 +97,12 @@ class KeyTable:
 
     # ------------------------------------------------------------ changes
 
-    def bind_all(self, cache_id: int, pairs: list[tuple[Key, int]]) -> None:
-        """Bind keys that :meth:`check` accepted, for a cache being registered now (its
-        announcement to the peers carries them: no separate announcement)."""
+    def bind_all(self, cache: Cache, pairs: list[tuple[Key, int]]) -> Cache:
+        """Bind keys that :meth:`check` accepted to a cache registered just now, before its
+        announcement task runs (which carries them: no separate announcement)."""
         for key, row in pairs:
-            self._add(key, cache_id, row)
+            self._add(key, cache.cache_id, row)
+        return cache
 
     def bind(self, cache_id: int, batch_size: int, key: Any, row: Any) -> None:
         """Bind one key to row ``row`` of a registered cache, and tell the peers."""

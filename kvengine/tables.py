@@ -114,7 +114,7 @@ class CacheTables:
                 link.told[want[0]] = set()
             await link.ch.send({"t": "key_add", "key": list(key), "cache": want[0], "row": want[1]})
             link.told_keys[key] = want
-            link.told[want[0]].add(key)
+            link.told.setdefault(want[0], set()).add(key)   # (the link may have dropped its record)
 
     async def send_cache_del(self, link: Link, msg: dict[str, Any]) -> None:
         """Send a cache_del after everything told of that cache (its keys go with it)."""
