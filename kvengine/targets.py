@@ -29,6 +29,8 @@ import array
 import asyncio
 from typing import Any, Callable, cast
 
+import numpy as np
+
 from . import plan
 from .link import Key, Link, RemoteCache
 from .links import LinkManager
@@ -113,12 +115,17 @@ class Targets:
             rc, row = bound
             return link, rc, row, f"{where} (cluster {cluster_id} cache {rc.cache_id} row {row})"
         cache_id = where.cache_id
-        rc_or_none = link.remote.get(cache_id) if int_in(cache_id, 0, _U64) else None
+        try:
+            rc_or_none = link.remote.get(cache_id)   # numpy ints hash as ints
+        except TypeError:
+            rc_or_none = None
         if rc_or_none is None:
-            if asked or not link.up or not int_in(cache_id, 0, _U64):
+            ident = int(cache_id) if isinstance(cache_id, (int, np.integer)) and not isinstance(cache_id, bool) \
+                else -1
+            if asked or not link.up or not int_in(ident, 0, _U64):
                 raise error_for(S.LLM_KV_CACHE_NOT_EXIST, f"cluster {cluster_id} has no cache {cache_id!r}"
                                                           + (" (asked it)" if asked else ""))
-            raise _Unannounced(link, ("id", cache_id))
+            raise _Unannounced(link, ("id", ident))
         row = where.batch_index if isinstance(where, CacheIndex) else 0
         return link, rc_or_none, row, f"cluster {cluster_id} cache {cache_id}"
 

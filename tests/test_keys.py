@@ -146,6 +146,10 @@ async def test_unknown_keys_and_names(pair):
         await d.pull_kv_cache(kv.CacheKey(1, 6), dst)
     with pytest.raises(kv.LLMKvCacheNotExistError, match="no cache 77"):
         await d.pull_kv_cache(kv.CacheIndex(1, 77, 0), dst)
+    with pytest.raises(kv.LLMKvCacheNotExistError, match="no cache 'x'"):
+        await d.pull_kv_cache(kv.CacheIndex(1, "x", 0), dst)
+    src = p.allocate_cache(DESC)        # a numpy int names a cache too, known or asked for
+    assert await d.pull_kv_cache(kv.CacheIndex(1, np.int64(src.cache_id), 0), dst) == S.LLM_SUCCESS
     with pytest.raises(kv.LLMParamInvalidError, match="padding"):
         await d.pull_kv_cache(kv.CacheKey(1, 2**64 - 1), dst)
     with pytest.raises(kv.LLMParamInvalidError, match="is this engine"):
@@ -283,6 +287,7 @@ async def test_pull_by_key_across_processes(xpair, kind):
     assert await e.pull_kv_cache(kv.CacheKey(2, 600), dst, batch_index=0) == S.LLM_SUCCESS
     assert row_digests(dst.tensors)[3][0] == theirs[3][1]
     await peer.call("remove_key", key=[2, 600, 0])
+    await until(lambda: e.stats()["links"][2]["remote_keys"] == 3)   # the key_del is on its way
     with pytest.raises(kv.LLMKvCacheNotExistError):
         await e.pull_kv_cache(kv.CacheKey(2, 600), dst)
 
