@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from . import status
 from .status import *  # noqa: F401,F403  (LLMStatusCode, LLMError, LINK_USABLE_AFTER, one class per code)
-from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, ClusterInfo, DataType,
+from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, CacheKey, ClusterInfo, DataType,
                     EngineOptions, KvCacheExtParam, Placement, Role)
 
 if TYPE_CHECKING:   # loaded lazily (they need the compiled core): see __getattr__
@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "KvEngine", "Transfer", "Notification", "LayerStream",
     "EngineOptions", "Role", "Placement", "DataType",
-    "CacheDesc", "Cache", "CacheIndex", "BlocksCacheKey", "KvCacheExtParam", "ClusterInfo",
+    "CacheDesc", "Cache", "CacheIndex", "CacheKey", "BlocksCacheKey", "KvCacheExtParam", "ClusterInfo",
     "__version__",
 ]
 __all__ += status.__all__

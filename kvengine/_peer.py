@@ -148,18 +148,25 @@ class _Server:
     async def handle(self, m: Message) -> Message:
         kv, e = self.kv, self.engine
         op = m["op"]
-        if op in ("alloc", "register"):
+        if op in ("alloc", "register"):   # "keys": [[cluster, req, model], ...] bound to rows 0, 1, ...
             desc = self._desc(m)
+            keys = [kv.CacheKey(*k) for k in m["keys"]] if m.get("keys") is not None else None
             if op == "alloc":
-                cache = e.allocate_cache(desc)
+                cache = e.allocate_cache(desc, cache_keys=keys)
             else:
                 bufs = [np.zeros(desc.shape, dtype=desc.dtype.numpy_dtype) for _ in range(desc.num_tensors)]
-                cache = e.register_kv_cache(desc, bufs)
+                cache = e.register_kv_cache(desc, bufs, cache_keys=keys)
             if m.get("fill") is not None:
                 for i, arr in enumerate(cache.tensors):
                     fill_pattern(arr, m["fill"], i)
             self.caches[cache.cache_id] = cache
             return {"cache_id": cache.cache_id}
+        if op == "bind_key":
+            e.bind_cache_key(self.caches[m["cache_id"]], kv.CacheKey(*m["key"]), m.get("row", 0))
+            return {}
+        if op == "remove_key":
+            e.remove_cache_key(kv.CacheKey(*m["key"]))
+            return {}
         if op == "fill":
             for i, arr in enumerate(self.caches[m["cache_id"]].tensors):
                 fill_pattern(arr, m["seed"], i)

@@ -6,8 +6,10 @@ Owns: the lifecycle (start, close), the loop that started it, and the parts
 - the cache registry (kvengine/registry.py): our caches;
 - the link manager (kvengine/links.py) with the handshake (handshake.py,
   accept.py) and the cache tables (tables.py): our peers;
-- the scheduler (kvengine/scheduler.py) with the planner (plan.py) and the
-  accounting (stats.py): transfers;
+- the request keys bound to our rows (kvengine/keys.py);
+- the transfer front (kvengine/targets.py: what a transfer names, ask once)
+  and the scheduler (kvengine/scheduler.py) with the planner (plan.py) and
+  the accounting (stats.py): transfers;
 - the notifier (kvengine/notify.py): push notifications.
 
 Threading: every method runs on the event loop thread, except the native
@@ -20,19 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from . import control, plan
 from .layers import LayerStream
-from .link import Link, RemoteCache
 from .notify import Notification
 from .parts import Parts
-from .registry import LocalCache
+from .registry import check_desc
 from .stats import Accounting
 from .status import LLMError, LLMStatusCode as S, LinkResult, error_for, overall
+from .targets import Segments
 from .transfer import Transfer
-from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, ClusterInfo, EngineOptions, KvCacheExtParam,
-                    Role, check_timeout, param_invalid)
+from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, CacheKey, ClusterInfo, EngineOptions,
+                    KvCacheExtParam, Role, check_timeout, param_invalid)
 
 __all__ = ["KvEngine"]
 
@@ -151,7 +153,7 @@ class KvEngine:
 
     # ------------------------------------------------------------------- caches
 
-    def allocate_cache(self, desc: CacheDesc) -> Cache:
+    def allocate_cache(self, desc: CacheDesc, cache_keys: Sequence[CacheKey] | None = None) -> Cache:
         """Engine-owned cache in shared memory (memfd), pre-faulted.
 
         Peers on this host map it and write straight into it. ``cache.tensors``
@@ -159,32 +161,64 @@ class KvEngine:
         Pre-faulting runs on the calling thread (~0.3-2 s per GiB on these VMs): for
         large caches on a live engine use :meth:`allocate_cache_async`, which keeps
         the loop (and so the links' heartbeats) running meanwhile.
+        ``cache_keys``: key i names batch row i (see :meth:`bind_cache_key`).
         """
-        return self._open().registry.allocate(desc)
+        p = self._open()
+        keys = p.keys.check(cache_keys, check_desc(desc).batch_size)
+        return p.keys.bind_all(p.registry.allocate(desc), keys)
 
-    async def allocate_cache_async(self, desc: CacheDesc) -> Cache:
+    async def allocate_cache_async(self, desc: CacheDesc, cache_keys: Sequence[CacheKey] | None = None) -> Cache:
         """:meth:`allocate_cache`, with the pre-faulting in a worker thread."""
-        return await self._open().registry.allocate_async(desc)
+        p = self._open()
+        p.keys.check(cache_keys, check_desc(desc).batch_size)
+        cache = await p.registry.allocate_async(desc)
+        try:   # checked again: a key may have been bound meanwhile
+            keys = p.keys.check(cache_keys, desc.batch_size)
+        except LLMError:
+            await p.registry.unregister(cache.cache_id)
+            raise
+        return p.keys.bind_all(cache, keys)
 
-    def register_kv_cache(self, desc: CacheDesc, tensors: Sequence[Any]) -> Cache:
+    def register_kv_cache(self, desc: CacheDesc, tensors: Sequence[Any],
+                          cache_keys: Sequence[CacheKey] | None = None) -> Cache:
         """Register caller-owned buffers, one per tensor (LLM-DataDist's RegisterKvCache).
 
         Each must be C-contiguous, writable, exactly ``desc.size`` bytes: numpy
         arrays, memoryviews, bytearrays, anything with the buffer protocol or
         ``__dlpack__`` (CPU torch tensors). They stay referenced until unregistered.
+        ``cache_keys``: key i names batch row i (see :meth:`bind_cache_key`).
         """
-        return self._open().registry.register(desc, tensors)
+        p = self._open()
+        keys = p.keys.check(cache_keys, check_desc(desc).batch_size)
+        return p.keys.bind_all(p.registry.register(desc, tensors), keys)
+
+    def bind_cache_key(self, cache: Cache, key: CacheKey, batch_index: int = 0) -> None:
+        """Bind ``key`` to row ``batch_index`` of a registered ``cache``, and announce it to
+        every linked peer (a peer then pushes to or pulls from ``key`` as from a
+        :class:`CacheIndex`). ``key.cluster_id`` must be this engine's cluster id; a key
+        already bound raises ``LLMCacheKeyAlreadyExistError``; bad input ``LLMParamInvalidError``."""
+        p = self._open()
+        state = p.registry.get(cache)
+        p.keys.bind(state.cache.cache_id, state.cache.desc.batch_size, key, batch_index)
+
+    def remove_cache_key(self, key: CacheKey) -> None:
+        """Unbind ``key`` (peers forget it); an unknown key is a no-op, as in LLM-DataDist."""
+        self._open().keys.remove(key)
 
     def unregister_kv_cache(self, cache_id: int) -> asyncio.Future[None]:
         """Forget a cache (an unknown id is a no-op, as in LLM-DataDist).
 
         New transfers naming it fail at once with ``LLM_KV_CACHE_NOT_EXIST``.
+        Its keys are unbound (peers forget them with the cache).
         The memory stays referenced until transfers in flight on it have finished
         (bounded by their deadlines and fences) and every linked peer has confirmed it
         will not touch it any more; a peer that does not confirm within ``link_timeout``
         is unlinked. Returns a future that is done then; awaiting it is optional.
         """
-        return self._open().registry.unregister(cache_id)
+        p = self._open()
+        if cache_id in p.registry:
+            p.keys.drop_cache(cache_id)
+        return p.registry.unregister(cache_id)
 
     # -------------------------------------------------------------------- links
 
@@ -252,62 +286,43 @@ class KvEngine:
 
     # ---------------------------------------------------------------- transfers
 
-    def _submit(self, op: str, cache: Any, where: Any, name: str, kind: type, timeout: Any, priority: Any,
-                notify: Any,
-                segments: Callable[[Parts, LocalCache, RemoteCache], tuple[Any, int]]) -> Transfer:
-        """Check, plan and launch one push or pull; a failed check is a finished Transfer."""
-        p = self._p
+    def _submit(self, op: str, cache: Any, where: Any, name: str, kinds: tuple[type, ...], timeout: Any,
+                priority: Any, notify: Any, segments: Segments) -> Transfer:
+        """Check, plan and launch one push or pull (kvengine/targets.py); a failed check is
+        a finished Transfer."""
         try:
             p = self._open()
-            local = p.registry.get(cache)
-            if not isinstance(where, kind):
-                raise param_invalid(f"{name} must be a {kind.__name__}, got {type(where).__name__}")
-            target: Any = where
-            link, rc = self._remote(p, target.cluster_id, target.cache_id)
-            tmo, prio, note = plan.transfer_options(timeout, self.options.sync_kv_timeout, priority, notify)
-            segs, total = segments(p, local, rc)
-            to = "to" if op.startswith("push") else "from"
-            return p.scheduler.launch(link, (local, rc), segs, total, tmo, prio, note,
-                                      f"{op} {to} cluster {target.cluster_id} cache {target.cache_id}",
-                                      link.lease_id if op.startswith("push") else 0)
         except LLMError as e:
-            return Transfer.failed(p.scheduler if p is not None else None, op, e.status, e.message)
+            return Transfer.failed(self._p.scheduler if self._p is not None else None, op, e.status, e.message)
+        return p.targets.submit(op, cache, where, name, kinds, timeout, priority, notify, segments)
 
-    def _remote(self, p: Parts, cluster_id: Any, cache_id: Any) -> tuple[Link, RemoteCache]:
-        link = p.links.get(cluster_id)
-        if link is None:
-            if cluster_id == self.cluster_id:
-                raise param_invalid(f"cluster {cluster_id} is this engine: transfers need a peer")
-            raise error_for(S.LLM_NOT_YET_LINK, f"cluster {cluster_id!r} is not linked")
-        rc = link.remote.get(cache_id)
-        if rc is None:
-            raise error_for(S.LLM_KV_CACHE_NOT_EXIST, f"cluster {cluster_id} has no cache {cache_id!r}")
-        return link, rc
-
-    def submit_push_kv_cache(self, cache: Cache, dst_index: CacheIndex, src_batch_index: int = 0,
+    def submit_push_kv_cache(self, cache: Cache, dst_index: CacheIndex | CacheKey, src_batch_index: int = 0,
                              size: int = -1, ext_param: KvCacheExtParam | None = None,
                              timeout: float | None = None, priority: int = 0,
                              notify: bytes | None = None) -> Transfer:
         """Start writing row ``src_batch_index`` of local ``cache`` into the peer's
-        ``dst_index`` row; returns a :class:`Transfer` (awaiting it never raises)."""
-        return self._submit("push_kv_cache", cache, dst_index, "dst_index", CacheIndex, timeout, priority, notify,
-                            lambda p, local, rc: p.planner.segments(
-                                ("pc", local.serial, rc.serial, src_batch_index, dst_index.batch_index, size,
-                                 ext_param),
+        ``dst_index`` row (a :class:`CacheIndex`, or a :class:`CacheKey` the peer
+        ``key.cluster_id`` bound to a row); returns a :class:`Transfer` (awaiting it never
+        raises). A cache or key the peer has not announced yet is asked for first."""
+        return self._submit("push_kv_cache", cache, dst_index, "dst_index", (CacheIndex, CacheKey), timeout,
+                            priority, notify,
+                            lambda planner, local, rc, row: planner.segments(
+                                ("pc", local.serial, rc.serial, src_batch_index, row, size, ext_param),
                                 lambda: plan.plan_cache(local.cache.desc, rc.desc, src_batch_index,
-                                                        dst_index.batch_index, size, ext_param, op="push"),
+                                                        row, size, ext_param, op="push"),
                                 local.cache._regions, rc.regions))
 
-    def submit_pull_kv_cache(self, src_index: CacheIndex, cache: Cache, batch_index: int = 0,
+    def submit_pull_kv_cache(self, src_index: CacheIndex | CacheKey, cache: Cache, batch_index: int = 0,
                              size: int = -1, ext_param: KvCacheExtParam | None = None,
                              timeout: float | None = None, priority: int = 0) -> Transfer:
-        """Start reading the peer's ``src_index`` row into row ``batch_index`` of local
-        ``cache``; ``size`` is bytes per tensor or -1 for the whole row."""
-        return self._submit("pull_kv_cache", cache, src_index, "src_index", CacheIndex, timeout, priority, None,
-                            lambda p, local, rc: p.planner.segments(
-                                ("lc", local.serial, rc.serial, src_index.batch_index, batch_index, size,
-                                 ext_param),
-                                lambda: plan.plan_cache(rc.desc, local.cache.desc, src_index.batch_index,
+        """Start reading the peer's ``src_index`` row (a :class:`CacheIndex` or a
+        :class:`CacheKey`) into row ``batch_index`` of local ``cache``; ``size`` is bytes
+        per tensor or -1 for the whole row."""
+        return self._submit("pull_kv_cache", cache, src_index, "src_index", (CacheIndex, CacheKey), timeout,
+                            priority, None,
+                            lambda planner, local, rc, row: planner.segments(
+                                ("lc", local.serial, rc.serial, row, batch_index, size, ext_param),
+                                lambda: plan.plan_cache(rc.desc, local.cache.desc, row,
                                                         batch_index, size, ext_param, op="pull"),
                                 rc.regions, local.cache._regions))
 
@@ -316,8 +331,8 @@ class KvEngine:
                               timeout: float | None = None, priority: int = 0,
                               notify: bytes | None = None) -> Transfer:
         """Start writing local blocks ``src_blocks[i]`` into the peer's ``dst_blocks[i]``."""
-        return self._submit("push_kv_blocks", cache, dst_key, "dst_key", BlocksCacheKey, timeout, priority, notify,
-                            lambda p, local, rc: p.planner.segments(None, lambda: plan.plan_blocks(
+        return self._submit("push_kv_blocks", cache, dst_key, "dst_key", (BlocksCacheKey,), timeout, priority,
+                            notify, lambda planner, local, rc, row: planner.segments(None, lambda: plan.plan_blocks(
                                 local.cache.desc, rc.desc, src_blocks, dst_blocks, ext_param, op="push"),
                                 local.cache._regions, rc.regions))
 
@@ -325,12 +340,12 @@ class KvEngine:
                               dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
                               timeout: float | None = None, priority: int = 0) -> Transfer:
         """Start reading the peer's blocks ``src_blocks[i]`` into local ``dst_blocks[i]``."""
-        return self._submit("pull_kv_blocks", cache, src_key, "src_key", BlocksCacheKey, timeout, priority, None,
-                            lambda p, local, rc: p.planner.segments(None, lambda: plan.plan_blocks(
+        return self._submit("pull_kv_blocks", cache, src_key, "src_key", (BlocksCacheKey,), timeout, priority,
+                            None, lambda planner, local, rc, row: planner.segments(None, lambda: plan.plan_blocks(
                                 rc.desc, local.cache.desc, src_blocks, dst_blocks, ext_param, op="pull"),
                                 rc.regions, local.cache._regions))
 
-    async def push_kv_cache(self, cache: Cache, dst_index: CacheIndex, src_batch_index: int = 0,
+    async def push_kv_cache(self, cache: Cache, dst_index: CacheIndex | CacheKey, src_batch_index: int = 0,
                             size: int = -1, ext_param: KvCacheExtParam | None = None,
                             timeout: float | None = None, priority: int = 0,
                             notify: bytes | None = None) -> S:
@@ -342,7 +357,7 @@ class KvEngine:
         return await self.submit_push_kv_cache(cache, dst_index, src_batch_index, size, ext_param,
                                                timeout, priority, notify)._result()
 
-    async def pull_kv_cache(self, src_index: CacheIndex, cache: Cache, batch_index: int = 0,
+    async def pull_kv_cache(self, src_index: CacheIndex | CacheKey, cache: Cache, batch_index: int = 0,
                             size: int = -1, ext_param: KvCacheExtParam | None = None,
                             timeout: float | None = None, priority: int = 0) -> S:
         """PullKvCache: ``LLM_SUCCESS`` or raise the :class:`LLMError` subclass of the status."""
@@ -371,7 +386,7 @@ class KvEngine:
                      dst_blocks: Sequence[Sequence[int]] | None = None) -> LayerStream:
         """Push ``cache`` layer by layer as layers become ready (see kvengine/layers.py).
 
-        ``dsts``: ``CacheIndex`` rows (source row ``src_batch_index``), or
+        ``dsts``: ``CacheIndex`` or ``CacheKey`` rows (source row ``src_batch_index``), or
         ``BlocksCacheKey`` caches with ``src_blocks`` and ``dst_blocks`` (one list, or
         one per destination). ``timeout`` covers the whole stream. ``notify`` reaches
         each destination once all its layers landed.

@@ -28,7 +28,7 @@ from typing import Any, Callable, Protocol, Sequence
 from . import plan
 from .status import LLMStatusCode as S, error_for
 from .transfer import Transfer
-from .types import BlocksCacheKey, Cache, CacheIndex, KvCacheExtParam, as_int_list, param_invalid
+from .types import BlocksCacheKey, Cache, CacheIndex, CacheKey, KvCacheExtParam, as_int_list, param_invalid
 
 __all__ = ["LayerStream"]
 
@@ -36,7 +36,7 @@ __all__ = ["LayerStream"]
 class Pusher(Protocol):
     """What a layer stream needs of the engine: its public push methods."""
 
-    def submit_push_kv_cache(self, cache: Cache, dst_index: CacheIndex, src_batch_index: int = 0,
+    def submit_push_kv_cache(self, cache: Cache, dst_index: CacheIndex | CacheKey, src_batch_index: int = 0,
                              size: int = -1, ext_param: KvCacheExtParam | None = None,
                              timeout: float | None = None, priority: int = 0,
                              notify: bytes | None = None) -> Transfer: ...
@@ -72,8 +72,9 @@ class LayerStream:
             raise param_invalid("layer_stream needs a non-empty list of destinations")
         self._tmo, self._prio, self._notify = timeout, priority, notify
         blocks = all(isinstance(d, BlocksCacheKey) for d in dsts)
-        if not blocks and not all(isinstance(d, CacheIndex) for d in dsts):
-            raise param_invalid("destinations must all be CacheIndex (rows) or all BlocksCacheKey (blocks)")
+        if not blocks and not all(isinstance(d, (CacheIndex, CacheKey)) for d in dsts):
+            raise param_invalid("destinations must all be CacheIndex or CacheKey (rows), or all BlocksCacheKey "
+                                "(blocks)")
         per: list[list[int] | None]
         if blocks:
             if src_blocks is None or dst_blocks is None:
@@ -144,7 +145,7 @@ class LayerStream:
             if remaining <= 0:
                 self._settle(d, S.LLM_TIMEOUT)
                 continue
-            if isinstance(d.key, CacheIndex):
+            if isinstance(d.key, (CacheIndex, CacheKey)):
                 t = e.submit_push_kv_cache(self._cache, d.key, self._batch, ext_param=ext, timeout=remaining,
                                            priority=self._prio)
             else:

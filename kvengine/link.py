@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .transfer import Counted, Transfer
 
 Message = dict[str, Any]
+Key = tuple[int, int, int]   # a CacheKey on the wire and in tables: (cluster_id, req_id, model_id)
 
 
 class Channel(Protocol):
@@ -31,7 +32,7 @@ class Channel(Protocol):
     def backlog(self) -> int: ...
     def close(self) -> None: ...
 
-__all__ = ["Link", "Channel", "RemoteCache", "Detached", "TaskSet", "wait_idle", "boot_ns", "mover_lease_ns"]
+__all__ = ["Link", "Key", "Channel", "RemoteCache", "Detached", "TaskSet", "wait_idle", "boot_ns", "mover_lease_ns"]
 
 _serials = itertools.count(1)
 
@@ -39,7 +40,7 @@ _serials = itertools.count(1)
 class RemoteCache:
     """A peer's cache as this engine reaches it: regions in this engine's core."""
 
-    __slots__ = ("cache_id", "desc", "regions", "region_ids", "keep", "serial", "users", "idle")
+    __slots__ = ("cache_id", "desc", "regions", "region_ids", "keep", "serial", "keys", "users", "idle")
 
     def __init__(self, cache_id: int, desc: CacheDesc, regions: list[tuple[int, int]],
                  region_ids: list[int], keep: Any) -> None:
@@ -49,7 +50,8 @@ class RemoteCache:
         self.region_ids = region_ids
         self.keep = keep              # the peer's Cache object (local transport) or None
         self.serial = next(_serials)
-        self.users = 0            # transfers using it (Transfer keeps the count)
+        self.keys: set[Key] = set()   # the peer's keys bound to rows of it (Link.keys)
+        self.users = 0                # transfers using it (Transfer keeps the count)
         self.idle: asyncio.Future[None] | None = None
 
 
@@ -60,7 +62,7 @@ class Link:
                  "serial",
                  "up", "closing", "gone", "reader", "beat", "pending", "requests", "last_rx", "tcp_id",
                  "lease_id", "lease_until",
-                 "remote", "waiters",
+                 "remote", "waiters", "keys", "told", "told_keys", "table_lock", "answering",
                  "heap", "inflight", "inflight_bytes")
 
     def __init__(self, cluster_id: int, ch: Channel, transport: str,
@@ -91,6 +93,11 @@ class Link:
         # the cache tables (kvengine/tables.py)
         self.remote: dict[int, RemoteCache] = {}
         self.waiters: dict[int, list[asyncio.Future[S]]] = {}  # cache id -> wait_remote_cache futures
+        self.keys: dict[Key, tuple[RemoteCache, int]] = {}     # the peer's keys -> (its cache, row)
+        self.told: dict[int, set[Key]] = {}       # our caches the peer was told of -> their keys told
+        self.told_keys: dict[Key, tuple[int, int]] = {}        # our keys the peer was told of -> (cache, row)
+        self.table_lock = asyncio.Lock()          # orders what we tell the peer (tables.py)
+        self.answering = 0                        # the peer's cache_query being answered
         # the scheduler (kvengine/scheduler.py)
         self.heap: list[tuple[tuple[float, ...], Transfer]] = []   # the link's queue
         self.inflight: set[Transfer] = set()

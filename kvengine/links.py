@@ -3,7 +3,9 @@
 Owns: the link table (cluster id -> :class:`~kvengine.link.Link`), the ids
 being linked, ``wait_link`` waiters, the TCP data links' native ids, and each
 live link's tasks: the reader (control messages), the heartbeat (and, on shm,
-the mover lease it renews), requests and replies, unlink and link-down. The
+the mover lease it renews), requests and replies (``cache_query``: :meth:`LinkManager.query`),
+unlink and link-down. It is the registry's and the key table's ``peers``: it
+has the cache tables tell every live link of a cache or key change. The
 handshake (kvengine/handshake.py, kvengine/accept.py) hands it a connected
 link through :meth:`LinkManager.establish`; the cache tables
 (kvengine/tables.py) hold what each peer announced; the scheduler aborts and
@@ -20,7 +22,7 @@ from typing import Any, Awaitable, Callable
 
 from .control import ProtocolError
 from .dataplane import DataPlane
-from .link import Link, TaskSet, boot_ns, mover_lease_ns
+from .link import Key, Link, TaskSet, boot_ns, mover_lease_ns
 from .native import _native
 from .notify import Notifier
 from .registry import CacheRegistry, LocalCache
@@ -158,6 +160,8 @@ class LinkManager:
                 fut.set_result(S.LLM_SUCCESS)
         if not client:
             await link.ch.send({"t": "up"})
+        # caches registered while the tables were exchanged (sends only what the peer lacks)
+        self._tasks.spawn(self._tables.announce(link, list(self._registry)))
         log.info("linked cluster %s <-> %s (%s)", self._cluster_id, link.cluster_id, link.transport)
         return S.LLM_SUCCESS
 
@@ -201,6 +205,13 @@ class LinkManager:
                     self._on_pong(link, msg)
                 elif t == "cache_add":
                     await self._tables.on_cache_add(link, msg, fds)
+                elif t == "key_add":
+                    self._tables.on_key_add(link, msg)
+                elif t == "key_del":
+                    self._tables.on_key_del(link, msg)
+                elif t == "cache_query":
+                    req, what = self._tables.check_query(link, msg)
+                    self._tasks.spawn(self._tables.answer(link, req, what, self._options.link_timeout))
                 elif t == "cache_del":
                     self._tasks.spawn(self._on_cache_del(link, msg))
                 elif t == "unlink":
@@ -208,7 +219,8 @@ class LinkManager:
                 elif t == "notify":
                     self._notifier.on_message(link.cluster_id, msg)
                 elif t == "ok":
-                    fut = link.pending.pop(msg.get("req"), None)   # type: ignore[arg-type]
+                    req = msg.get("req")
+                    fut = link.pending.pop(req, None) if isinstance(req, int) else None
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
                 else:
@@ -266,13 +278,21 @@ class LinkManager:
             # read must not stop the judgement above (a ping that does not fit is skipped).
             link.ch.send_nowait({"t": "ping", "ts": boot_ns()} if link.lease_id else {"t": "ping"})
 
+    async def query(self, link: Link, msg: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        """Ask the peer (``cache_query``): its reply, or None (no answer within ``timeout``,
+        or the link went down). The reader has handled everything the peer sent before it."""
+        return await self._request(link, dict(msg, t="cache_query"), timeout)
+
     async def _request(self, link: Link, msg: dict[str, Any], timeout: float) -> dict[str, Any] | None:
         req = next(link.requests)
         fut: asyncio.Future[dict[str, Any] | None] = self._loop.create_future()
         link.pending[req] = fut
         try:
             async with asyncio.timeout(timeout):   # the send too: the peer may not be reading
-                await link.ch.send(dict(msg, req=req))
+                if msg["t"] == "cache_del":   # after every key_add of the cache
+                    await self._tables.send_cache_del(link, dict(msg, req=req))
+                else:
+                    await link.ch.send(dict(msg, req=req))
                 return await fut
         except (ConnectionError, TimeoutError, ProtocolError):
             return None
@@ -304,6 +324,11 @@ class LinkManager:
         for link in self.links():
             if link.up:
                 self._tasks.spawn(self._tables.announce(link, [state]))
+
+    def key_changed(self, key: Key) -> None:
+        for link in self.links():
+            if link.up:
+                self._tasks.spawn(self._tables.sync_key(link, key))
 
     async def forget(self, state: LocalCache) -> None:
         links = [link for link in self.links() if link.up]
@@ -382,7 +407,8 @@ class LinkManager:
     def summary(self) -> dict[int, dict[str, Any]]:
         return {cid: {"transport": link.transport, "state": "closing" if link.closing else "up",
                       "incarnation": link.incarnation,
-                      "remote_caches": len(link.remote), "control_backlog_bytes": link.ch.backlog(),
+                      "remote_caches": len(link.remote), "remote_keys": len(link.keys),
+                      "control_backlog_bytes": link.ch.backlog(),
                       **self._scheduler.link_summary(link)} for cid, link in self._links.items()}
 
 

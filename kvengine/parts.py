@@ -17,6 +17,7 @@ from typing import Any
 from . import plan
 from .accept import Acceptor
 from .handshake import Dialer
+from .keys import KeyTable
 from .link import TaskSet
 from .links import LinkManager
 from .native import _native
@@ -26,6 +27,7 @@ from .scheduler import Scheduler
 from .stats import Accounting
 from .status import LLMStatusCode as S
 from .tables import CacheTables
+from .targets import Targets
 from .types import EngineOptions, Role
 
 __all__ = ["Parts"]
@@ -48,14 +50,18 @@ class Parts:
         self.registry = CacheRegistry(loop, self.core, cluster_id, token)
         self.notifier = Notifier(loop, options.max_notifications, self.tasks.spawn)
         self.scheduler = Scheduler(loop, self.core, options, self.notifier, self.accounting)
-        self.tables = CacheTables(loop, self.core, self.registry)
+        self.keys = KeyTable(cluster_id)
+        self.tables = CacheTables(loop, self.core, self.registry, self.keys)
         self.links = LinkManager(loop, self.core, options, cluster_id, self.registry, self.tables,
                                  self.scheduler, self.notifier, self.tasks)
+        self.targets = Targets(loop, cluster_id, options, self.registry, self.links, self.scheduler,
+                               self.planner)
         self.incarnation = secrets.token_hex(8)   # this start of this engine: a peer tells restarts apart
         self.dialer = Dialer(loop, options, cluster_id, role, host, token, self.incarnation, self.links)
         self.acceptor = Acceptor(loop, self.core, options, cluster_id, host, token, self.incarnation, self.links,
                                  self.tasks)
         self.registry.peers = self.links
+        self.keys.peers = self.links
         self.scheduler.on_link_failed = lambda link: self.links.link_down(link, S.LLM_LINK_FAILED)
         loop.add_reader(self.core.fileno(), self.drain)
         _warn_about_secret(options)
@@ -91,6 +97,7 @@ class Parts:
         self.core.release()        # its descriptors and threads' memory, now (not at a GC)
         self.scheduler.close()
         self.registry.close()      # the core is closed: no thread touches the caches any more
+        self.keys.clear()
         await self.acceptor.wait_closed()
 
     def stats(self) -> dict[str, Any]:
@@ -102,7 +109,8 @@ class Parts:
             "peers": {f"{cid}/{tr}": c.summary() for (cid, tr), c in self.accounting.peers.items()},
             "notifications": self.notifier.stats(),
             "control_refused": self.acceptor.preauth.refused, "control_pending": self.acceptor.preauth.count,
-            "caches": len(self.registry), "data_port": self.acceptor.data_port, "native": self.core.stats(),
+            "caches": len(self.registry), "cache_keys": len(self.keys),
+            "data_port": self.acceptor.data_port, "native": self.core.stats(),
         }
 
     @staticmethod
@@ -111,7 +119,7 @@ class Parts:
         return {"transfers": 0, "bytes": 0, "by_status": {}, "queued": 0, "in_flight": 0,
                 "latency": {k: h.summary() for k, h in Accounting().all.hists.items()}, "links": {}, "peers": {},
                 "notifications": {"sent": 0, "received": 0, "dropped": 0, "pending": 0},
-                "control_refused": 0, "control_pending": 0, "caches": 0}
+                "control_refused": 0, "control_pending": 0, "caches": 0, "cache_keys": 0}
 
 
 def _warn_about_secret(opts: EngineOptions) -> None:

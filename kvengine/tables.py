@@ -1,11 +1,20 @@
-"""Cache tables: what each linked peer has told us of its caches, and what we tell it.
+"""Cache tables: what each linked peer has told us of its caches and keys, and what we tell it.
 
-Owns: ``Link.remote`` (a peer's caches, as regions in our core) and
-``Link.waiters`` (``wait_remote_cache``). It encodes our caches for each
-transport (local, memfd, cma, tcp), checks every descriptor a peer sends
-before one region is registered, and removes a peer's regions when it
-forgets a cache or the link ends. It reads the registry; it never changes it,
-and it does not decide when a link is up or down (kvengine/links.py does).
+Owns: ``Link.remote`` (a peer's caches, as regions in our core), ``Link.keys``
+(the peer's request keys -> its cache and row), ``Link.waiters``
+(``wait_remote_cache``), and what we told the peer: ``Link.told`` /
+``Link.told_keys``, under ``Link.table_lock``, which orders every message of
+our table on the channel (a key_add always follows its cache_add, a cache_del
+follows both, and the answer to a ``cache_query`` follows the announcement it
+made). Telling is idempotent: :meth:`CacheTables.sync_cache` and
+:meth:`CacheTables.sync_key` send only what the peer does not have yet.
+It encodes our caches for each transport (local, memfd, cma, tcp), checks
+every descriptor and key a peer sends before one region or key is recorded
+(bounded: ``MAX_REMOTE_CACHES`` caches, ``MAX_REMOTE_KEYS`` keys per link; a
+bad one is a protocol error that fails the link), and removes a peer's
+regions and keys when it forgets a cache or the link ends. It reads the
+registry and our key table; it never changes them, and it does not decide
+when a link is up or down (kvengine/links.py does).
 """
 
 from __future__ import annotations
@@ -17,45 +26,135 @@ from typing import Any
 
 from . import control, kernel
 from .control import ProtocolError
-from .link import Link, RemoteCache, wait_idle
+from .keys import KeyTable
+from .link import Key, Link, RemoteCache, wait_idle
 from .native import _native
 from .registry import LOCAL_REGISTRIES, CacheRegistry, LocalCache, group_regions
 from .status import LLMError, LLMStatusCode as S, error_for, to_status
-from .types import CacheDesc
+from .types import PADDING_REQ_ID, CacheDesc
 
-__all__ = ["CacheTables", "int_in"]
+__all__ = ["CacheTables", "int_in", "wire_key"]
 
 log = logging.getLogger("kvengine")
 _U64 = 2**64 - 1
+MAX_REMOTE_KEYS = 1 << 18     # keys one peer may have announced at once on a link
+MAX_ANSWERING = 4096          # a peer's cache_query being answered at once on a link
 
 
 def int_in(v: Any, lo: int, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
+def wire_key(v: Any) -> Key:
+    """A key a peer sent (``[cluster, req, model]``, uint64 each), or a ProtocolError."""
+    if not isinstance(v, list) or len(v) != 3 or not all(int_in(x, 0, _U64) for x in v):
+        raise ProtocolError(f"bad cache key {v!r}")
+    return (v[0], v[1], v[2])
+
+
 class CacheTables:
     """The per-link cache tables (see the module docstring)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, core: _native.Core, registry: CacheRegistry) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, core: _native.Core, registry: CacheRegistry,
+                 keys: KeyTable) -> None:
         self._loop = loop
         self._core = core
         self._registry = registry
+        self._keys = keys
 
     # ---------------------------------------------------------------- ours
 
     async def announce(self, link: Link, states: list[LocalCache], ready: bool = False) -> None:
-        """Send cache descriptors (and memfds) to the peer; ``ready`` ends our table."""
-        for state in states:
-            if state.cache.cache_id not in self._registry:
-                continue
-            try:
+        """Tell the peer of caches (descriptors, memfds) and their keys it does not know
+        yet; ``ready`` ends our table (then a failed send raises, for the handshake)."""
+        try:
+            async with link.table_lock:
+                for state in states:
+                    await self._sync_cache(link, state)
+                if ready:
+                    await link.ch.send({"t": "ready"})
+        except (ConnectionError, ProtocolError) as e:
+            if ready:
+                raise
+            log.warning("cannot announce caches to cluster %s: %s", link.cluster_id, e)
+
+    async def sync_key(self, link: Link, key: Key) -> None:
+        """Bring the peer's view of one of our keys up to date (key_add / key_del)."""
+        try:
+            async with link.table_lock:
+                await self._sync_key(link, key)
+        except (ConnectionError, ProtocolError) as e:
+            log.warning("cannot announce a key to cluster %s: %s", link.cluster_id, e)
+
+    async def _sync_cache(self, link: Link, state: LocalCache) -> None:
+        cid = state.cache.cache_id
+        if self._registry.by_id(cid) is not state:
+            return                      # unregistered meanwhile: the peer need not know
+        if cid not in link.told:
+            await link.ch.send(*self._describe(link, state))
+            link.told[cid] = set()
+        for key, _ in self._keys.of_cache(cid):
+            await self._sync_key(link, key)
+
+    async def _sync_key(self, link: Link, key: Key) -> None:
+        want = self._keys.lookup(key)
+        if want is not None and want[0] not in self._registry:
+            want = None
+        have = link.told_keys.get(key)
+        if have == want:
+            return
+        if have is not None:
+            del link.told_keys[key]
+            link.told.get(have[0], set()).discard(key)
+            await link.ch.send({"t": "key_del", "key": list(key)})
+        if want is not None:
+            state = self._registry.by_id(want[0])
+            if state is not None and want[0] not in link.told:
                 await link.ch.send(*self._describe(link, state))
-            except (ConnectionError, ProtocolError) as e:
-                log.warning("cannot announce cache %s to cluster %s: %s", state.cache.cache_id,
-                            link.cluster_id, e)
-                return
-        if ready:
-            await link.ch.send({"t": "ready"})
+                link.told[want[0]] = set()
+            await link.ch.send({"t": "key_add", "key": list(key), "cache": want[0], "row": want[1]})
+            link.told_keys[key] = want
+            link.told.setdefault(want[0], set()).add(key)   # (the link may have dropped its record)
+
+    async def send_cache_del(self, link: Link, msg: dict[str, Any]) -> None:
+        """Send a cache_del after everything told of that cache (its keys go with it)."""
+        async with link.table_lock:
+            for key in link.told.pop(msg["id"], set()):
+                link.told_keys.pop(key, None)
+            await link.ch.send(msg)
+
+    def check_query(self, link: Link, msg: dict[str, Any]) -> tuple[Any, tuple[str, Any]]:
+        """``(req, ("id", cache id) | ("key", key))`` of a peer's cache_query, or a ProtocolError."""
+        req = msg.get("req")
+        if not int_in(req, 0, _U64):
+            raise ProtocolError(f"bad cache_query request id {req!r}")
+        if link.answering >= MAX_ANSWERING:
+            raise ProtocolError(f"more than {MAX_ANSWERING} cache_query unanswered")
+        if "key" in msg:
+            return req, ("key", wire_key(msg["key"]))
+        if not int_in(msg.get("id"), 0, _U64):
+            raise ProtocolError(f"bad cache_query {msg!r}")
+        return req, ("id", msg["id"])
+
+    async def answer(self, link: Link, req: int, what: tuple[str, Any], timeout: float) -> None:
+        """Answer a cache_query: announce the cache (and its keys) if the peer lacks it, then
+        say whether it exists; the announcement is on the channel before the answer."""
+        link.answering += 1
+        try:
+            async with asyncio.timeout(timeout):
+                async with link.table_lock:
+                    if what[0] == "id":
+                        state = self._registry.by_id(what[1])
+                    else:
+                        bound = self._keys.lookup(what[1])
+                        state = self._registry.by_id(bound[0]) if bound is not None else None
+                    if state is not None:
+                        await self._sync_cache(link, state)
+                    await link.ch.send({"t": "ok", "req": req, "found": state is not None})
+        except (ConnectionError, ProtocolError, TimeoutError) as e:
+            log.warning("cannot answer cluster %s's cache_query: %s", link.cluster_id, e)
+        finally:
+            link.answering -= 1
 
     @staticmethod
     def _describe(link: Link, state: LocalCache) -> tuple[dict[str, Any], list[int]]:
@@ -91,7 +190,10 @@ class CacheTables:
             if msg["t"] != "cache_add":
                 for fd in fds:
                     os.close(fd)
-                raise ProtocolError(f"unexpected {msg['t']!r} while linking")
+                if msg["t"] != "key_add":
+                    raise ProtocolError(f"unexpected {msg['t']!r} while linking")
+                self.on_key_add(link, msg)
+                continue
             await self.on_cache_add(link, msg, fds)
 
     # -------------------------------------------------------------- theirs
@@ -190,10 +292,39 @@ class CacheTables:
             rids.append(rid)
         return rids
 
+    def on_key_add(self, link: Link, msg: dict[str, Any]) -> None:
+        """The peer bound a key to a row of a cache it announced. Bad input is a protocol error."""
+        key = wire_key(msg.get("key"))
+        if key[0] != link.cluster_id or key[1] == PADDING_REQ_ID:
+            raise ProtocolError(f"key {list(key)} does not name a row of cluster {link.cluster_id}")
+        cache_id: Any = msg.get("cache")
+        row: Any = msg.get("row")
+        rc = link.remote.get(cache_id) if int_in(cache_id, 0, _U64) else None
+        if rc is None:
+            raise ProtocolError(f"key {list(key)} names cache {cache_id!r}, not announced")
+        if not int_in(row, 0, rc.desc.batch_size - 1):
+            raise ProtocolError(f"key {list(key)} names row {row!r} of a cache of {rc.desc.batch_size} rows")
+        if key in link.keys:
+            raise ProtocolError(f"key {list(key)} announced twice")
+        if len(link.keys) >= MAX_REMOTE_KEYS:
+            raise ProtocolError(f"more than {MAX_REMOTE_KEYS} keys announced")
+        link.keys[key] = (rc, row)
+        rc.keys.add(key)
+
+    def on_key_del(self, link: Link, msg: dict[str, Any]) -> None:
+        """The peer unbound a key (an unknown one is a no-op: it may have gone with its cache)."""
+        key = wire_key(msg.get("key"))
+        bound = link.keys.pop(key, None)
+        if bound is not None:
+            bound[0].keys.discard(key)
+
     async def on_cache_del(self, link: Link, cache_id: Any) -> None:
-        """The peer forgets a cache: once our transfers on it ended, its regions go."""
-        rc = link.remote.pop(cache_id, None)
+        """The peer forgets a cache: its keys at once; its regions once our transfers on it ended."""
+        rc = link.remote.pop(cache_id, None) if int_in(cache_id, 0, _U64) else None
         if rc is not None:
+            for key in rc.keys:
+                link.keys.pop(key, None)
+            rc.keys.clear()
             await wait_idle(rc)  # bounded: each transfer has a deadline
             for rid in rc.region_ids:
                 self._core.region_remove(rid)
@@ -226,6 +357,9 @@ class CacheTables:
             for rid in rc.region_ids:
                 self._core.region_remove(rid)
         link.remote.clear()
+        link.keys.clear()
+        link.told.clear()
+        link.told_keys.clear()
         for futs in link.waiters.values():
             for fut in futs:
                 if not fut.done():

@@ -1,6 +1,6 @@
 """Plain data types of the public API (pure Python, no native code).
 
-Names and fields follow LLM-DataDist V2 (``CacheDesc``, ``CacheIndex``,
+Names and fields follow LLM-DataDist V2 (``CacheDesc``, ``CacheIndex``, ``CacheKey``,
 ``BlocksCacheKey``, ``KvCacheExtParam``, ``ClusterInfo``); see
 docs/api.md for the rules each field obeys.
 """
@@ -18,7 +18,7 @@ from numpy.typing import DTypeLike, NDArray
 from .status import LLMParamInvalidError, _NamedIntEnum
 
 __all__ = [
-    "Role", "Placement", "DataType", "CacheDesc", "Cache", "CacheIndex",
+    "Role", "Placement", "DataType", "CacheDesc", "Cache", "CacheIndex", "CacheKey",
     "BlocksCacheKey", "KvCacheExtParam", "ClusterInfo", "EngineOptions",
 ]
 
@@ -250,6 +250,42 @@ class CacheIndex:
     cluster_id: int
     cache_id: int
     batch_index: int = 0
+
+
+PADDING_REQ_ID = _U64   # LLM-DataDist: a key with this req_id pads an unused batch row
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    """Names batch rows by request: ``(cluster_id, req_id, model_id)``, each a uint64.
+
+    ``cluster_id`` is the cluster that bound the key to one of its rows (the prefill
+    side when decode pulls by it; LLM-DataDist's ``prompt_cluster_id``). A key with
+    ``req_id == 2**64-1`` is padding: in a ``cache_keys`` list it leaves its row
+    unbound, and it names no row. ``model_id`` tells apart keys of one request in
+    several caches (K, V, ... of one model each). Numpy integers are accepted and
+    stored as ``int``; anything else, or a value outside [0, 2**64-1], raises
+    ``LLMParamInvalidError``.
+    """
+    cluster_id: int
+    req_id: int
+    model_id: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("cluster_id", "req_id", "model_id"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) <= _U64:
+                raise param_invalid(f"CacheKey.{name} must be an int in [0, 2**64-1] (uint64), got {v!r}")
+            object.__setattr__(self, name, int(v))
+
+    @property
+    def is_padding(self) -> bool:
+        """True for a padding key (``req_id == 2**64-1``): it binds and names no row."""
+        return self.req_id == PADDING_REQ_ID
+
+    def wire(self) -> tuple[int, int, int]:
+        """``(cluster_id, req_id, model_id)``: the key in control messages and tables."""
+        return (self.cluster_id, self.req_id, self.model_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -738,7 +738,7 @@ async def test_a_peer_that_stops_reading_its_control_connection_cannot_hang_the_
         n = 50000   # ~1.2 MiB of cache_add per cache (one region per tensor): 6 fill the connection
         caches = [prefill.register_kv_cache(kv.CacheDesc(n, (1, 64), np.uint8),
                                             [np.zeros((1, 64), np.uint8) for _ in range(n)]) for _ in range(6)]
-        await poll_until(lambda: prefill.stats()["links"][HOSTILE]["control_backlog_bytes"] > (1 << 20), 10,
+        await poll_until(lambda: prefill.stats()["links"][HOSTILE]["control_backlog_bytes"] > (64 << 10), 10,
                          "our control connection to the peer is full")
         t0 = loop.time()
         released = prefill.unregister_kv_cache(caches[0].cache_id)
