@@ -207,3 +207,22 @@ async def test_paged_push_byte_exact_across_processes(transport):
             assert (await peer.call("digest", cache_id=dst))["rows"] == want
     finally:
         await peer.close()
+
+
+def test_whole_transfer_piece_is_the_plan_itself():
+    """A transfer handed to the core whole passes its packed plan as is: no copy per segment."""
+    from kvengine.transfer import Transfer
+
+    class Owner:
+        loop = None
+
+    t = Transfer(Owner(), "x")   # type: ignore[arg-type]
+    segs = np.arange(5 * 1000, dtype=np.uint64)
+    t._segs, t._left = segs, 12345
+    piece, n = t._next_piece(1 << 62)
+    assert piece is segs and n == 12345 and t._left == 0 and t._cur == segs.size
+    t._segs, t._cur, t._left = np.array([1, 0, 2, 0, 100, 3, 0, 4, 0, 50], np.uint64), 0, 150
+    piece, n = t._next_piece(120)      # a budget: cut, copied
+    assert list(piece) == [1, 0, 2, 0, 100, 3, 0, 4, 0, 20] and n == 120
+    piece, n = t._next_piece(120)
+    assert list(piece) == [3, 20, 4, 20, 30] and n == 30

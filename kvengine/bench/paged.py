@@ -227,6 +227,7 @@ def plot(r: Report, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker as mt
     T, cols, tabs = r["transport"], r["columns"], r["tables"]
     x = [t["blocks"] for t in tabs]
     style: dict[str, dict[str, Any]] = {PAGED: dict(color="tab:blue", lw=2.4, marker="o"),
@@ -243,6 +244,9 @@ def plot(r: Report, path: str) -> None:
             b.plot(x, [t["paged_over"][c] for t in tabs], label=f"paged / {c}", **style.get(c, {}))
     b.axhline(1.0, color="k", lw=0.8)
     b.axhline(0.9, color="tab:blue", lw=0.8, ls="--")
+    b.set_yscale("log")
+    b.yaxis.set_major_formatter(mt.FuncFormatter(lambda v, _: f"{v:g}x"))
+    b.yaxis.set_minor_formatter(mt.FuncFormatter(lambda v, _: f"{v:g}x" if str(v)[0] in "25" else ""))
     for ax, yl, title in ((a, "GB/s (median; band: min..max)", f"push_kv_blocks into another process, {T}"),
                           (b, "ratio (same repetition, median)", "kvengine paged / column (> 1: paged faster)")):
         ax.set_xscale("log", base=2)
