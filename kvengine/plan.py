@@ -17,7 +17,10 @@ Rules (LLM-DataDist V2, docs/api.md):
   4096 bytes, its timeout finite and positive (types.check_timeout).
 
 :class:`Planner` maps a plan onto native regions, packs it for the core and
-memoizes row plans; it is the engine's only planning state.
+memoizes row plans; it is the engine's only planning state. Block tables
+(lists, numpy integer arrays, CPU tensors through ``__dlpack__``) are checked
+and planned vectorised (:func:`check_blocks`, :meth:`Planner.blocks`): numpy
+over the runs, a Python step per tensor pair, none per block or segment.
 """
 
 from __future__ import annotations
