@@ -14,7 +14,8 @@ How each one is driven (PEERS_HOWTO of this project: measured on these CPU-only 
 - NIXL 1.5.1: ``nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
   backends=["UCX"]))`` on both sides (the progress thread spins on both vCPUs and
   halves bandwidth here), DRAM registered once, ``initialize_xfer("WRITE", ...)``
-  once per transfer shape with one descriptor per tensor, then per transfer
+  once per transfer shape with one descriptor per tensor (per segment of a block
+  table in ``--layout paged``), then per transfer
   ``transfer(h)`` and ``check_xfer_state(h)`` polled until DONE (the handle is
   re-posted). The target must keep calling ``get_new_notifs()`` while the
   initiator transfers (UCX progress: without it the first transfer never
@@ -27,6 +28,7 @@ How each one is driven (PEERS_HOWTO of this project: measured on these CPU-only 
 - Mooncake TE 0.3.13 (``mooncake-transfer-engine-non-cuda``):
   ``initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")``, ``register_memory``,
   ``batch_transfer_sync_write(peer, srcs, dsts, lens)`` with one entry per tensor
+  (per segment of a block table, at most 128 entries a call)
   (``transfer_sync_write`` for one). Its TCP write completes once the initiator has
   written the bytes to its socket (the target sends no acknowledgement), which
   flatters its latency compared with kvengine's and NIXL's remote completion.
