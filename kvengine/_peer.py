@@ -311,7 +311,8 @@ class PeerProcess:
         if secret:
             argv += ["--secret", secret.decode()]
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE)
+                                                    stdout=asyncio.subprocess.PIPE,
+                                                    limit=1 << 26)   # a large cache's row digests
         try:
             assert proc.stdout is not None   # stdout=PIPE
             line = await asyncio.wait_for(proc.stdout.readline(), timeout)

@@ -33,8 +33,8 @@ from .stats import Accounting
 from .status import LLMError, LLMStatusCode as S, LinkResult, error_for, overall
 from .targets import Segments
 from .transfer import Transfer
-from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, CacheKey, ClusterInfo, EngineOptions,
-                    KvCacheExtParam, Role, check_timeout, param_invalid)
+from .types import (BlockTable, BlocksCacheKey, Cache, CacheDesc, CacheIndex, CacheKey, ClusterInfo,
+                    EngineOptions, KvCacheExtParam, Role, check_timeout, param_invalid)
 
 __all__ = ["KvEngine"]
 
@@ -326,23 +326,23 @@ class KvEngine:
                                                         batch_index, size, ext_param, op="pull"),
                                 rc.regions, local.cache._regions))
 
-    def submit_push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: Sequence[int],
-                              dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
+    def submit_push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: BlockTable,
+                              dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
                               timeout: float | None = None, priority: int = 0,
                               notify: bytes | None = None) -> Transfer:
         """Start writing local blocks ``src_blocks[i]`` into the peer's ``dst_blocks[i]``."""
         return self._submit("push_kv_blocks", cache, dst_key, "dst_key", (BlocksCacheKey,), timeout, priority,
-                            notify, lambda planner, local, rc, row: planner.segments(None, lambda: plan.plan_blocks(
-                                local.cache.desc, rc.desc, src_blocks, dst_blocks, ext_param, op="push"),
+                            notify, lambda planner, local, rc, row: planner.blocks(
+                                local.cache.desc, rc.desc, src_blocks, dst_blocks, ext_param, "push",
                                 local.cache._regions, rc.regions))
 
-    def submit_pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: Sequence[int],
-                              dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
+    def submit_pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: BlockTable,
+                              dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
                               timeout: float | None = None, priority: int = 0) -> Transfer:
         """Start reading the peer's blocks ``src_blocks[i]`` into local ``dst_blocks[i]``."""
         return self._submit("pull_kv_blocks", cache, src_key, "src_key", (BlocksCacheKey,), timeout, priority,
-                            None, lambda planner, local, rc, row: planner.segments(None, lambda: plan.plan_blocks(
-                                rc.desc, local.cache.desc, src_blocks, dst_blocks, ext_param, op="pull"),
+                            None, lambda planner, local, rc, row: planner.blocks(
+                                rc.desc, local.cache.desc, src_blocks, dst_blocks, ext_param, "pull",
                                 rc.regions, local.cache._regions))
 
     async def push_kv_cache(self, cache: Cache, dst_index: CacheIndex | CacheKey, src_batch_index: int = 0,
@@ -364,16 +364,16 @@ class KvEngine:
         return await self.submit_pull_kv_cache(src_index, cache, batch_index, size, ext_param,
                                                timeout, priority)._result()
 
-    async def push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: Sequence[int],
-                             dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
+    async def push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: BlockTable,
+                             dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
                              timeout: float | None = None, priority: int = 0,
                              notify: bytes | None = None) -> S:
         """PushKvBlocks: ``LLM_SUCCESS`` or raise."""
         return await self.submit_push_kv_blocks(cache, dst_key, src_blocks, dst_blocks, ext_param,
                                                 timeout, priority, notify)._result()
 
-    async def pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: Sequence[int],
-                             dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
+    async def pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: BlockTable,
+                             dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
                              timeout: float | None = None, priority: int = 0) -> S:
         """PullKvBlocks: ``LLM_SUCCESS`` or raise."""
         return await self.submit_pull_kv_blocks(src_key, cache, src_blocks, dst_blocks, ext_param,

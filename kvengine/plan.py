@@ -17,24 +17,31 @@ Rules (LLM-DataDist V2, docs/api.md):
   4096 bytes, its timeout finite and positive (types.check_timeout).
 
 :class:`Planner` maps a plan onto native regions, packs it for the core and
-memoizes row plans; it is the engine's only planning state.
+memoizes row plans; it is the engine's only planning state. Block tables
+(lists, numpy integer arrays, CPU tensors through ``__dlpack__``) are checked
+and planned vectorised (:func:`check_blocks`, :meth:`Planner.blocks`): numpy
+over the runs, a Python step per tensor pair, none per block or segment.
 """
 
 from __future__ import annotations
 
 import array
 import numbers
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import numpy as np
+from numpy.typing import NDArray
 
-from .types import CacheDesc, KvCacheExtParam, as_int_list, check_timeout, param_invalid
+from .types import CacheDesc, KvCacheExtParam, check_timeout, param_invalid
 
-__all__ = ["Segment", "Planner", "layer_tensors", "plan_cache", "plan_blocks", "coalesce", "block_runs",
+__all__ = ["Segment", "Packed", "Planner", "block_ids", "check_blocks", "layer_tensors", "plan_cache", "plan_blocks", "coalesce", "block_runs",
            "check_tensor_num_per_layer", "transfer_options", "check_notify", "MAX_NOTIFY"]
 
 Segment = tuple[int, int, int, int, int]  # (src_tensor, src_offset, dst_tensor, dst_offset, nbytes)
+# A packed plan for the core: 5 uint64 words per segment (src_region, src_off, dst_region, dst_off, nbytes)
+Packed = Union["array.array[int]", "NDArray[np.uint64]"]
 
+_I64_MAX = 2**63 - 1
 _MAX_TNPL = 255     # LLM-DataDist's tensor_num_per_layer is a uint8
 MAX_NOTIFY = 4096   # bytes of one push notification
 
@@ -165,44 +172,111 @@ def plan_cache(src: CacheDesc, dst: CacheDesc, src_batch: int, dst_batch: int, s
     return [(s, so, d, do, size) for s, d in pairs]
 
 
+def block_ids(name: str, seq: Any) -> NDArray[np.int64]:
+    """A block table as a 1-D int64 array: a list or other sequence of ints, a numpy
+    integer array, or a CPU tensor (``__dlpack__``, e.g. torch). Ids are checked later."""
+    if not isinstance(seq, np.ndarray) and hasattr(seq, "__dlpack__") and not isinstance(seq, (str, bytes)):
+        try:
+            seq = np.from_dlpack(seq)
+        except (TypeError, ValueError, RuntimeError, BufferError) as e:
+            raise param_invalid(f"{name}: a tensor must be on the CPU and readable by numpy ({e})") from None
+    if isinstance(seq, np.ndarray):
+        if seq.ndim != 1 or seq.dtype.kind not in "iu":
+            raise param_invalid(f"{name} must be a 1-D integer array, got {seq.ndim}-D {seq.dtype}")
+        if seq.dtype == np.uint64 and seq.size and int(seq.max()) > _I64_MAX:
+            _too_big(name, seq)
+        return seq.astype(np.int64, copy=False)
+    if isinstance(seq, (str, bytes)):
+        out: list[Any] = list(seq)
+    else:
+        try:
+            out = list(seq)
+        except TypeError:
+            raise param_invalid(f"{name} must be a sequence of ints") from None
+    types = set(map(type, out))   # C speed; per type, not per block
+    for t in types:
+        if not ((issubclass(t, int) and not issubclass(t, bool)) or issubclass(t, np.integer)):
+            bad = next(v for v in out if type(v) is t)
+            raise param_invalid(f"{name} must contain only ints, got {bad!r}")
+    if not out:
+        return np.empty(0, np.int64)
+    try:
+        return np.array(out, np.int64)
+    except OverflowError:
+        _too_big(name, out)
+        raise
+
+
+def _too_big(name: str, seq: Any) -> None:
+    """Raise for the first id beyond int64 (no cache has that many blocks)."""
+    bad = next(int(v) for v in seq if not -_I64_MAX <= int(v) <= _I64_MAX)
+    side = "source" if name.startswith("src") else "destination"
+    raise param_invalid(f"{side} block {bad} out of range")
+
+
+def _check_range(side: str, ids: NDArray[np.int64], bound: int) -> None:
+    if int(ids.min()) < 0 or int(ids.max()) >= bound:
+        bad = int(ids[(ids < 0) | (ids >= bound)][0])
+        raise param_invalid(f"{side} block {bad} out of range [0, {bound})" + (": ids are not negative" if bad < 0 else ""))
+
+
+def check_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Any,
+                 dst_blocks: Any) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """The block-list rules, vectorised: both tables as int64 arrays, or LLM_PARAM_INVALID
+    naming the rule (wrong type, empty, lengths, out of range or negative, repeated destination)."""
+    sbl = block_ids("src_blocks", src_blocks)
+    dbl = block_ids("dst_blocks", dst_blocks)
+    if not sbl.size or not dbl.size:
+        raise param_invalid("src_blocks and dst_blocks must be non-empty")
+    if sbl.size != dbl.size:
+        raise param_invalid(f"src_blocks has {sbl.size} entries, dst_blocks {dbl.size}: lengths must be equal")
+    _check_range("source", sbl, src.shape[0])
+    _check_range("destination", dbl, dst.shape[0])
+    if dbl.size > 1:
+        srt = np.sort(dbl)
+        if bool((srt[1:] == srt[:-1]).any()):
+            raise param_invalid("dst_blocks names a block more than once")
+    return sbl, dbl
+
+
+def run_arrays(sbl: NDArray[np.int64], dbl: NDArray[np.int64]
+               ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+    """``(src_starts, dst_starts, counts)`` of the runs where both tables advance by one."""
+    brk = np.ones(sbl.size, np.bool_)
+    if sbl.size > 1:
+        np.logical_not((sbl[1:] == sbl[:-1] + 1) & (dbl[1:] == dbl[:-1] + 1), out=brk[1:])
+    starts = np.flatnonzero(brk)
+    counts = np.diff(starts, append=sbl.size)
+    return sbl[starts], dbl[starts], counts
+
+
 def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(src_start, dst_start, count)`` runs where both lists advance by one."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_blocks, dst_blocks):
-        if runs:
-            s0, d0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((s, d, 1))
-    return runs
+    if not len(src_blocks):
+        return []
+    rs, rd, n = run_arrays(np.asarray(src_blocks, np.int64), np.asarray(dst_blocks, np.int64))
+    return list(zip(rs.tolist(), rd.tolist(), n.tolist()))
 
 
-def plan_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                ext: KvCacheExtParam | None, *, op: str) -> list[Segment]:
-    """Segments of a push or pull of block lists: ``src_blocks[i]`` -> ``dst_blocks[i]``."""
+def _block_plan(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: Any, ext: KvCacheExtParam | None,
+                op: str) -> tuple[list[tuple[int, int]], int, tuple[NDArray[np.int64], ...]]:
+    """Every rule of a block push or pull: (tensor pairs, bytes per block, runs)."""
     _check_op(op)
-    sbl = as_int_list("src_blocks", src_blocks)
-    dbl = as_int_list("dst_blocks", dst_blocks)
-    if not sbl or not dbl:
-        raise param_invalid("src_blocks and dst_blocks must be non-empty")
-    if len(sbl) != len(dbl):
-        raise param_invalid(f"src_blocks has {len(sbl)} entries, dst_blocks {len(dbl)}: lengths must be equal")
-    ns, nd = src.shape[0], dst.shape[0]
-    if min(sbl) < 0 or max(sbl) >= ns:
-        bad = next(b for b in sbl if not 0 <= b < ns)
-        raise param_invalid(f"source block {bad} out of range [0, {ns})")
-    if min(dbl) < 0 or max(dbl) >= nd:
-        bad = next(b for b in dbl if not 0 <= b < nd)
-        raise param_invalid(f"destination block {bad} out of range [0, {nd})")
-    if len(set(dbl)) != len(dbl):
-        raise param_invalid("dst_blocks names a block more than once")
+    sbl, dbl = check_blocks(src, dst, src_blocks, dst_blocks)
     pairs = _tensor_pairs(src, dst, ext)
     sbb, dbb = src.row_bytes, dst.row_bytes
     if sbb != dbb:
         raise param_invalid(f"source block is {sbb} bytes per tensor, destination block {dbb}: must be equal")
-    runs = block_runs(sbl, dbl)
-    return [(s, rs * sbb, d, rd * dbb, n * sbb) for s, d in pairs for rs, rd, n in runs]
+    return pairs, sbb, run_arrays(sbl, dbl)
+
+
+def plan_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                ext: KvCacheExtParam | None, *, op: str) -> list[Segment]:
+    """Segments of a push or pull of block lists: ``src_blocks[i]`` -> ``dst_blocks[i]``
+    (the tuple form; the engine uses :meth:`Planner.blocks`, the same plan packed)."""
+    pairs, bb, (rs, rd, n) = _block_plan(src, dst, src_blocks, dst_blocks, ext, op)
+    runs = list(zip((rs * bb).tolist(), (rd * bb).tolist(), (n * bb).tolist()))
+    return [(s, so, d, do, nb) for s, d in pairs for so, do, nb in runs]
 
 
 def coalesce(segments: Sequence[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
@@ -251,6 +325,40 @@ class Planner:
                 self._memo.clear()
             self._memo[key] = packed
         return packed
+
+    @staticmethod
+    def blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: Any, ext: KvCacheExtParam | None,
+               op: str, src_regions: Sequence[tuple[int, int]],
+               dst_regions: Sequence[tuple[int, int]]) -> tuple[NDArray[np.uint64], int]:
+        """:func:`plan_blocks` mapped, coalesced and packed like :meth:`segments`, vectorised:
+        numpy over the runs, a Python step per tensor pair only (not per block or segment)."""
+        pairs, bb, (rs, rd, n) = _block_plan(src, dst, src_blocks, dst_blocks, ext, op)
+        ub = np.uint64(bb)
+        reg = np.array([(src_regions[s][0], src_regions[s][1], dst_regions[d][0], dst_regions[d][1])
+                        for s, d in pairs], np.uint64).reshape(-1, 4)
+        p, r = reg.shape[0], rs.size
+        out = np.empty((p, r, 5), np.uint64)
+        out[:, :, 0] = reg[:, 0:1]
+        np.add(reg[:, 1:2], rs.astype(np.uint64) * ub, out=out[:, :, 1])
+        out[:, :, 2] = reg[:, 2:3]
+        np.add(reg[:, 3:4], rd.astype(np.uint64) * ub, out=out[:, :, 3])
+        out[:, :, 4] = n.astype(np.uint64) * ub
+        flat = out.reshape(-1, 5)
+        total = int(n.sum()) * bb * p
+        if p > 1:
+            # Runs are maximal, so only a tensor's last run and the next tensor's first can
+            # touch in memory (coalesce's rule, checked at those p - 1 places only)
+            last, first = out[:-1, -1], out[1:, 0]
+            join = ((last[:, 0] == first[:, 0]) & (last[:, 2] == first[:, 2])
+                    & (last[:, 1] + last[:, 4] == first[:, 1]) & (last[:, 3] + last[:, 4] == first[:, 3]))
+            if join.any():
+                keep = np.ones(flat.shape[0], np.bool_)
+                keep[r::r] = ~join
+                starts = np.flatnonzero(keep)
+                merged = flat[starts]
+                merged[:, 4] = np.add.reduceat(flat[:, 4], starts)
+                flat = merged
+        return flat.reshape(-1), total
 
 
 def _plain_range(r: Any) -> bool:

@@ -33,7 +33,6 @@ handshake or the cache registry.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import heapq
 import itertools
@@ -48,6 +47,7 @@ from .types import EngineOptions
 
 if TYPE_CHECKING:
     from .link import Link
+    from .plan import Packed
 
 __all__ = ["Scheduler", "rank"]
 
@@ -112,7 +112,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ submission
 
-    def launch(self, link: "Link", refs: tuple[Counted, ...], segs: array.array[int], total: int,
+    def launch(self, link: "Link", refs: tuple[Counted, ...], segs: "Packed", total: int,
                timeout: float, priority: int, notify: bytes | None, what: str, lease: int = 0) -> Transfer:
         """Start a transfer of the packed ``segs`` (``total`` bytes) on ``link``.
 

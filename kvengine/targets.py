@@ -25,7 +25,6 @@ asks, the tables hold the answers, the scheduler runs the transfers.
 
 from __future__ import annotations
 
-import array
 import asyncio
 from typing import Any, Callable, cast
 
@@ -34,7 +33,7 @@ import numpy as np
 from . import plan
 from .link import Key, Link, RemoteCache
 from .links import LinkManager
-from .plan import Planner
+from .plan import Packed, Planner
 from .registry import CacheRegistry, LocalCache
 from .scheduler import Scheduler
 from .status import LLMError, LLMStatusCode as S, error_for
@@ -46,7 +45,7 @@ __all__ = ["Targets", "Segments"]
 
 _U64 = 2**64 - 1
 # (planner, local cache, peer's cache, peer's row) -> (packed segments, bytes)
-Segments = Callable[[Planner, LocalCache, RemoteCache, int], "tuple[array.array[int], int]"]
+Segments = Callable[[Planner, LocalCache, RemoteCache, int], "tuple[Packed, int]"]
 Name = tuple[str, Any]    # ("id", cache id) or ("key", key): what a cache_query asks for
 
 

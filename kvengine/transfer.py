@@ -28,6 +28,7 @@ from .status import LLMStatusCode as S, error_for, to_status
 
 if TYPE_CHECKING:
     from .link import Link
+    from .plan import Packed
 
 __all__ = ["Transfer", "TransferOwner"]
 
@@ -76,7 +77,7 @@ class Transfer:
         self._timeout = 0.0
         self._message = ""
         self.nbytes = 0
-        self._segs: array.array[int] | None = None
+        self._segs: Packed | None = None
         self._cur = 0          # word index of the next undispatched segment
         self._off = 0          # bytes of that segment already dispatched
         self._left = 0         # bytes not yet dispatched
@@ -105,7 +106,7 @@ class Transfer:
 
     # ------------------------------------------------------------- scheduler side
 
-    def _queue(self, link: Link, refs: tuple[Counted, ...], segs: array.array[int], total: int, timeout: float,
+    def _queue(self, link: Link, refs: tuple[Counted, ...], segs: Packed, total: int, timeout: float,
                priority: int, notify: bytes | None, now: float) -> None:
         self._link = link
         self._refs = refs
@@ -120,16 +121,20 @@ class Transfer:
             r.users += 1
         self._timer = self._owner.loop.call_at(self.deadline, self._on_deadline)
 
-    def _next_piece(self, limit: int) -> tuple[array.array[int], int]:
-        """Cut the next piece of at most ``limit`` bytes (whole segments, or a slice of one)."""
+    def _next_piece(self, limit: int) -> tuple[Packed, int]:
+        """Cut the next piece of at most ``limit`` bytes (whole segments, or a slice of one).
+        All that is left, from the start: the packed plan itself, not a copy (O(1))."""
         segs, i, off = self._segs, self._cur, self._off
         assert segs is not None
+        if i == 0 and off == 0 and self._left <= limit:
+            n, self._cur, self._left = self._left, len(segs), 0
+            return segs, n
         out = array.array("Q")
         n = 0
         while i < len(segs) and n < limit:
-            seg_len = segs[i + 4] - off
+            seg_len = int(segs[i + 4]) - off
             take = min(seg_len, limit - n)
-            out.extend((segs[i], segs[i + 1] + off, segs[i + 2], segs[i + 3] + off, take))
+            out.extend((int(segs[i]), int(segs[i + 1]) + off, int(segs[i + 2]), int(segs[i + 3]) + off, take))
             n += take
             if take == seg_len:
                 i += _SEG

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence, SupportsIndex
+from typing import Any, Iterable, Mapping, Protocol, Sequence, SupportsIndex, Union
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
@@ -398,6 +398,15 @@ class EngineOptions:
             raise param_invalid("EngineOptions.secret must be bytes")
         if not isinstance(self.insecure, bool):
             raise param_invalid(f"EngineOptions.insecure must be a bool, got {self.insecure!r}")
+
+
+class SupportsDLPack(Protocol):
+    """A tensor numpy can read (``np.from_dlpack``): a CPU torch tensor, for one."""
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+# A block table: ints, a 1-D numpy integer array, or a 1-D integer CPU tensor (plan.block_ids)
+BlockTable = Union[Sequence[int], "NDArray[np.integer[Any]]", SupportsDLPack]
 
 
 def as_int_list(name: str, seq: Sequence[int]) -> list[int]:

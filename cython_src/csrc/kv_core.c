@@ -482,29 +482,46 @@ static void *mover_main(void *arg) {
             mover_maybe_finish(c, m);
             continue;
         }
-        const kv_segment *s = &j->segments[j->claim_segment];
-        uint64_t off = j->claim_offset;
-        uint64_t n = s->len - off;
-        if (n > c->chunk_bytes)
-            n = c->chunk_bytes;
-        j->claim_offset += n;
-        if (j->claim_offset == s->len) {
+        /* a chunk: up to chunk_bytes from the claim point on, across segments (a
+         * paged job's segments are often a block each: one claim per segment would
+         * take the lock, and hand the job between movers, per block) */
+        size_t first = j->claim_segment;
+        uint64_t off = j->claim_offset, n = 0;
+        while (n < c->chunk_bytes) {
+            const kv_segment *s = &j->segments[j->claim_segment];
+            uint64_t take = s->len - j->claim_offset;
+            if (take > c->chunk_bytes - n)
+                take = c->chunk_bytes - n;
+            n += take;
+            j->claim_offset += take;
+            if (j->claim_offset < s->len)
+                break;
             j->claim_offset = 0;
             if (++j->claim_segment == j->nsegments) {
                 mover_job_drain(c, m);
+                break;
             }
         }
         m->chunks_active++;
         pthread_mutex_unlock(&c->lock);
 
-        uint32_t st = copy_chunk(s, off, n);
+        uint32_t st = KV_LLM_SUCCESS;
+        uint64_t done = 0;
+        for (size_t i = first; done < n; i++, off = 0) {
+            uint64_t take = j->segments[i].len - off;
+            if (take > n - done)
+                take = n - done;
+            st = copy_chunk(&j->segments[i], off, take);
+            if (st != KV_LLM_SUCCESS)
+                break;
+            done += take;
+        }
 
         pthread_mutex_lock(&c->lock);
         m->chunks_active--;
-        c->stats.bytes_moved += st == KV_LLM_SUCCESS ? n : 0;
-        if (st == KV_LLM_SUCCESS)
-            j->bytes_done += n;
-        else
+        c->stats.bytes_moved += done;
+        j->bytes_done += done;
+        if (st != KV_LLM_SUCCESS)
             mover_job_fail(c, m, st);
         mover_maybe_finish(c, m);
     }

@@ -49,6 +49,7 @@ enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_
 #define KV_MAX_INCOMING 65536        /* per link: open incoming transfers and pull tombstones */
 #define KV_INCOMING_BUCKETS 4096u    /* open incoming transfers per link: hash buckets */
 #define KV_CTRL_BATCH 64             /* control frames written by one sendmsg */
+#define KV_CREDIT_BATCH (256u << 10) /* DATA bytes of one push one CREDIT may stand for (small frames) */
 #define KV_READ_WINDOW 4             /* chunks of READ outstanding per connection */
 #define KV_SCRATCH (1u << 20)
 #define KV_RECV_BUDGET (16u << 20)   /* bytes read from one connection per wake-up */
@@ -517,6 +518,14 @@ static int ctrl_push(kv_conn *k, const kv_frame *f) {
     k->ctrl_ring[(k->ctrl_head + k->ctrl_count) % k->ctrl_capacity] = *f;
     k->ctrl_count++;
     return 0;
+}
+
+/* Must the queued control frames go out now? Anything but one CREDIT of less than
+ * KV_CREDIT_BATCH may wait for more DATA of the same push (the receive loop sends
+ * it at the latest when the socket has nothing more to read). */
+static int ctrl_due(const kv_conn *k) {
+    const kv_frame *last = &k->ctrl_ring[(k->ctrl_head + k->ctrl_count - 1) % k->ctrl_capacity];
+    return k->ctrl_count > 1 || last->type != F_CREDIT || last->length >= KV_CREDIT_BATCH;
 }
 
 static kv_frame frame_new(uint16_t type, uint16_t flags, uint64_t xfer) {
@@ -1285,10 +1294,15 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
         /* every DATA frame consumed, written or discarded, is CREDITed on its
          * stream: the sender keeps at most its window on the wire, paced here
          * with no Python round trip (why a window: docs/tuning.md, tcp_window_bytes) */
-        kv_frame cr = frame_new(F_CREDIT, 0, k->in_xfer);
-        cr.length = k->in_length;
-        if (ctrl_push(k, &cr) < 0)
-            return BAD_FRAME();
+        kv_frame *last = k->ctrl_count ? &k->ctrl_ring[(k->ctrl_head + k->ctrl_count - 1) % k->ctrl_capacity] : NULL;
+        if (last && last->type == F_CREDIT && last->xfer == k->in_xfer && last->length + k->in_length <= KV_CREDIT_BATCH) {
+            last->length += k->in_length; /* frames of one push back to back (small segments): one CREDIT */
+        } else {
+            kv_frame cr = frame_new(F_CREDIT, 0, k->in_xfer);
+            cr.length = k->in_length;
+            if (ctrl_push(k, &cr) < 0)
+                return BAD_FRAME();
+        }
         kv_incoming *x = incoming_find(l, k->in_xfer, 0);
         if (!k->in_discard)
             n->received += k->in_length;
@@ -1382,11 +1396,13 @@ static int conn_recv(kv_net *n, kv_conn *k) {
                 pthread_mutex_unlock(&c->lock);
                 if (!ok)
                     break;
-                if (k->ctrl_count) /* CREDIT/ACK: out now, not after the read budget */
+                if (k->ctrl_count && ctrl_due(k)) /* CREDIT/ACK: out now, not after the read budget */
                     sig |= send_ctrl(n, k);
             }
         }
     }
+    if (k->ctrl_count && !k->dead) /* CREDITs held back for a batch: nothing more to read now */
+        sig |= send_ctrl(n, k);
     return sig;
 }
 

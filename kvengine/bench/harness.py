@@ -31,11 +31,16 @@ TRANSPORTS = ("shm", "tcp")
 class KvSide:
     """Prefill engine here (cluster 1), decode engine in a child process (cluster 2)."""
 
-    def __init__(self, transport: str, movers: int) -> None:
+    def __init__(self, transport: str, movers: int, heartbeat_timeout: float | None = None) -> None:
         import kvengine as kv
         self.transport, self.movers = transport, movers
         self.secret = secrets.token_hex(16).encode()
+        # large caches: the child allocates on its loop thread, so its heartbeats may pause
+        self.more: dict[str, float] = {} if heartbeat_timeout is None else {"heartbeat_timeout": heartbeat_timeout}
         self.options = kv.EngineOptions(transport=transport, secret=self.secret, movers=movers)
+        if heartbeat_timeout is not None:
+            self.options = kv.EngineOptions(transport=transport, secret=self.secret, movers=movers,
+                                            heartbeat_timeout=heartbeat_timeout)
         self.peer: PeerProcess | None = None
         self.engine: KvEngine | None = None
         self.caches: list[Cache] = []
@@ -49,7 +54,7 @@ class KvSide:
         import kvengine as kv
         from kvengine._peer import PeerProcess
         self.peer = peer = await PeerProcess.start(cluster_id=2, transport=self.transport, secret=self.secret,
-                                                   movers=self.movers)
+                                                   movers=self.movers, options=dict(self.more) or None)
         self.engine = engine = await kv.KvEngine(1, kv.Role.PROMPT, None, self.options).start()
         st, per = await engine.link_clusters([kv.ClusterInfo(2, peer.address)], timeout=10)
         if st != kv.LLMStatusCode.LLM_SUCCESS:

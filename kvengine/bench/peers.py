@@ -14,7 +14,8 @@ How each one is driven (PEERS_HOWTO of this project: measured on these CPU-only 
 - NIXL 1.5.1: ``nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
   backends=["UCX"]))`` on both sides (the progress thread spins on both vCPUs and
   halves bandwidth here), DRAM registered once, ``initialize_xfer("WRITE", ...)``
-  once per transfer shape with one descriptor per tensor, then per transfer
+  once per transfer shape with one descriptor per tensor (per segment of a block
+  table in ``--layout paged``), then per transfer
   ``transfer(h)`` and ``check_xfer_state(h)`` polled until DONE (the handle is
   re-posted). The target must keep calling ``get_new_notifs()`` while the
   initiator transfers (UCX progress: without it the first transfer never
@@ -27,6 +28,7 @@ How each one is driven (PEERS_HOWTO of this project: measured on these CPU-only 
 - Mooncake TE 0.3.13 (``mooncake-transfer-engine-non-cuda``):
   ``initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")``, ``register_memory``,
   ``batch_transfer_sync_write(peer, srcs, dsts, lens)`` with one entry per tensor
+  (per segment of a block table, at most 128 entries a call)
   (``transfer_sync_write`` for one). Its TCP write completes once the initiator has
   written the bytes to its socket (the target sends no acknowledgement), which
   flatters its latency compared with kvengine's and NIXL's remote completion.
@@ -55,6 +57,7 @@ _Plan = TypeVar("_Plan")
 MooncakePlan = tuple[list[int], list[int], list[int]]
 
 NIXL, MOONCAKE = "NIXL", "Mooncake"
+_MC_BATCH = 128    # entries per Mooncake batch: longer ones overflow its TCP lane queue (0.3.13: -1)
 ENGINES = (NIXL, MOONCAKE)
 INSTALL_HINT = "pip install -e '.[peers]' or benchmarks/install_peers.sh (see docs/benchmarks.md)"
 
@@ -75,6 +78,13 @@ def available() -> dict[str, tuple[bool, str]]:
 
 def _digest(buf: NDArray[np.uint8], n: int) -> str:
     return hashlib.blake2b(buf.data[:n], digest_size=16).hexdigest()
+
+
+def _segs(segs: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    """A plan's segments, [offset, length] (the same offset both sides) or [src offset,
+    dst offset, length] each: (src offsets, dst offsets, lengths)."""
+    so = [s[0] for s in segs]
+    return so, [s[1] for s in segs] if segs and len(segs[0]) == 3 else so, [s[-1] for s in segs]
 
 
 class _Side(Generic[_Plan]):
@@ -107,6 +117,11 @@ class _Side(Generic[_Plan]):
         return {}
 
     def op_digest(self, m: Msg) -> Msg:
+        if "ranges" in m:   # [[offset, length], ...]: one digest of those bytes in that order
+            h = hashlib.blake2b(digest_size=16)
+            for o, n in m["ranges"]:
+                h.update(self.buf.data[o:o + n])
+            return {"digest": h.hexdigest()}
         return {"digest": _digest(self.buf, m["n"])}
 
     def op_run(self, m: Msg) -> Msg:
@@ -143,10 +158,11 @@ class _NixlSide(_Side["nixl_xfer_handle"]):
         return {}
 
     def op_prepare(self, m: Msg) -> Msg:
-        """m: plans [[key, [[offset, length], ...]], ...]: one WRITE handle each, same offsets both sides."""
+        """m: plans [[key, segs], ...]: one WRITE handle each (see _segs)."""
         for key, segs in m["plans"]:
-            local = self.agent.get_xfer_descs([(self.addr + o, n, 0) for o, n in segs], "DRAM")
-            remote = self.agent.get_xfer_descs([(self.raddr + o, n, 0) for o, n in segs], "DRAM")
+            so, do, ln = _segs(segs)
+            local = self.agent.get_xfer_descs([(self.addr + o, n, 0) for o, n in zip(so, ln)], "DRAM")
+            remote = self.agent.get_xfer_descs([(self.raddr + o, n, 0) for o, n in zip(do, ln)], "DRAM")
             self.plans[tuple(key) if isinstance(key, list) else key] = \
                 self.agent.initialize_xfer("WRITE", local, remote, self.remote)
         return {}
@@ -189,16 +205,21 @@ class _MooncakeSide(_Side[MooncakePlan]):
 
     def op_prepare(self, m: Msg) -> Msg:
         for key, segs in m["plans"]:
+            so, do, ln = _segs(segs)
             self.plans[tuple(key) if isinstance(key, list) else key] = (
-                [self.addr + o for o, _ in segs], [self.raddr + o for o, _ in segs], [n for _, n in segs])
+                [self.addr + o for o in so], [self.raddr + o for o in do], ln)
         return {}
 
     def _one(self, p: MooncakePlan) -> None:
         srcs, dsts, lens = p
         if len(srcs) == 1:
             rc = self.te.transfer_sync_write(self.remote, srcs[0], dsts[0], lens[0])
-        else:
-            rc = self.te.batch_transfer_sync_write(self.remote, srcs, dsts, lens)
+        else:   # a long list (paged tables) in batches of at most _MC_BATCH entries
+            for i in range(0, len(srcs), _MC_BATCH):
+                rc = self.te.batch_transfer_sync_write(self.remote, srcs[i:i + _MC_BATCH], dsts[i:i + _MC_BATCH],
+                                                       lens[i:i + _MC_BATCH])
+                if rc != 0:
+                    break
         if rc != 0:
             raise RuntimeError(f"Mooncake write returned {rc}")
 
@@ -327,8 +348,10 @@ class PeerPair:
         self.target, self.initiator = target, initiator
         self.pids = [target.pid, initiator.pid]
 
-    def prepare(self, plans: list[tuple[str, list[tuple[int, int]]]]) -> None:
-        """plans: [(key, [(offset, length), ...]), ...]: the transfers ``run`` may name."""
+    def prepare(self, plans: list[tuple[str, list[tuple[int, int]]]] | list[tuple[str, list[tuple[int, int, int]]]]
+                ) -> None:
+        """plans: [(key, [(offset, length) or (src offset, dst offset, length), ...]), ...]:
+        the transfers ``run`` may name."""
         self.initiator.call("prepare", plans=[[k, [list(s) for s in segs]] for k, segs in plans])
 
     @overload
@@ -354,6 +377,14 @@ class PeerPair:
         self.run(key, 1)
         a: str = self.initiator.call("digest", n=nbytes)["digest"]
         b: str = self.target.call("digest", n=nbytes)["digest"]
+        return a == b
+
+    def verify_ranges(self, key: str, src: list[list[int]], dst: list[list[int]]) -> bool:
+        """Zero the target, run ``key`` once, compare the source ranges with the destination's."""
+        self.target.call("zero", n=self.size)
+        self.run(key, 1)
+        a: str = self.initiator.call("digest", ranges=src)["digest"]
+        b: str = self.target.call("digest", ranges=dst)["digest"]
         return a == b
 
     def close(self) -> None:

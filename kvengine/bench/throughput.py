@@ -2,6 +2,7 @@
 
     kvengine bench throughput --transport shm [--quick] [--json PATH] [--out PREFIX]
     kvengine bench throughput --transport tcp
+    kvengine bench throughput --layout paged --transport shm|tcp   (block tables: kvengine/bench/paged.py)
 
 Row 0 of a model-shaped cache (one (1, row) tensor per K and V of each layer)
 is pushed from a prefill engine in this process into a decode engine in a child
@@ -36,7 +37,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
 import numpy as np
 from numpy.typing import NDArray
@@ -383,13 +384,34 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvengine bench throughput", description=__doc__.split("\n")[0],
                                  epilog="Peers: pip install -e '.[peers]' or benchmarks/install_peers.sh; see docs/benchmarks.md.")
     add_common_args(ap, "throughput")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 41, --quick 5)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 41, --quick 5; paged: 11, 3)")
     ap.add_argument("--sizes", default=None,
                     help="comma-separated TENSORSxROW, e.g. 2x32K,64x4M (default: one layer 2x32K up to 64x4M)")
+    ap.add_argument("--layout", choices=["rows", "paged"], default="rows",
+                    help="rows: push_kv_cache of a model-shaped row; paged: push_kv_blocks of random block "
+                         "tables of a vLLM-shaped cache (kvengine/bench/paged.py)")
+    ap.add_argument("--tables", default=None, help="paged: table sizes in blocks (default 16,256,1024; --quick 16,256)")
+    ap.add_argument("--pool", type=int, default=None, help="paged: blocks per tensor (default: the largest table)")
     args = ap.parse_args(argv)
-    resolve_common(ap, args, "throughput")
+    paged = args.layout == "paged"
+    resolve_common(ap, args, "throughput-paged" if paged else "throughput")
+    if paged:
+        from . import paged as mod
+        args.tables = [int(x) for x in args.tables.split(",")] if args.tables else \
+            (mod.QUICK_TABLES if args.quick else mod.TABLES)
+        args.pool = args.pool or max(args.tables)
+        if args.pool < max(args.tables):
+            ap.error("--pool must hold the largest table")
+        args.reps = args.reps or (3 if args.quick else 11)
+        return _main(args, argv, mod.run, mod.goals, mod.report, mod.plot)
     args.reps = args.reps or (5 if args.quick else 41)
     args.sizes = parse_sizes(args.sizes) if args.sizes else (QUICK_SIZES if args.quick else SIZES)
+    return _main(args, argv, run, goals, report, plot)
+
+
+def _main(args: argparse.Namespace, argv: list[str] | None, run: Callable[[argparse.Namespace], Coroutine[Any, Any, Report]],
+          goals: Callable[[Report], list[Report]], report: Callable[[Report, int], list[str]],
+          plot: Callable[[Report, str], None]) -> int:
     args.loop_name, runner = get_runner(args.loop)
     busy = busy_processes()
     if busy:
@@ -405,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     print(f"total {fmt_seconds(r['meta']['wall_s'])}")
     r["report"] = lines
-    for s in r["sizes"]:
+    for s in r.get("sizes", []):
         for c in s["results"].values():
             c.pop("s_per_transfer", None)
     wrote = save_outputs(args.json_path, args.png_path, r, plot)

@@ -1163,6 +1163,23 @@ static void m_on_frame(mconn *k, const fr *h) {
         }
         want.length = sum;
     }
+    size_t merged = 1;
+    if (h->type == F_CREDIT && want.type == F_CREDIT && h->xfer == want.xfer && h->length > want.length) {
+        /* the core merges CREDITs of back-to-back DATA frames of one push (at most
+         * KV_CREDIT_BATCH): the expected ones, in order, must add up to it exactly */
+        uint64_t sum = want.length;
+        while (sum < h->length && merged < k->ct_n) {
+            const fr *nx = &k->ct[(hi + merged) % CT_MAX];
+            if (nx->type != F_CREDIT || nx->xfer != want.xfer)
+                break;
+            sum += nx->length;
+            merged++;
+        }
+        if (sum == h->length)
+            want.length = sum;
+        else
+            merged = 1;
+    }
     if (!fr_eq(h, &want)) {
         fr_print("got", h);
         fr_print("want", &want);
@@ -1170,8 +1187,8 @@ static void m_on_frame(mconn *k, const fr *h) {
         die();
     }
     g_checks++;
-    k->ct_head = (k->ct_head + 1) % CT_MAX;
-    k->ct_n--;
+    k->ct_head = (k->ct_head + merged) % CT_MAX;
+    k->ct_n -= merged;
 }
 
 static void m_on_frame_cb(void *arg, const fr *h, pconn *c) {
