@@ -20,7 +20,7 @@ import mmap
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -272,19 +272,24 @@ async def _serve(args: argparse.Namespace) -> None:
         out.flush()
 
     async with kv.KvEngine(args.cluster_id, kv.Role.DECODER, args.listen, opts) as engine:
-        server = _Server(engine)
-        send({"address": engine.address, "pid": os.getpid()})
-        while True:
-            line = await reader.readline()
-            if not line:
+        await answer(_Server(engine), reader, send)
+
+
+async def answer(server: _Server, reader: asyncio.StreamReader, send: Callable[[Message], None]) -> None:
+    """Say where the engine listens, then answer one JSON line per command line until EOF or
+    "exit" (errors are answered, not raised: the peer keeps serving)."""
+    send({"address": server.engine.address, "pid": os.getpid()})
+    while True:
+        line = await reader.readline()
+        if not line:
+            break
+        try:
+            reply = await server.handle(json.loads(line))
+            send(dict(reply, ok=True))
+            if reply.get("exit"):
                 break
-            try:
-                reply = await server.handle(json.loads(line))
-                send(dict(reply, ok=True))
-                if reply.get("exit"):
-                    break
-            except Exception as e:  # report, keep serving
-                send({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        except Exception as e:  # report, keep serving
+            send({"ok": False, "error": f"{type(e).__name__}: {e}"})
 
 
 class PeerProcess:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import time
@@ -29,6 +28,7 @@ import pytest
 import kvengine as kv
 from kvengine import LLMStatusCode as S
 from kvengine._peer import PeerProcess, fill_pattern
+from kvengine.bench.netbed import remote_view   # reads a peer process's cache (process_vm_readv)
 
 import hostile   # tests/: raw hostile peers written from docs/protocol.md
 
@@ -57,41 +57,6 @@ def peer_options() -> dict:
 
 
 # ------------------------------------------------------------------ another process's memory
-
-class _IoVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
-_libc.process_vm_readv.restype = ctypes.c_ssize_t
-
-
-def read_remote(pid: int, addrs: list[int], size: int) -> list[np.ndarray]:
-    """Copy ``size`` bytes at each address of process ``pid`` (works while it is stopped)."""
-    out = []
-    for a in addrs:
-        buf = np.empty(size, np.uint8)
-        done = 0
-        while done < size:
-            n = min(size - done, 1 << 30)
-            local, remote = _IoVec(buf.ctypes.data + done, n), _IoVec(a + done, n)
-            got = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-            if got <= 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"process_vm_readv({pid}, {a + done:#x}): {os.strerror(err)}")
-            done += got
-        out.append(buf)
-    return out
-
-
-async def remote_view(peer: PeerProcess, cache_id: int):
-    """A function that reads the peer's cache ``cache_id`` now: list of uint8 arrays."""
-    info = await peer.call("addrs", cache_id=cache_id)
-    addrs, size = info["addrs"], info["size"]
-    return lambda: read_remote(peer.pid, addrs, size)
-
 
 def changed(a: list[np.ndarray], b: list[np.ndarray]) -> int:
     """Bytes that differ between two snapshots."""

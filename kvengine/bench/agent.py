@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections import Counter
 from typing import Any
 
 import kvengine as kv
-from kvengine._peer import _Server
+from kvengine._peer import _Server, answer
 
 from . import mix
 
@@ -174,18 +173,7 @@ async def serve(args: argparse.Namespace) -> None:
     engine = await kv.KvEngine(args.cluster_id, kv.Role[args.role], args.listen, opts).start()
     server = Server(engine, args, opts)
     try:
-        send({"address": engine.address, "pid": os.getpid()})
-        while True:
-            line = await reader.readline()
-            if not line:
-                break
-            try:
-                reply = await server.handle(json.loads(line))
-                send(dict(reply, ok=True))
-                if reply.get("exit"):
-                    break
-            except Exception as ex:   # report, keep serving
-                send({"ok": False, "error": f"{type(ex).__name__}: {ex}"})
+        await answer(server, reader, send)
     finally:
         if server.hammer is not None:
             server.hammer_stop.set()
