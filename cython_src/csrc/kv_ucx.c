@@ -144,6 +144,10 @@ typedef struct kv_ucx {
     ucx_local *unmap;     /* released regions to unmap at the next round (freed on the I/O thread) */
     pthread_cond_t cmd_done;
     int stop_requested, stopped;
+    /* I/O thread only: it holds c->lock now (UCP may call our callbacks from inside
+     * a call made under the lock: a forced close completes requests inline), and
+     * the signal those callbacks owe the loop */
+    int io_locked, io_sig;
 } kv_ucx;
 
 static const kv_transport_ops ucx_ops;
@@ -313,12 +317,32 @@ static int job_maybe_done(kv_ucx *u, ucx_job *j) {
     return job_complete(u, j, KV_LLM_SUCCESS); /* an abort's status is in record.status already */
 }
 
+/* Callbacks run on the I/O thread, with c->lock held or not: take it if not. */
+static int cb_lock(kv_ucx *u) {
+    if (u->io_locked)
+        return 0;
+    pthread_mutex_lock(&u->core->lock);
+    u->io_locked = 1;
+    return 1;
+}
+
+static void cb_unlock(kv_ucx *u, int own, int sig) {
+    u->io_sig |= sig;
+    if (!own)
+        return; /* the holder signals after it unlocks */
+    sig = u->io_sig;
+    u->io_sig = 0;
+    u->io_locked = 0;
+    pthread_mutex_unlock(&u->core->lock);
+    if (sig)
+        kv__signal_loop(u->core);
+}
+
 static void op_done(void *request, ucs_status_t status, void *user_data) {
     ucx_op *op = user_data;
     ucx_job *j = op->job;
     kv_ucx *u = (kv_ucx *)j->job.transport;
-    kv_core *c = u->core;
-    pthread_mutex_lock(&c->lock);
+    int own = cb_lock(u);
     j->ops_pending--;
     j->link->inflight -= op->len;
     if (status != UCS_OK && j->job.record.status == KV_LLM_SUCCESS)
@@ -326,28 +350,23 @@ static void op_done(void *request, ucs_status_t status, void *user_data) {
     else if (status == UCS_OK && j->is_pull)
         j->job.bytes_done += op->len;
     int sig = job_maybe_done(u, j);
-    pthread_mutex_unlock(&c->lock);
+    cb_unlock(u, own, sig);
     free(op);
     ucp_request_free(request);
-    if (sig)
-        kv__signal_loop(c);
 }
 
 static void flush_done(void *request, ucs_status_t status, void *user_data) {
     ucx_job *j = user_data;
     kv_ucx *u = (kv_ucx *)j->job.transport;
-    kv_core *c = u->core;
-    pthread_mutex_lock(&c->lock);
+    int own = cb_lock(u);
     j->flush_state = 2;
     if (status != UCS_OK && j->job.record.status == KV_LLM_SUCCESS)
         j->job.record.status = KV_LLM_LINK_FAILED;
     if (status != UCS_OK)
         j->posted = 0; /* not flushed: nothing is known to be in place */
     int sig = job_maybe_done(u, j);
-    pthread_mutex_unlock(&c->lock);
+    cb_unlock(u, own, sig);
     ucp_request_free(request);
-    if (sig)
-        kv__signal_loop(c);
 }
 
 /* Post `j`'s flush (caller holds c->lock; ucp_ep_flush_nbx calls nothing back here). */
@@ -665,6 +684,7 @@ static void *io_main(void *arg) {
         int sig = 0;
         uint64_t now = now_ns();
         pthread_mutex_lock(&c->lock);
+        u->io_locked = 1;
         int stop = u->stop_requested;
         while (u->cmds_head) {
             ucx_cmd *m = u->cmds_head;
@@ -732,12 +752,16 @@ static void *io_main(void *arg) {
                 while (l->active)
                     sig |= job_complete(u, l->active, KV_LLM_ENGINE_FINALIZED);
             link_reap(u);
+            sig |= u->io_sig;
+            u->io_sig = u->io_locked = 0;
             pthread_mutex_unlock(&c->lock);
             if (sig)
                 kv__signal_loop(c);
             break;
         }
         link_reap(u);
+        sig |= u->io_sig;
+        u->io_sig = u->io_locked = 0;
         pthread_mutex_unlock(&c->lock);
         if (sig)
             kv__signal_loop(c);
