@@ -20,6 +20,8 @@ import warnings
 REGION_LOCAL = kvc.KV_REGION_LOCAL
 REGION_PROCESS = kvc.KV_REGION_PROCESS
 REGION_TCP = kvc.KV_REGION_TCP
+REGION_UCX = kvc.KV_REGION_UCX
+UCX = kvc.kv_ucx_available() != 0   # built with the UCX transport
 SEG_WORDS = kvc.KV_SEG_WORDS
 F_UNMAP = kvc.KV_REGION_F_UNMAP
 F_EXPORT = kvc.KV_REGION_F_EXPORT
@@ -35,6 +37,7 @@ MAX_STREAMS = kvc.KV_MAX_STREAMS
 TOKEN_BYTES = kvc.KV_TOKEN_BYTES
 
 DEF POLL_BATCH = 512
+DEF UCX_BLOB = 16384   # KV_UCX_MAX_BLOB
 
 
 def map_fd(int fd, uint64_t length):
@@ -198,6 +201,61 @@ cdef class Core:
         if self.c == NULL:
             return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_tcp_link_close(self.c, link_id, status)
+
+    def ucx_address(self):
+        """This engine's UCP worker address (starts the UCX I/O thread): ``(status, bytes)``."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED, b""
+        cdef unsigned char buf[UCX_BLOB]
+        cdef size_t n = UCX_BLOB
+        cdef uint32_t st
+        with nogil:   # the first call creates the UCP context and worker
+            st = kvc.kv_ucx_address(self.c, buf, &n)
+        return st, (buf[:n] if st == 0 else b"")
+
+    def ucx_mem_map(self, uint32_t region_id):
+        """Register one of our exported regions with UCP: ``(status, packed rkey)``."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED, b""
+        cdef unsigned char buf[UCX_BLOB]
+        cdef size_t n = UCX_BLOB
+        cdef uint32_t st
+        with nogil:
+            st = kvc.kv_ucx_mem_map(self.c, region_id, buf, &n)
+        return st, (buf[:n] if st == 0 else b"")
+
+    def ucx_link_add(self, uint32_t link_id, bytes address, uint64_t window=0, double fence=1.0):
+        """Declare a UCX link to the peer's worker ``address``; ``fence`` in seconds."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED
+        if not 0.001 <= fence <= 3600 or not address:
+            return kvc.KV_LLM_PARAM_INVALID
+        cdef const unsigned char *p = address
+        cdef size_t n = len(address)
+        cdef uint64_t f = <uint64_t>(fence * 1e9)
+        cdef uint32_t st
+        with nogil:
+            st = kvc.kv_ucx_link_add(self.c, link_id, p, n, window, f)
+        return st
+
+    def ucx_rkey_add(self, uint32_t link_id, uint64_t base, uint64_t length, bytes rkey):
+        """A peer's region and its packed rkey, as a REGION_UCX region: ``(status, region_id)``."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED, 0
+        if not rkey:
+            return kvc.KV_LLM_PARAM_INVALID, 0
+        cdef const unsigned char *p = rkey
+        cdef size_t n = len(rkey)
+        cdef uint32_t rid = 0
+        cdef uint32_t st
+        with nogil:
+            st = kvc.kv_ucx_rkey_add(self.c, link_id, base, length, p, n, &rid)
+        return st, rid
+
+    def ucx_link_close(self, uint32_t link_id, uint32_t status):
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED
+        return kvc.kv_ucx_link_close(self.c, link_id, status)
 
     def release(self):
         """Free a closed core now (its eventfd, listener, epoll, streams, peer mappings),

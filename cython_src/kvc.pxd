@@ -5,9 +5,11 @@ cdef extern from "kv_core.h" nogil:
     int KV_REGION_LOCAL
     int KV_REGION_PROCESS
     int KV_REGION_TCP
+    int KV_REGION_UCX
     int KV_SEG_WORDS
     unsigned int KV_LLM_PARAM_INVALID  # kv_status.h, checked against status.py by tests/test_status.py
     unsigned int KV_LLM_ENGINE_FINALIZED
+    unsigned int KV_LLM_FEATURE_NOT_ENABLED
     unsigned KV_REGION_F_UNMAP
     unsigned KV_REGION_F_EXPORT
     unsigned KV_DONE_UNSTARTED
@@ -77,3 +79,11 @@ cdef extern from "kv_core.h" nogil:
                              uint64_t window, uint64_t lease_ns, uint64_t fence_ns, uint64_t margin_ns)
     uint32_t kv_tcp_conn_add(kv_core *core, int fd, uint32_t link_id)
     uint32_t kv_tcp_link_close(kv_core *core, uint32_t link_id, uint32_t status)
+    int kv_ucx_available()
+    uint32_t kv_ucx_address(kv_core *core, unsigned char *out, size_t *len)
+    uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id, unsigned char *out, size_t *len)
+    uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const unsigned char *addr, size_t len,
+                             uint64_t window, uint64_t fence_ns)
+    uint32_t kv_ucx_rkey_add(kv_core *core, uint32_t link_id, uint64_t base, uint64_t len,
+                             const unsigned char *rkey, size_t rkey_len, uint32_t *region_id)
+    uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status)

@@ -12,7 +12,6 @@ import sys
 import time
 from typing import Callable
 
-import numpy as np
 
 
 def _fmt_bytes(n: float) -> str:

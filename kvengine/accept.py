@@ -21,7 +21,7 @@ from typing import Any, Callable
 from . import channels, control, kernel
 from .control import ProtocolError
 from .channels import SeqpacketChannel, StreamChannel
-from .handshake import NO_SECRET_MSG, hello_problem, peer_process
+from .handshake import NO_SECRET_MSG, hello_problem, is_ucx_address, peer_process
 from .link import Detached, Link, TaskSet
 from .links import LinkManager
 from .native import _native
@@ -208,7 +208,7 @@ class Acceptor:
                 return
             self.preauth.leave(slot)   # authenticated: the cluster id is reserved for it
             slot = None
-            if joining.transport == "tcp":
+            if joining.transport in ("tcp", "ucx"):
                 handed = True   # _attach_tcp ends the reservation
                 keep = await self._attach_tcp(ch, joining, reply)
             else:
@@ -223,7 +223,7 @@ class Acceptor:
             self.preauth.leave(slot)
             if not keep:
                 ch.close()
-            if joining is not None and joining.transport != "tcp":
+            if joining is not None and joining.transport not in ("tcp", "ucx"):
                 self._expire_join(reply.get("join"))
             elif joining is not None and not handed:   # the attached never reached the client
                 self._links.release(joining.cluster_id)
@@ -260,7 +260,11 @@ class Acceptor:
         if len(prefs) > 1:
             return reject(S.LLM_LINK_FAILED, f"transports conflict: {sorted(prefs)}")
         want = prefs.pop() if prefs else None
-        if want == "tcp" or not same_host:
+        if want == "ucx":
+            if not _native.UCX:
+                return reject(S.LLM_FEATURE_NOT_ENABLED, "this engine was built without UCX")
+            transport = "ucx"
+        elif want == "tcp" or not same_host:
             if want in ("local", "shm"):
                 return reject(S.LLM_LINK_FAILED, f"transport {want!r} needs both engines on one host")
             transport = "tcp"
@@ -304,6 +308,14 @@ class Acceptor:
             return reject(*busy)
         self._links.reserve(cid)
         joining = _Joining(cid, transport, welcome["streams"], ptoken, h["inc"])
+        if transport == "ucx":
+            st, address = self._links.data.ucx_address()
+            if st or not is_ucx_address(msg.get("ucx")):
+                self._links.release(cid)
+                return reject(S.LLM_LINK_FAILED, "malformed attach: bad 'ucx'" if not st else
+                              f"no UCX worker here (status {st:#x})")
+            joining.peer_token = msg["ucx"]   # the client's worker address, for _attach_tcp
+            return {"t": "attached", "ucx": address.hex()}, joining
         if transport == "tcp":
             return {"t": "attached", "data_port": self._data_port,
                     "data_token": secrets.token_hex(_native.TOKEN_BYTES)}, joining
@@ -324,11 +336,14 @@ class Acceptor:
 
     async def _attach_tcp(self, ch: StreamChannel, joining: _Joining, attached: dict[str, Any]) -> bool:
         """Server side of a TCP link after a valid attach: the data link, then the tables."""
-        cid, streams, data_token = joining.cluster_id, joining.streams, attached["data_token"]
+        cid, streams, data_token = joining.cluster_id, joining.streams, attached.get("data_token", "")
         link = None
         try:
-            link = Link(cid, ch, "tcp", 0, "", "", incarnation=joining.incarnation)
-            self._links.data.add_data_link(link, data_token, streams)
+            link = Link(cid, ch, joining.transport, 0, "", "", incarnation=joining.incarnation)
+            if joining.transport == "ucx":
+                self._links.data.add_ucx_link(link, bytes.fromhex(joining.peer_token))
+            else:
+                self._links.data.add_data_link(link, data_token, streams)
             async with asyncio.timeout(self._options.link_timeout):
                 if await self._links.establish(link, False) == S.LLM_SUCCESS:
                     link = None

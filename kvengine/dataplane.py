@@ -1,5 +1,6 @@
-"""The TCP data plane, seen from the loop: each TCP link's native id, its data
-streams' setup, and the native link events (ready, down).
+"""The network data planes, seen from the loop: each TCP or UCX link's native id
+(``Link.tcp_id``, one counter for both), TCP data streams' setup, UCX endpoints,
+and the native link events (ready, down).
 
 Owns: the native link ids and which live link each one is, the futures of
 links whose streams are being connected, the failure counters last seen. It
@@ -83,6 +84,20 @@ class DataPlane:
         finally:
             self._tcp_ready.pop(link.tcp_id, None)
 
+    def ucx_address(self) -> tuple[int, bytes]:
+        """``(status, this engine's UCP worker address)``; the first call starts UCX."""
+        st, address = self._core.ucx_address()
+        return st, address
+
+    def add_ucx_link(self, link: Link, peer_address: bytes) -> None:
+        """Declare the link's UCX endpoint to the peer's worker. An aborted push whose
+        flush does not complete within 0.5 * heartbeat_timeout fails the link."""
+        link.tcp_id = next(self._ids)
+        st = self._core.ucx_link_add(link.tcp_id, peer_address, self._options.tcp_window_bytes,
+                                     0.5 * self._options.heartbeat_timeout)
+        if st:
+            raise ProtocolError(f"cannot reach the peer's UCX worker (status {st:#x})")
+
     def on_native_event(self, kind: int, link_id: int, status: int) -> None:
         if kind == _native.EVENT_LINK_READY:
             fut = self._tcp_ready.get(link_id)
@@ -112,6 +127,9 @@ class DataPlane:
     def close(self, link: Link, status: S) -> None:
         """Close the link's data streams; its jobs complete with ``status``."""
         if link.tcp_id:
-            self._core.tcp_link_close(link.tcp_id, int(status))
+            if link.transport == "ucx":
+                self._core.ucx_link_close(link.tcp_id, int(status))
+            else:
+                self._core.tcp_link_close(link.tcp_id, int(status))
             self._tcp_links.pop(link.tcp_id, None)
             link.tcp_id = 0

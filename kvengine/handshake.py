@@ -5,7 +5,9 @@ authenticates before it learns anything or reserves its cluster id); on one
 host it then moves to a Unix SEQPACKET socket (join; memfds travel there, the
 peer's pid comes from SO_PEERCRED), across hosts (or with ``transport="tcp"``)
 the TCP connection stays the control channel and the native core opens
-``tcp_streams`` data connections. Without a secret only peers on this host may
+``tcp_streams`` data connections; with ``transport="ucx"`` it stays the control
+channel too, and attach / attached carry each end's UCP worker address (``ucx``).
+ Without a secret only peers on this host may
 link (``EngineOptions.insecure`` lifts that). Protocol: docs/protocol.md.
 
 Owns: nothing beyond one handshake's locals. A link that comes up is handed
@@ -36,7 +38,8 @@ __all__ = ["Dialer", "hello_problem", "peer_process", "NO_SECRET_MSG", "TRANSPOR
 log = logging.getLogger("kvengine")
 
 _U64 = 2**64 - 1
-TRANSPORTS = ("auto", "local", "shm", "tcp")
+TRANSPORTS = ("auto", "local", "shm", "tcp", "ucx")
+UCX_ADDR_HEX = 2 * 16384   # the longest UCP worker address we take (KV_UCX_MAX_BLOB), in hex
 NO_SECRET_MSG = ("without a secret an engine links only with engines on its own host: set "
                  "EngineOptions.secret (or KVENGINE_SECRET) on both engines, or "
                  "EngineOptions(insecure=True) to link without authentication")
@@ -50,6 +53,10 @@ def is_hex(v: Any, n: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+def is_ucx_address(v: Any) -> bool:
+    return isinstance(v, str) and 2 <= len(v) <= UCX_ADDR_HEX and is_hex(v, len(v))
 
 
 def hello_problem(h: dict[str, Any]) -> str | None:
@@ -175,7 +182,7 @@ class Dialer:
                 transport, streams, inc = w.get("transport"), w.get("streams"), w.get("inc")
                 if not is_hex(inc, 16):
                     raise ProtocolError("bad welcome: no incarnation")
-                if transport not in ("local", "shm", "tcp") or not int_in(streams, 1, _native.MAX_STREAMS) \
+                if transport not in ("local", "shm", "tcp", "ucx") or not int_in(streams, 1, _native.MAX_STREAMS) \
                         or opts.transport not in ("auto", transport):
                     raise ProtocolError(f"bad welcome (transport {transport!r}, streams {streams!r})")
                 attach: dict[str, Any] = {"t": "attach", "proof": (
@@ -183,11 +190,23 @@ class Dialer:
                     if opts.secret is not None else None)}
                 if transport == "local":
                     attach["ptoken"] = self._token
+                if transport == "ucx":
+                    st, address = self._links.data.ucx_address()
+                    if st:
+                        raise _fail(to_status(st, S.LLM_LINK_FAILED), f"no UCX worker here (status {st:#x})")
+                    attach["ucx"] = address.hex()
                 await tcp.send(attach)
                 a = await _reply(tcp, "attach")
                 if a["t"] != "attached":
                     raise ProtocolError(f"unexpected reply {a['t']!r} to attach")
-                if transport == "tcp":
+                if transport == "ucx":
+                    if not is_ucx_address(a.get("ucx")):
+                        raise ProtocolError("bad attached message")
+                    link = Link(cid, tcp, transport, 0, "", info.address, incarnation=str(inc))
+                    tcp = None
+                    self._links.data.add_ucx_link(link, bytes.fromhex(a["ucx"]))   # before the tables
+                    status = await self._links.establish(link, True)
+                elif transport == "tcp":
                     if not int_in(a.get("data_port"), 1, 65535) or \
                             not is_hex(a.get("data_token"), 2 * _native.TOKEN_BYTES):
                         raise ProtocolError("bad attached message")

@@ -25,12 +25,15 @@ from .notify import Notifier
 from .registry import CacheRegistry
 from .scheduler import Scheduler
 from .stats import Accounting
-from .status import LLMStatusCode as S
+from .status import LLMStatusCode as S, error_for
 from .tables import CacheTables
 from .targets import Targets
 from .types import EngineOptions, Role
 
-__all__ = ["Parts"]
+__all__ = ["Parts", "UCX_HINT"]
+
+UCX_HINT = ("transport='ucx' needs kvengine built with UCX: pip install \"kvengine[ucx]\" (or libucx-cu12), "
+            "then rebuild kvengine (pip install -e . in a source tree) so setup.py finds it")
 
 log = logging.getLogger("kvengine")
 _warned: set[str] = set()
@@ -43,6 +46,8 @@ class Parts:
                  host: str, token: str) -> None:
         self.loop = loop
         self.options = options
+        if options.transport == "ucx" and not _native.UCX:
+            raise error_for(S.LLM_FEATURE_NOT_ENABLED, UCX_HINT)
         self.core = _native.Core(options.movers, options.chunk_bytes)
         self.tasks = TaskSet(loop)
         self.accounting = Accounting()

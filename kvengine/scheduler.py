@@ -122,7 +122,7 @@ class Scheduler:
         t = Transfer(self, what)
         t._lease = lease
         opts = self._options
-        if total <= opts.inline_threshold and link.transport != "tcp":
+        if total <= opts.inline_threshold and link.transport not in ("tcp", "ucx"):
             # below a thread hand-off's cost: copy now, on this thread (local and shm only)
             t._link, t._notify = link, notify
             t._t_queued = t._t_started = perf_counter()   # latency: a fine clock (uvloop's ticks in ms)

@@ -8,7 +8,7 @@ our table on the channel (a key_add always follows its cache_add, a cache_del
 follows both, and the answer to a ``cache_query`` follows the announcement it
 made). Telling is idempotent: :meth:`CacheTables.sync_cache` and
 :meth:`CacheTables.sync_key` send only what the peer does not have yet.
-It encodes our caches for each transport (local, memfd, cma, tcp), checks
+It encodes our caches for each transport (local, memfd, cma, tcp, ucx), checks
 every descriptor and key a peer sends before one region or key is recorded
 (bounded: ``MAX_REMOTE_CACHES`` caches, ``MAX_REMOTE_KEYS`` keys per link; a
 bad one is a protocol error that fails the link), and removes a peer's
@@ -91,7 +91,7 @@ class CacheTables:
         if self._registry.by_id(cid) is not state:
             return                      # unregistered meanwhile: the peer need not know
         if cid not in link.told:
-            await link.ch.send(*self._describe(link, state))
+            await link.ch.send(*self._describe(link, state, self._core))
             link.told[cid] = set()
         for key, _ in self._keys.of_cache(cid):
             await self._sync_key(link, key)
@@ -110,7 +110,7 @@ class CacheTables:
         if want is not None:
             state = self._registry.by_id(want[0])
             if state is not None and want[0] not in link.told:
-                await link.ch.send(*self._describe(link, state))
+                await link.ch.send(*self._describe(link, state, self._core))
                 link.told[want[0]] = set()
             await link.ch.send({"t": "key_add", "key": list(key), "cache": want[0], "row": want[1]})
             link.told_keys[key] = want
@@ -157,7 +157,7 @@ class CacheTables:
             link.answering -= 1
 
     @staticmethod
-    def _describe(link: Link, state: LocalCache) -> tuple[dict[str, Any], list[int]]:
+    def _describe(link: Link, state: LocalCache, core: _native.Core) -> tuple[dict[str, Any], list[int]]:
         c = state.cache
         msg: dict[str, Any] = {"t": "cache_add", "id": c.cache_id, "desc": c.desc.to_wire()}
         fds: list[int] = []
@@ -167,6 +167,17 @@ class CacheTables:
             index = {rid: i for i, (rid, _) in enumerate(state.regions)}
             msg.update(kind="tcp", regions=[list(r) for r in state.regions],
                        placement=[[index[rid], off] for rid, off in c._regions])
+        elif link.transport == "ucx":
+            # per region: its base address, length and packed rkey (registered with UCP once)
+            index = {rid: i for i, (rid, _) in enumerate(state.regions)}
+            base = {rid: addr - off for (rid, off), addr in zip(c._regions, c.tensor_addrs)}
+            regions = []
+            for rid, length in state.regions:
+                st, rkey = core.ucx_mem_map(rid)
+                if st:
+                    raise ProtocolError(f"cannot register cache {c.cache_id} with UCX (status {st:#x})")
+                regions.append([base[rid], length, rkey.hex()])
+            msg.update(kind="ucx", regions=regions, placement=[[index[rid], off] for rid, off in c._regions])
         elif state.memfd is not None and c._shared is not None:
             fd, length, stride = c._shared
             msg.update(kind="memfd", len=length, stride=stride)
@@ -213,7 +224,7 @@ class CacheTables:
             except (LLMError, KeyError, TypeError, ValueError) as e:
                 raise ProtocolError(f"bad cache descriptor: {e}") from None
             kind = msg.get("kind")
-            if (kind == "tcp") != (link.transport == "tcp") or (kind == "local") != (link.transport == "local"):
+            if any((kind == k) != (link.transport == k) for k in ("tcp", "ucx", "local")):
                 raise ProtocolError(f"cache kind {kind!r} on a {link.transport} link")
             keep, regions, placement, kinds = await self._layout(link, kind, cache_id, msg, fds,
                                                                  desc.num_tensors, desc.size)
@@ -259,7 +270,7 @@ class CacheTables:
             return None, [(addr, length)], [(0, t * stride) for t in range(n)], \
                 (_native.REGION_LOCAL, 0, _native.F_UNMAP)
         if kind == "tcp":
-            wire_regions, wire_placement = msg.get("regions"), msg.get("placement")
+            wire_regions, wire_placement = msg.get("regions"), msg.get("placement")  # checked here, ucx: _placement
             ok = (isinstance(wire_regions, list) and isinstance(wire_placement, list)
                   and len(wire_placement) == n and 1 <= len(wire_regions) <= n
                   and all(isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) for v in r)
@@ -272,9 +283,43 @@ class CacheTables:
             assert isinstance(wire_regions, list) and isinstance(wire_placement, list)
             return None, [(r[0], r[1]) for r in wire_regions], [(p[0], p[1]) for p in wire_placement], \
                 (_native.REGION_TCP, link.tcp_id, 0)
+        if kind == "ucx":
+            regions = self._ucx_regions(link, msg, n, size)
+            try:
+                return None, regions, _placement(msg, n, size), (-1, 0, 0)
+            except ProtocolError:
+                for rid, _ in regions:
+                    self._core.region_remove(rid)
+                raise
         raise ProtocolError(f"unknown cache kind {kind!r}")
 
+    def _ucx_regions(self, link: Link, msg: dict[str, Any], n: int, size: int) -> list[tuple[int, int]]:
+        """A ucx cache's regions as REGION_UCX regions ``(region id, length)``: each one the
+        peer's ``[base, length, rkey]``, checked, then its rkey unpacked by the endpoint
+        (the native core range-checks every put and get against it)."""
+        wire = msg.get("regions")
+        if not (isinstance(wire, list) and 1 <= len(wire) <= n and all(
+                isinstance(r, list) and len(r) == 3 and int_in(r[0], 1, _U64) and int_in(r[1], size, 2**63 - 1)
+                and r[0] + r[1] <= _U64 and isinstance(r[2], str) and 2 <= len(r[2]) <= 2 * 16384
+                for r in wire)):
+            raise ProtocolError("bad ucx cache descriptor")
+        out: list[tuple[int, int]] = []
+        for base, length, rkey in wire:
+            try:
+                blob = bytes.fromhex(rkey)
+            except ValueError:
+                blob = b""
+            st, rid = self._core.ucx_rkey_add(link.tcp_id, base, length, blob) if blob else (S.LLM_PARAM_INVALID, 0)
+            if st:
+                for r, _ in out:
+                    self._core.region_remove(r)
+                raise ProtocolError(f"the peer's ucx region was refused (status {st:#x}): a malformed rkey?")
+            out.append((rid, length))
+        return out
+
     def _add_regions(self, link: Link, regions: list[tuple[int, int]], kinds: tuple[int, int, int]) -> list[int]:
+        if kinds[0] == -1:   # registered already (ucx: by _ucx_regions)
+            return [rid for rid, _ in regions]
         rids: list[int] = []
         for base, length in regions:
             st, rid = self._core.region_add(kinds[0], kinds[1], base, length, kinds[2])
@@ -366,3 +411,13 @@ class CacheTables:
                     fut.set_result(status or S.LLM_LINK_FAILED)
         link.waiters.clear()
 
+
+
+def _placement(msg: dict[str, Any], n: int, size: int) -> list[tuple[int, int]]:
+    """A ucx cache's ``placement``: per tensor ``(region index, offset)``, inside its region."""
+    regions, placement = msg["regions"], msg.get("placement")
+    if not (isinstance(placement, list) and len(placement) == n and all(
+            isinstance(p, list) and len(p) == 2 and int_in(p[0], 0, len(regions) - 1)
+            and int_in(p[1], 0, regions[p[0]][1] - size) for p in placement)):
+        raise ProtocolError("bad ucx cache placement")
+    return [(p[0], p[1]) for p in placement]

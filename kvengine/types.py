@@ -328,7 +328,10 @@ class EngineOptions:
       links with anyone who reaches the port, unauthenticated: any such host can then
       read and write every registered cache. Default False (docs/security.md).
     transport: ``"auto"`` (local in one process, shm on one host, tcp across hosts),
-      ``"local"``, ``"shm"`` or ``"tcp"`` (forced; both ends must agree or say auto).
+      ``"local"``, ``"shm"``, ``"tcp"`` or ``"ucx"`` (forced; both ends must agree or say
+      auto). ``"ucx"``: one-sided puts and gets through UCX (``pip install "kvengine[ucx]"``;
+      ``UCX_TLS`` and the other ``UCX_*`` settings pass through; docs/tuning.md); "auto"
+      never picks it.
     movers: native copy threads.
     inline_threshold: transfers of at most this many bytes are copied on the calling
       thread (a cross-core thread wake-up costs more than the copy).
@@ -374,9 +377,9 @@ class EngineOptions:
             if v is None:   # an option has no default to fall back on
                 raise param_invalid(f"EngineOptions.{name} must be a positive, finite number of seconds")
             check_timeout(v, 0.0, f"EngineOptions.{name}")
-        if self.transport not in ("auto", "local", "shm", "tcp"):
-            raise param_invalid(
-                f"EngineOptions.transport must be 'auto', 'local', 'shm' or 'tcp', got {self.transport!r}")
+        if self.transport not in ("auto", "local", "shm", "tcp", "ucx"):
+            raise param_invalid("EngineOptions.transport must be 'auto', 'local', 'shm', 'tcp' or 'ucx', "
+                                f"got {self.transport!r}")
         _check_int("EngineOptions.tcp_streams", self.tcp_streams, 1, 16)
         if isinstance(self.tcp_window_bytes, bool) or self.tcp_window_bytes != 0:
             _check_int("EngineOptions.tcp_window_bytes", self.tcp_window_bytes, 64 << 10, 1 << 40)

@@ -42,6 +42,10 @@ static void pidref_put(kv_core *c, kv_pidref *p) {
 static int region_release(kv_core *c, uint32_t id) {
     kv_region *r = c->regions[id];
     int sig = 0;
+    if (r->kind == KV_REGION_LOCAL) /* a transport may have registered it (UCX) */
+        for (int k = 0; k < KV_REGION_KINDS; k++)
+            if (c->transports[k] && c->transports[k]->ops->region_freed)
+                c->transports[k]->ops->region_freed(c->transports[k], id);
     if (r->flags & KV_REGION_F_UNMAP)
         munmap((void *)(uintptr_t)r->addr, (size_t)r->len); /* nothing to do on failure */
     pidref_put(c, r->pidref);
@@ -82,7 +86,7 @@ uint32_t kv_region_add(kv_core *c, int kind, int32_t pid, uint64_t addr, uint64_
     } else if (kind == KV_REGION_PROCESS) {
         if (addr == 0 || pid <= 0 || (flags & (KV_REGION_F_UNMAP | KV_REGION_F_EXPORT)))
             return KV_LLM_PARAM_INVALID;
-    } else if (kind == KV_REGION_TCP) {
+    } else if (kind == KV_REGION_TCP || kind == KV_REGION_UCX) {
         if (pid <= 0 || addr == 0 || addr > UINT32_MAX || (flags & (KV_REGION_F_UNMAP | KV_REGION_F_EXPORT)))
             return KV_LLM_PARAM_INVALID;
     } else {

@@ -27,6 +27,7 @@
 #define KV_REGION_LOCAL   0 /* memory mapped in this process */
 #define KV_REGION_PROCESS 1 /* memory of another process, reached with process_vm_{read,write}v */
 #define KV_REGION_TCP     2 /* a peer's region over a TCP link: pid = link id, addr = the peer's region id */
+#define KV_REGION_UCX     3 /* a peer's region over a UCX link: pid = link id, addr = the rkey entry (kv_ucx_rkey_add) */
 
 /* kv_region_add flags */
 #define KV_REGION_F_UNMAP  1u /* munmap on release (a mapping the core owns) */
@@ -180,5 +181,31 @@ uint32_t kv_tcp_conn_add(kv_core *core, int fd, uint32_t link_id);
 /* Close a link's streams (reset); its jobs complete with `status` (pushes not
  * fenced by the peer only at the lease release, see kv_tcp_link_add). */
 uint32_t kv_tcp_link_close(kv_core *core, uint32_t link_id, uint32_t status);
+
+/* ---- UCX data plane (kv_ucx.c; built with -DKV_HAVE_UCX, otherwise every
+ * call answers KV_LLM_FEATURE_NOT_ENABLED). One I/O thread per core owns the
+ * UCP worker, started by the first call. One-sided: pushes are ucp_put_nbx +
+ * a flush, pulls ucp_get_nbx (docs/protocol.md, "UCX links"). */
+
+/* 1 if this build has the UCX transport. */
+int kv_ucx_available(void);
+/* This core's UCP worker address into `out` (capacity *len; *len set to its size). */
+uint32_t kv_ucx_address(kv_core *core, uint8_t *out, size_t *len);
+/* Register a region of this engine's own caches (LOCAL, F_EXPORT) with UCP
+ * (once; unmapped when the region is released) and give its packed rkey. */
+uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id, uint8_t *out, size_t *len);
+/* Declare link `link_id`: an endpoint to the peer's worker `addr`. At most
+ * `window` bytes of requests outstanding (0: no limit); an aborted push whose
+ * flush does not complete within `fence_ns` fails the link. A failure of the
+ * endpoint posts KV_EVENT_LINK_DOWN|link_id. */
+uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const uint8_t *addr, size_t len, uint64_t window,
+                         uint64_t fence_ns);
+/* A peer's region [base, base+len) with its packed rkey, as a KV_REGION_UCX
+ * region of `len` bytes on link `link_id` (*region_id). A rkey the endpoint
+ * cannot unpack is KV_LLM_PARAM_INVALID. */
+uint32_t kv_ucx_rkey_add(kv_core *core, uint32_t link_id, uint64_t base, uint64_t len, const uint8_t *rkey,
+                         size_t rkey_len, uint32_t *region_id);
+/* Close a link (forced); its jobs complete with `status`. */
+uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status);
 
 #endif

@@ -111,7 +111,8 @@ typedef struct kv_mover_job {
     int chunks_active;  /* movers copying a chunk of it now */
 } kv_mover_job;
 
-#define KV_REGION_KINDS 3 /* KV_REGION_LOCAL, _PROCESS, _TCP */
+#define KV_REGION_KINDS 4 /* KV_REGION_LOCAL, _PROCESS, _TCP, _UCX */
+#define KV_UCX_MAX_BLOB 16384 /* a worker address or packed rkey from a peer: at most this */
 
 struct kv_core {
     pthread_mutex_t lock;          /* guards everything below and every job */
@@ -184,6 +185,9 @@ typedef struct kv_transport_ops {
     void (*stop)(kv_transport *t);
     /* Free everything it holds; kv_core_free, after stop. No lock held. */
     void (*destroy)(kv_transport *t);
+    /* Optional: region `id` (this process's memory) is being released: forget
+     * any registration of it (UCX: ucp_mem_unmap). c->lock held. */
+    void (*region_freed)(kv_transport *t, uint32_t id);
 } kv_transport_ops;
 
 /* Embedded first in the transport's own state. */

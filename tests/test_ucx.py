@@ -1,0 +1,203 @@
+"""transport="ucx": the cross-process suite of tests/test_cross_process.py (push,
+pull, blocks, caches announced later, 64 concurrent pushes, timeout fenced, peer
+killed mid-transfer) over UCX's tcp and shared-memory transports, plus the
+checks that apply to rkeys and addresses, at the native core's API.
+
+Skipped when kvengine was built without UCX (pip install "kvengine[ucx]", then
+rebuild). UCX_TLS is set for both processes (the child inherits it)."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import kvengine as kv
+from kvengine import LLMStatusCode as S
+from kvengine.native import _native
+
+pytestmark = pytest.mark.skipif(
+    not _native.UCX, reason="kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild")
+
+# The cross-process tests, re-run here with xtransport overridden below.
+from test_cross_process import (  # noqa: E402,F401
+    decode, prefill, test_64_concurrent_pushes, test_blocks_non_contiguous,
+    test_cache_registered_after_link_and_peer_push, test_peer_killed_mid_transfer_then_new_peer,
+    test_pull_and_pull_size, test_push_with_layer_ranges_byte_exact, test_timeout_fenced_across_processes)
+
+# UCX_TLS per case: tcp only; shared memory (posix/sysv, cma for zero copy, self).
+TLS = {"tcp": "tcp", "sm": "sm,self"}
+
+
+@pytest.fixture(params=sorted(TLS))
+def xtransport(request, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", TLS[request.param])
+    return "ucx"
+
+
+def test_without_ucx_feature_not_enabled(monkeypatch):
+    """An engine built without UCX refuses transport="ucx" with the install hint."""
+    monkeypatch.setattr(_native, "UCX", False)
+
+    async def go():
+        with pytest.raises(kv.LLMError) as e:
+            await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", kv.EngineOptions(transport="ucx")).start()
+        assert e.value.status == S.LLM_FEATURE_NOT_ENABLED
+        assert "kvengine[ucx]" in str(e.value)
+    asyncio.run(go())
+
+
+# ------------------------------------------------------------ native checks
+
+def _pair(tls, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", tls)
+    a, b = _native.Core(), _native.Core()
+    sa, addr_a = a.ucx_address()
+    sb, addr_b = b.ucx_address()
+    assert sa == 0 and sb == 0
+    assert a.ucx_link_add(1, addr_b, 0, 1.0) == 0
+    assert b.ucx_link_add(1, addr_a, 0, 1.0) == 0
+    return a, b
+
+
+def _wait(core, n=1, timeout=10.0):
+    import time
+    out, end = [], time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < end:
+        out += core.poll()
+        time.sleep(0.002)
+    return out
+
+
+@pytest.mark.parametrize("tls", ["tcp", "sm,self"])
+def test_rkey_and_address_checks(tls, monkeypatch):
+    """Every remote range is checked before a request is posted: out of the peer's
+    region, another link's region, a region of a length other than the entry's, our
+    own worker as the peer; nothing outside the registered destination changes."""
+    a, b = _pair(tls, monkeypatch)
+    try:
+        src = np.full(1 << 16, 7, np.uint8)
+        arena = np.zeros(3 << 16, np.uint8)          # the peer registers only the middle third
+        dst = arena[1 << 16: 2 << 16]
+        st, rs = a.region_add(_native.REGION_LOCAL, 0, src.ctypes.data, src.nbytes, _native.F_EXPORT)
+        st2, rd = b.region_add(_native.REGION_LOCAL, 0, dst.ctypes.data, dst.nbytes, _native.F_EXPORT)
+        assert st == st2 == 0
+        st, rkey = b.ucx_mem_map(rd)
+        assert st == 0 and rkey
+        st, rr = a.ucx_rkey_add(1, dst.ctypes.data, dst.nbytes, rkey)
+        assert st == 0
+
+        def seg(*w):
+            return np.array(w, dtype=np.uint64)
+        # past the end, overflowing offsets, the whole arena: refused at submit
+        for off, n in ((1, dst.nbytes), (dst.nbytes, 1), (2**64 - 1, 2), (0, dst.nbytes + 1)):
+            st, done, _ = a.submit(10, seg(rs, 0, rr, off, n), 0)
+            assert st == S.LLM_PARAM_INVALID, (off, n)
+        # a region on a link that does not exist
+        assert a.ucx_rkey_add(99, dst.ctypes.data, dst.nbytes, rkey)[0] == S.LLM_LINK_FAILED
+        # a link to our own worker (a peer sending our address back)
+        assert a.ucx_link_add(5, a.ucx_address()[1], 0, 1.0) == S.LLM_PARAM_INVALID
+        # empty and oversized blobs
+        assert a.ucx_rkey_add(1, dst.ctypes.data, dst.nbytes, b"")[0] == S.LLM_PARAM_INVALID
+        assert a.ucx_rkey_add(1, dst.ctypes.data, dst.nbytes, b"x" * 20000)[0] == S.LLM_PARAM_INVALID
+        assert a.ucx_rkey_add(1, 2**64 - 4096, 8192, rkey)[0] == S.LLM_PARAM_INVALID
+        # a valid push lands exactly in the registered range
+        st, done, _ = a.submit(11, seg(rs, 0, rr, 0, dst.nbytes), 0)
+        assert st == 0 and not done
+        (c,) = _wait(a)
+        assert c[:3] == (11, 0, dst.nbytes)
+        assert (dst == 7).all() and not arena[: 1 << 16].any() and not arena[2 << 16:].any()
+        # our memory can be exported only if it is one of our caches (F_EXPORT)
+        st, plain = a.region_add(_native.REGION_LOCAL, 0, src.ctypes.data, src.nbytes, 0)
+        assert a.ucx_mem_map(plain)[0] == S.LLM_PARAM_INVALID
+    finally:
+        for c in (a, b):
+            c.close()
+            c.release()
+
+
+def test_forged_rkey_is_refused_or_lands_only_in_the_announced_range(monkeypatch):
+    """UCX refuses some malformed rkeys (PARAM_INVALID) and accepts others: over tcp and
+    shared memory the target does not check keys (puts emulated with active messages,
+    or cma). Either way the request goes to entry base + a checked offset, so a push
+    with a forged rkey fails the link or lands inside the region the peer announced;
+    the process survives (docs/protocol.md, "UCX links")."""
+    a, b = _pair("tcp", monkeypatch)
+    try:
+        assert a.ucx_rkey_add(1, 1 << 20, 4096, b"\xff")[0] == S.LLM_PARAM_INVALID
+        src = np.full(1 << 16, 7, np.uint8)
+        arena = np.zeros(3 << 16, np.uint8)
+        dst = arena[1 << 16: 2 << 16]
+        st, rs = a.region_add(_native.REGION_LOCAL, 0, src.ctypes.data, src.nbytes, _native.F_EXPORT)
+        st2, rd = b.region_add(_native.REGION_LOCAL, 0, dst.ctypes.data, dst.nbytes, _native.F_EXPORT)
+        assert st == st2 == 0 and b.ucx_mem_map(rd)[0] == 0
+        for job, blob in enumerate((b"\x00" * 8, bytes(range(256)) * 4)):
+            st, rr = a.ucx_rkey_add(1, dst.ctypes.data, dst.nbytes, blob)
+            if st:
+                assert st == S.LLM_PARAM_INVALID
+                continue
+            st, _, _ = a.submit(30 + job, np.array([rs, 0, rr, 0, src.nbytes], np.uint64), 0)
+            if st == 0:
+                done = [c for c in _wait(a) if c[0] == 30 + job]
+                assert done and done[0][1] in (0, S.LLM_LINK_FAILED)
+            assert not arena[: 1 << 16].any() and not arena[2 << 16:].any()
+    finally:
+        for c in (a, b):
+            c.close()
+            c.release()
+
+
+async def test_forged_table_entry_drops_the_link():
+    """A cache table entry of kind 'ucx' with a bad rkey fails the link, registers nothing."""
+    from kvengine.tables import CacheTables
+
+    o = kv.EngineOptions(transport="ucx")
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", o).start()
+    d = await kv.KvEngine(2, kv.Role.DECODER, "127.0.0.1:0", o).start()
+    real = CacheTables._describe
+
+    def forged(link, state, core):
+        msg, fds = real(link, state, core)
+        msg["regions"] = [[r[0], r[1], "ff"] for r in msg["regions"]]   # an rkey UCX cannot unpack
+        return msg, fds
+    try:
+        d.allocate_cache(kv.CacheDesc(1, (1, 4096), np.uint8))
+        CacheTables._describe = staticmethod(forged)  # type: ignore[method-assign]
+        st, per = await p.link_clusters([kv.ClusterInfo(2, d.address)], timeout=5)
+        assert st != S.LLM_SUCCESS
+        assert p.stats()["native"]["regions_live"] == 0
+    finally:
+        CacheTables._describe = staticmethod(real)  # type: ignore[method-assign]
+        await p.close()
+        await d.close()
+
+
+async def test_cancel_is_fenced(monkeypatch):
+    """Cancelling a large push resolves only after its flush: the destination does not
+    change after the status, and the link stays usable."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    o = kv.EngineOptions(transport="ucx")
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", o).start()
+    d = await kv.KvEngine(2, kv.Role.DECODER, "127.0.0.1:0", o).start()
+    try:
+        desc = kv.CacheDesc(2, (1, 64 << 20), np.uint8)
+        src = p.allocate_cache(desc)
+        for t in src.tensors:
+            t[:] = 5
+        dst = d.allocate_cache(desc)
+        st, per = await p.link_clusters([kv.ClusterInfo(2, d.address)])
+        assert st == S.LLM_SUCCESS, per
+        await p.wait_remote_cache(2, dst.cache_id)
+        t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), timeout=30)
+        await asyncio.sleep(0.005)
+        t.cancel()
+        st = await t
+        assert st in (S.LLM_CANCELLED, S.LLM_SUCCESS)
+        before = [int(x.sum()) for x in dst.tensors]
+        await asyncio.sleep(0.3)
+        assert [int(x.sum()) for x in dst.tensors] == before
+        assert p.stats()["native"]["jobs_live"] == 0
+        assert await p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), timeout=30) == S.LLM_SUCCESS
+        assert all((x == 5).all() for x in dst.tensors)
+    finally:
+        await p.close()
+        await d.close()
