@@ -456,9 +456,10 @@ def test_native_stub_names_every_public_name_of_the_compiled_module():
     top, methods = _stub()
     assert set(top) == _public(native)
     assert set(methods) - {"__init__"} == _public(native.Core)
-    for name, node in top.items():   # constants are ints, as declared
+    for name, node in top.items():   # constants have the type declared (Final[int], Final[bool])
         if isinstance(node, ast.AnnAssign):
-            assert type(getattr(native, name)) is int, name
+            want = bool if ast.unparse(node.annotation) == "Final[bool]" else int
+            assert type(getattr(native, name)) is want, name
     assert _norm(_stub_params(top["map_fd"])) == _compiled_params(native.map_fd)
     for name, fn in methods.items():
         if name != "__init__":
