@@ -28,6 +28,7 @@ KV_SHAPE = 10
 PROMPT_CLUSTER_ID = 0
 DECODER_CLUSTER_ID = 1
 PLACEMENT = Placement.HOST          # kvengine: was Placement.DEVICE
+PORT = int(os.environ.get("SAMPLE_PORT", "26000"))   # kvengine: tests run the samples on a free port
 
 
 def device(t):
@@ -48,7 +49,7 @@ def init_llm_datadist(role, cluster_id, device_id, local_host_ip, remote_host_ip
     llm_config.device_id = device_id
     llm_config.local_comm_res = ""
     if role == LLMRole.PROMPT:
-        llm_config.listen_ip_info = f"{local_host_ip}:26000"
+        llm_config.listen_ip_info = f"{local_host_ip}:{PORT}"
     datadist.init(llm_config.generate_options())
     logging.info(f"init {role} success, cluster_id={cluster_id}")
     return datadist
@@ -82,8 +83,8 @@ def run_decoder_sample(datadist, local_host_ip, remote_host_ip):
 
     cluster = LLMClusterInfo()
     cluster.remote_cluster_id = PROMPT_CLUSTER_ID
-    cluster.append_local_ip_info(local_host_ip, 26000)
-    cluster.append_remote_ip_info(remote_host_ip, 26000)
+    cluster.append_local_ip_info(local_host_ip, PORT)
+    cluster.append_remote_ip_info(remote_host_ip, PORT)
     ret, _ = datadist.link_clusters([cluster], 5000)
     if ret != LLMStatusCode.LLM_SUCCESS:
         raise Exception("link failed")
@@ -94,7 +95,7 @@ def run_decoder_sample(datadist, local_host_ip, remote_host_ip):
 
     cluster = LLMClusterInfo()
     cluster.remote_cluster_id = PROMPT_CLUSTER_ID
-    cluster.append_remote_ip_info(remote_host_ip, 26000)
+    cluster.append_remote_ip_info(remote_host_ip, PORT)
     ret, _ = datadist.unlink_clusters([cluster], 5000)
     if ret != LLMStatusCode.LLM_SUCCESS:
         raise Exception("unlink failed")
