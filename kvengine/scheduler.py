@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from .native import _native
 from .stats import Accounting
 from .status import LLMStatusCode as S, to_status
-from .transfer import Counted, Transfer
+from .transfer import Counted, Transfer, What
 from .types import EngineOptions
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class Scheduler:
     # ------------------------------------------------------------ submission
 
     def launch(self, link: "Link", refs: tuple[Counted, ...], segs: "Packed", total: int,
-               timeout: float, priority: int, notify: bytes | None, what: str, lease: int = 0) -> Transfer:
+               timeout: float, priority: int, notify: bytes | None, what: "str | What", lease: int = 0) -> Transfer:
         """Start a transfer of the packed ``segs`` (``total`` bytes) on ``link``.
 
         ``refs``: the caches it keeps busy. ``lease``: the link's mover lease (shm
@@ -132,7 +132,7 @@ class Scheduler:
             return t
         if self.queued >= opts.max_queued:
             t._finish(S.LLM_OUT_OF_MEMORY, 0,
-                      f"{what}: {self.queued} transfers queued already (EngineOptions.max_queued)")
+                      f"{t.what}: {self.queued} transfers queued already (EngineOptions.max_queued)")
             return t
         t._queue(link, refs, segs, total, timeout, priority, notify, self._loop.time())  # deadlines: the loop's clock
         link.inflight.add(t)

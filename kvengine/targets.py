@@ -26,7 +26,7 @@ asks, the tables hold the answers, the scheduler runs the transfers.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import numpy as np
 
@@ -75,15 +75,16 @@ class Targets:
         Transfer, an unannounced name one that asks first (``asked``: it did)."""
         try:
             local = self._registry.get(cache)
+            target: CacheIndex | CacheKey | BlocksCacheKey = where   # checked just below
             if not isinstance(where, kinds):
                 raise param_invalid(f"{name} must be a {' or '.join(k.__name__ for k in kinds)}, "
                                     f"got {type(where).__name__}")
             tmo, prio, note = plan.transfer_options(timeout, self._options.sync_kv_timeout, priority, notify)
-            link, rc, row, label = self._resolve(cast("CacheIndex | CacheKey | BlocksCacheKey", where), asked)
+            link, rc, row, key = self._resolve(target, asked)
             segs, total = segments(self._planner, local, rc, row)
             push = op.startswith("push")
             return self._scheduler.launch(link, (local, rc), segs, total, tmo, prio, note,
-                                          f"{op} {'to' if push else 'from'} {label}",
+                                          (op, link.cluster_id, rc.cache_id, key, row),
                                           link.lease_id if push else 0)
         except _Unannounced as u:
             def again(left: float) -> Transfer:
@@ -93,8 +94,9 @@ class Targets:
             return Transfer.failed(self._scheduler, op, e.status, e.message)
 
     def _resolve(self, where: CacheIndex | CacheKey | BlocksCacheKey, asked: bool
-                 ) -> tuple[Link, RemoteCache, int, str]:
-        """``(link, peer's cache, row, words)`` of a name, or raise (_Unannounced: ask)."""
+                 ) -> tuple[Link, RemoteCache, int, CacheKey | None]:
+        """``(link, peer's cache, row, the key named or None)`` of a name, or raise
+        (_Unannounced: ask)."""
         cluster_id = where.cluster_id
         link = self._links.get(cluster_id)
         if link is None:
@@ -112,7 +114,7 @@ class Targets:
                                     f"cluster {cluster_id} has no row bound to {where} (asked it)")
                 raise _Unannounced(link, ("key", key))
             rc, row = bound
-            return link, rc, row, f"{where} (cluster {cluster_id} cache {rc.cache_id} row {row})"
+            return link, rc, row, where
         cache_id = where.cache_id
         try:
             rc_or_none = link.remote.get(cache_id)   # numpy ints hash as ints
@@ -126,7 +128,7 @@ class Targets:
                                                           + (" (asked it)" if asked else ""))
             raise _Unannounced(link, ("id", ident))
         row = where.batch_index if isinstance(where, CacheIndex) else 0
-        return link, rc_or_none, row, f"cluster {cluster_id} cache {cache_id}"
+        return link, rc_or_none, row, None
 
     # ------------------------------------------------------------- asking
 
@@ -169,7 +171,7 @@ class Targets:
             return   # cancelled while asking: nothing was launched
         left = t.deadline - self._loop.time()
         if not fut.done() or (fut.result() is None and link.up) or left <= 0:
-            t._finish(S.LLM_TIMEOUT, 0, f"{t._what}: the peer did not say whether it has {what} within "
+            t._finish(S.LLM_TIMEOUT, 0, f"{t.what}: the peer did not say whether it has {what} within "
                                         f"the transfer's timeout ({t._timeout:g} s); nothing was sent")
             return
         inner = again(left)   # the link went down meanwhile: it says so

@@ -30,7 +30,11 @@ if TYPE_CHECKING:
     from .link import Link
     from .plan import Packed
 
-__all__ = ["Transfer", "TransferOwner"]
+__all__ = ["Transfer", "TransferOwner", "What"]
+
+
+# (operation, cluster id, cache id, request key or None, row): a transfer's words, unformatted
+What = tuple[str, int, Any, Any, int]
 
 
 class TransferOwner(Protocol):
@@ -66,9 +70,9 @@ class Transfer:
                  "_notify", "_t_queued", "_t_started", "_total", "_inq", "_callbacks", "priority", "deadline",
                  "_rank", "_ran", "_lease", "__weakref__")
 
-    def __init__(self, owner: TransferOwner, what: str) -> None:
+    def __init__(self, owner: TransferOwner, what: "str | What") -> None:
         self._owner = owner
-        self._what = what
+        self._what = what        # words for messages, formatted only when one is needed
         self._status: S | None = None
         self._fut: asyncio.Future[S] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -209,6 +213,17 @@ class Transfer:
     # ---------------------------------------------------------------- public
 
     @property
+    def what(self) -> str:
+        """What the transfer is, in words ("push_kv_cache to cluster 2 cache 7")."""
+        w = self._what
+        if isinstance(w, str):
+            return w
+        op, cluster_id, cache_id, key, row = w
+        where = (f"{key} (cluster {cluster_id} cache {cache_id} row {row})" if key is not None
+                 else f"cluster {cluster_id} cache {cache_id}")
+        return f"{op} {'to' if op.startswith('push') else 'from'} {where}"
+
+    @property
     def status(self) -> S | None:
         return self._status
 
@@ -239,19 +254,19 @@ class Transfer:
         if self._status == S.LLM_TIMEOUT:
             started = "it had not started" if not self._ran else \
                 f"it was aborted and no byte of it lands after this status ({self.nbytes} bytes had landed)"
-            return f"{self._what} did not finish within {self._timeout:g} s; {started}"
+            return f"{self.what} did not finish within {self._timeout:g} s; {started}"
         if self._status == S.LLM_CANCELLED:
-            return f"{self._what} was cancelled; no byte of it lands after this status"
+            return f"{self.what} was cancelled; no byte of it lands after this status"
         if self._status == S.LLM_LINK_FAILED:
             if self._ran:
-                return (f"{self._what}: the link to the peer was lost; no byte of it lands after this "
+                return (f"{self.what}: the link to the peer was lost; no byte of it lands after this "
                         f"status (the peer acknowledged the abort, or its lease on the link expired)")
-            return f"{self._what}: the link to the peer was lost"
+            return f"{self.what}: the link to the peer was lost"
         if self._status == S.LLM_NOT_YET_LINK:
-            return f"{self._what}: the link was torn down"
+            return f"{self.what}: the link was torn down"
         if self._status == S.LLM_ENGINE_FINALIZED:
-            return f"{self._what}: the engine was closed"
-        return f"{self._what} failed"
+            return f"{self.what}: the engine was closed"
+        return f"{self.what} failed"
 
     def __await__(self) -> Generator[Any, None, S]:
         return self._wait().__await__()
@@ -289,7 +304,7 @@ class Transfer:
 
     def __repr__(self) -> str:
         st = self._status.name if self._status is not None else "running"
-        return f"<Transfer {self._what}: {st}, {self.nbytes} bytes>"
+        return f"<Transfer {self.what}: {st}, {self.nbytes} bytes>"
 
 
 class _NoOwner:
