@@ -162,6 +162,7 @@ class LinkManager:
             await link.ch.send({"t": "up"})
         # caches registered while the tables were exchanged (sends only what the peer lacks)
         self._tasks.spawn(self._tables.announce(link, list(self._registry)))
+        self._notifier.link_up(link)   # notifications the same peer engine has not acknowledged
         log.info("linked cluster %s <-> %s (%s)", self._cluster_id, link.cluster_id, link.transport)
         return S.LLM_SUCCESS
 
@@ -201,6 +202,8 @@ class LinkManager:
                     ts = msg.get("ts")
                     if ts is not None:   # the peer holds a mover lease: echo its clock at once
                         link.ch.send_nowait({"t": "pong", "ts": ts})
+                    if "n" in msg:       # the notifications it delivered (notify.py)
+                        self._notifier.acked(link.cluster_id, msg["n"])
                 elif t == "pong":
                     self._on_pong(link, msg)
                 elif t == "cache_add":
@@ -217,7 +220,7 @@ class LinkManager:
                 elif t == "unlink":
                     self._tasks.spawn(self._on_unlink(link, msg))
                 elif t == "notify":
-                    self._notifier.on_message(link.cluster_id, msg)
+                    self._notifier.on_message(link, msg)
                 elif t == "ok":
                     req = msg.get("req")
                     fut = link.pending.pop(req, None) if isinstance(req, int) else None
@@ -276,7 +279,11 @@ class LinkManager:
                 return
             # Never wait on the peer here: a ping stuck behind a connection the peer does not
             # read must not stop the judgement above (a ping that does not fit is skipped).
-            link.ch.send_nowait({"t": "ping", "ts": boot_ns()} if link.lease_id else {"t": "ping"})
+            ping: dict[str, Any] = {"t": "ping", "ts": boot_ns()} if link.lease_id else {"t": "ping"}
+            delivered = self._notifier.delivered(link)
+            if delivered is not None:
+                ping["n"] = delivered   # acknowledges the peer's notifications (notify.py)
+            link.ch.send_nowait(ping)
 
     async def query(self, link: Link, msg: dict[str, Any], timeout: float) -> dict[str, Any] | None:
         """Ask the peer (``cache_query``): its reply, or None (no answer within ``timeout``,

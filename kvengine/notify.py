@@ -6,7 +6,16 @@ completes: for shm the bytes are in the destination's memory by then, for tcp
 the destination's ACK said so. Decode workers use it to learn their KV arrived
 without polling.
 
-Owns: the received notifications not yet taken, their waiters, the counters.
+Delivery survives a failed link: each notification to a peer carries a sequence
+number, and the sender keeps it until the peer's pings acknowledge it (``n``:
+the highest delivered). When a link to the same peer engine (the same
+incarnation) comes up again, the unacknowledged ones are sent again, and the
+receiver delivers each sequence number once. So a success's notification
+reaches the destination exactly once if the two engines link again; never for
+a failure, never twice. Peers that restarted start over (their memory is gone).
+
+Owns: the received notifications not yet taken, their waiters, the counters,
+the unacknowledged notifications per peer and the last delivered per sender.
 The link manager hands it each "notify" message; the scheduler asks it to send
 one when a push succeeded. Touches no link state beyond sending on ``link.ch``.
 """
@@ -46,11 +55,14 @@ class Notifier:
         self._spawn = spawn
         self._notes: collections.deque[Notification] = collections.deque()
         self._waiters: list[tuple[bytes | None, asyncio.Future[Notification | None]]] = []
-        self._counts = {"sent": 0, "received": 0, "dropped": 0}
+        self._counts = {"sent": 0, "received": 0, "dropped": 0, "resent": 0, "duplicates": 0, "lost": 0}
         self._closed = False
+        self._out: dict[int, _Outbox] = {}               # peer cluster id -> what we sent it
+        self._delivered: dict[int, tuple[str, int]] = {}  # sender cluster id -> (its incarnation, last seq)
 
     def stats(self) -> dict[str, int]:
-        return dict(self._counts, pending=len(self._notes))
+        return dict(self._counts, pending=len(self._notes),
+                    unacked=sum(len(ob.unacked) for ob in self._out.values()))
 
     def close(self) -> None:
         """The engine is closing: every waiter ends (``wait`` raises
@@ -61,14 +73,56 @@ class Notifier:
             if not fut.done():
                 fut.set_result(None)
 
+    def _outbox(self, link: "Link") -> "_Outbox":
+        ob = self._out.get(link.cluster_id)
+        if ob is None or ob.incarnation != link.incarnation:
+            if ob is not None:
+                self._counts["lost"] += len(ob.unacked)   # the peer restarted: its memory is gone
+            ob = self._out[link.cluster_id] = _Outbox(link.incarnation)
+        return ob
+
     def send(self, link: "Link", payload: bytes) -> None:
         """Tell the destination; called when the push completed successfully."""
         if not link.up:
             return
-        msg = {"t": "notify", "p": payload.hex()}
+        ob = self._outbox(link)
+        ob.seq += 1
+        msg = {"t": "notify", "p": payload.hex(), "s": ob.seq}
+        ob.unacked.append((ob.seq, msg))
+        if len(ob.unacked) > self._max:   # bounded: the oldest unacknowledged one is given up
+            ob.unacked.popleft()
+            self._counts["lost"] += 1
         self._counts["sent"] += 1
+        self._put(link, msg)
+
+    def _put(self, link: "Link", msg: dict[str, Any]) -> None:
         if not link.ch.send_nowait(msg):
             self._spawn(self._send_later(link, msg))
+
+    def acked(self, cluster_id: int, upto: Any) -> None:
+        """The peer's ping said it delivered every notification up to ``upto``."""
+        if isinstance(upto, bool) or not isinstance(upto, int) or upto < 0:
+            raise ProtocolError(f"bad notification acknowledgement {upto!r}")
+        ob = self._out.get(cluster_id)
+        while ob is not None and ob.unacked and ob.unacked[0][0] <= upto:
+            ob.unacked.popleft()
+
+    def delivered(self, link: "Link") -> int | None:
+        """What our pings acknowledge to the peer of ``link`` (None: nothing yet)."""
+        d = self._delivered.get(link.cluster_id)
+        return d[1] if d is not None and d[0] == link.incarnation else None
+
+    def link_up(self, link: "Link") -> None:
+        """A link is up: send again what the same peer engine has not acknowledged."""
+        ob = self._out.get(link.cluster_id)
+        if ob is None:
+            return
+        if ob.incarnation != link.incarnation:
+            self._outbox(link)   # another engine under that id: start over
+            return
+        for _, msg in ob.unacked:
+            self._counts["resent"] += 1
+            self._put(link, msg)
 
     @staticmethod
     async def _send_later(link: "Link", msg: dict[str, Any]) -> None:
@@ -77,12 +131,21 @@ class Notifier:
         except (ConnectionError, ProtocolError):
             pass
 
-    def on_message(self, cluster_id: int, msg: dict[str, Any]) -> None:
-        """A "notify" message from linked peer ``cluster_id``."""
+    def on_message(self, link: "Link", msg: dict[str, Any]) -> None:
+        """A "notify" message from the peer of ``link``: delivered once per sequence number."""
         try:
             payload = bytes.fromhex(msg["p"])
         except (KeyError, TypeError, ValueError):
             raise ProtocolError("bad notify message") from None
+        seq = msg.get("s")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            raise ProtocolError(f"bad notify sequence number {seq!r}")
+        cluster_id = link.cluster_id
+        last = self._delivered.get(cluster_id)
+        if last is not None and last[0] == link.incarnation and seq <= last[1]:
+            self._counts["duplicates"] += 1   # sent again after a relink; delivered already
+            return
+        self._delivered[cluster_id] = (link.incarnation, seq)
         note = Notification(payload, cluster_id, time.monotonic())
         self._counts["received"] += 1
         for i, (match, fut) in enumerate(self._waiters):
@@ -137,3 +200,14 @@ class Notifier:
             if note is None:   # the engine closed
                 return
             yield note
+
+
+class _Outbox:
+    """Notifications sent to one peer engine and not acknowledged yet."""
+
+    __slots__ = ("incarnation", "seq", "unacked")
+
+    def __init__(self, incarnation: str) -> None:
+        self.incarnation = incarnation
+        self.seq = 0
+        self.unacked: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
