@@ -279,19 +279,34 @@ fail:
 
 /* ------------------------------------------------------------- completion */
 
+/* The inbox: jobs submitted, not yet taken by the I/O thread (caller holds c->lock). */
+static void inbox_append(kv_ucx *u, ucx_job *j) {
+    j->next = NULL;
+    j->prev = u->inbox_tail;
+    if (u->inbox_tail)
+        u->inbox_tail->next = j;
+    else
+        u->inbox_head = j;
+    u->inbox_tail = j;
+}
+
+static void inbox_remove(kv_ucx *u, ucx_job *j) {
+    if (j->prev)
+        j->prev->next = j->next;
+    else
+        u->inbox_head = j->next;
+    if (j->next)
+        j->next->prev = j->prev;
+    else
+        u->inbox_tail = j->prev;
+}
+
 /* Complete `j` (caller holds c->lock). Returns 1 if the eventfd must be signalled. */
 static int job_complete(kv_ucx *u, ucx_job *j, uint32_t status) {
     if (j->job.queued)
         kv__queue_remove(&j->link->send_head, &j->link->send_tail, &j->job);
     if (j->job.state == KV_JS_INBOX) {
-        if (j->prev)
-            j->prev->next = j->next;
-        else
-            u->inbox_head = j->next;
-        if (j->next)
-            j->next->prev = j->prev;
-        else
-            u->inbox_tail = j->prev;
+        inbox_remove(u, j);
     } else if (j->link) {
         list_del(&j->link->active, j);
     }
@@ -710,11 +725,7 @@ static void *io_main(void *arg) {
                 sig |= job_complete(u, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
                 continue;
             }
-            u->inbox_head = j->next;
-            if (u->inbox_head)
-                u->inbox_head->prev = NULL;
-            else
-                u->inbox_tail = NULL;
+            inbox_remove(u, j);
             j->link = l;
             j->job.state = KV_JS_SENDING;
             list_add(&l->active, j);
@@ -967,13 +978,7 @@ static uint32_t ucx_submit(kv_transport *t, kv_job *job) {
     }
     kv__job_hash(u->core, job);
     job->state = KV_JS_INBOX;
-    j->next = NULL;
-    j->prev = u->inbox_tail;
-    if (u->inbox_tail)
-        u->inbox_tail->next = j;
-    else
-        u->inbox_head = j;
-    u->inbox_tail = j;
+    inbox_append(u, j);
     wake(u);
     return KV_LLM_SUCCESS;
 }
