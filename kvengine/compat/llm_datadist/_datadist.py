@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import kvengine as kv
 from kvengine.sync import SyncKvEngine
@@ -139,22 +139,21 @@ class LLMDataDist:
         """Link to each cluster: ``(overall status, [status per cluster])`` (never raises for a cluster)."""
         e = self._current()
         infos, tmo = self._clusters(clusters, True), _ms(timeout)
-        try:
-            st, per = e.link_clusters(infos, tmo)
-        except kv.LLMError as err:
-            raise raise_llm(err) from err
-        assert self._manager is not None
-        for c in infos:
-            self._manager.forget(c.remote_cluster_id)
-        return st, [r.status for r in per]
+        return self._links_changed(infos, lambda: e.link_clusters(infos, tmo))
 
     def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
                         ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Unlink: ``(overall status, [status per cluster])``; ``force`` drops this end only."""
         e = self._current()
         infos, tmo = self._clusters(clusters, False), _ms(timeout)
+        return self._links_changed(infos, lambda: e.unlink_clusters(infos, tmo, force=bool(force)))
+
+    def _links_changed(self, infos: list[kv.ClusterInfo],
+                       call: Callable[[], tuple[kv.LLMStatusCode, list[kv.LinkResult]]]
+                       ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Run a link or unlink call; the peers' cache directories are read afresh after it."""
         try:
-            st, per = e.unlink_clusters(infos, tmo, force=bool(force))
+            st, per = call()
         except kv.LLMError as err:
             raise raise_llm(err) from err
         assert self._manager is not None
