@@ -153,6 +153,15 @@ def foreign_load(a: Snapshot, b: Snapshot) -> Report:
             "other_vcpu_fraction": other / tck / wall if wall > 0 else 0.0, "steal_cpu_s": b[2] - a[2]}
 
 
+def record_timing(out: Report, t_setup: float, t_meas: float, snap0: Snapshot, columns: list[str]) -> None:
+    """A run's bookkeeping once measuring ended: measuring and setup seconds, the other
+    processes' CPU use meanwhile (since ``snap0``), the columns measured."""
+    out["measure_s"] = time.perf_counter() - t_meas
+    out["load"] = foreign_load(snap0, cpu_snapshot())
+    out["setup_s"] = t_meas - t_setup
+    out["columns"] = columns
+
+
 def load_line(ld: Report) -> str:
     return (f"other processes used {ld['other_cpu_s']:.1f} CPU-s during the {fmt_seconds(ld['wall_s'])} measured "
             f"({ld['other_vcpu_fraction'] * 100:.0f}% of one vCPU; this benchmark {ld['own_cpu_s']:.1f} CPU-s, "

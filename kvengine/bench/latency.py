@@ -37,8 +37,8 @@ from numpy.typing import NDArray
 
 from . import peers as P
 from .baselines import RawSocket, Streams
-from .common import (KiB, Progress, Report, busy_processes, cpu_snapshot, fmt_seconds, foreign_load, get_runner,
-                     meta, save_outputs)
+from .common import (KiB, Progress, Report, busy_processes, cpu_snapshot, fmt_seconds, get_runner, meta,
+                     record_timing, save_outputs)
 from .harness import KvSide, close_all, footer, ratio, summary, table, us
 from .throughput import KV, MEMCPY, RAW, STREAMS, add_common_args, col_name, resolve_common
 
@@ -164,10 +164,7 @@ async def run(args: argparse.Namespace) -> Report:
                     bar.step(f"round {r + 1} {name}")
         finally:
             bar.close()
-        out["measure_s"] = time.perf_counter() - t_meas
-        out["load"] = foreign_load(snap0, cpu_snapshot())
-        out["setup_s"] = t_meas - t_setup
-        out["columns"] = configs
+        record_timing(out, t_setup, t_meas, snap0, configs)
         out["results"] = {n: summary(v) for n, v in lat.items()}
         out["samples_us"] = {n: sorted(x * 1e6 for x in v) for n, v in lat.items()}
         kvr = out["results"][KV]

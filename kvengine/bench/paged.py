@@ -37,7 +37,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import peers as P
-from .common import KiB, MiB, Progress, Report, cpu_snapshot, foreign_load
+from .common import KiB, MiB, Progress, Report, cpu_snapshot, record_timing
 from .harness import KvSide, close_all, footer, gbps, ratio, table
 
 if TYPE_CHECKING:
@@ -117,19 +117,9 @@ async def run(args: argparse.Namespace) -> Report:
             if not ok:
                 raise RuntimeError(f"kvengine: a pushed table of {nb} blocks differs from the source")
             segs = segments(sb, db, pool)
-            for name, pair in list(pairs.items()):
-                try:
-                    ok = await asyncio.to_thread(pair.verify_ranges, f"p{nb}-0", [[s, n] for s, _, n in segs],
-                                                 [[d, n] for _, d, n in segs])
-                except P.PeerError as err:
-                    ok = False
-                    say(f"  {name}: {err}")
-                verify.setdefault(name, []).append(ok)
-                if not ok:
-                    say(f"  {name}: a table of {nb} blocks did not land as sent; left out")
-                    out["peers"][name] = "failed the byte check"
-                    pair.close()
-                    del pairs[name]
+            src_ranges, dst_ranges = [[s, n] for s, _, n in segs], [[d, n] for _, d, n in segs]
+            await P.check_peers(pairs, lambda pair: pair.verify_ranges(f"p{nb}-0", src_ranges, dst_ranges),
+                                f"a table of {nb} blocks", out, verify, say)
         out["verify"] = verify
         configs = [PAGED, CONTIG] + list(pairs)
 
@@ -158,10 +148,7 @@ async def run(args: argparse.Namespace) -> Report:
                         bar.step(f"rep {rep + 1} {nb} blocks {name}")
         finally:
             bar.close()
-        out["measure_s"] = time.perf_counter() - t_meas
-        out["load"] = foreign_load(snap0, cpu_snapshot())
-        out["setup_s"] = t_meas - t_setup
-        out["columns"] = configs
+        record_timing(out, t_setup, t_meas, snap0, configs)
         for nb in args.tables:
             nbytes = TENSORS * nb * BLOCK
             res: Report = {}

@@ -36,6 +36,7 @@ How each one is driven (PEERS_HOWTO of this project: measured on these CPU-only 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
 import multiprocessing as mp
@@ -411,3 +412,22 @@ def start_peers(names: list[str], size: int, transport: str, log_path: str | Non
             missing[name] = f"failed to start: {e}"
             say(f"  {name}: failed to start ({e}); its column is left out (log: {log_path})")
     return pairs, missing
+
+
+async def check_peers(pairs: dict[str, PeerPair], check: Callable[[PeerPair], bool], what: str,
+                      out: dict[str, Any], verify: dict[str, list[bool]],
+                      say: Callable[[str], object] = print) -> None:
+    """Byte-check each pair's last transfer (``check`` runs in a thread); record the result
+    in ``verify``; a pair that fails is closed and left out of the rest of the run."""
+    for name, pair in list(pairs.items()):
+        try:
+            ok = await asyncio.to_thread(check, pair)
+        except PeerError as e:
+            ok = False
+            say(f"  {name}: {e}")
+        verify.setdefault(name, []).append(ok)
+        if not ok:
+            say(f"  {name}: {what} did not land as sent; left out")
+            out["peers"][name] = "failed the byte check"
+            pair.close()
+            del pairs[name]

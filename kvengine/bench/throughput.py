@@ -44,8 +44,8 @@ from numpy.typing import NDArray
 
 from . import peers as P
 from .baselines import ParallelMemcpy, RawSocket, Streams, memcpy_seconds
-from .common import (KiB, MiB, Progress, Report, busy_processes, cpu_snapshot, fmt_bytes, fmt_seconds,
-                     foreign_load, get_runner, meta, out_paths, parse_bytes, save_outputs, short_bytes)
+from .common import (KiB, MiB, Progress, Report, busy_processes, cpu_snapshot, fmt_bytes, fmt_seconds, get_runner,
+                     meta, out_paths, parse_bytes, record_timing, save_outputs, short_bytes)
 from .harness import MODEL, TRANSPORTS, KvSide, close_all, footer, gbps, model_label, ratio, table
 
 if TYPE_CHECKING:
@@ -149,18 +149,8 @@ async def run(args: argparse.Namespace) -> Report:
             verify.setdefault(KV, []).append(ok)
             if not ok:
                 raise RuntimeError(f"kvengine: pushed {model_label(c.tensors, c.row)} differs from the source")
-            for name, pair in list(pairs.items()):
-                try:
-                    ok = await asyncio.to_thread(pair.verify, c.key, c.nbytes)
-                except P.PeerError as e:
-                    ok = False
-                    say(f"  {name}: {e}")
-                verify.setdefault(name, []).append(ok)
-                if not ok:
-                    say(f"  {name}: transfer of {fmt_bytes(c.nbytes)} did not land as sent; left out")
-                    out["peers"][name] = "failed the byte check"
-                    pair.close()
-                    del pairs[name]
+            await P.check_peers(pairs, lambda pair: pair.verify(c.key, c.nbytes),
+                                f"transfer of {fmt_bytes(c.nbytes)}", out, verify, say)
             if pmemcpy is not None:   # shm
                 memcpy_seconds(c.rows, c.memcpy_dst)
                 pmemcpy.seconds(c.rows, c.memcpy_dst)
@@ -212,10 +202,7 @@ async def run(args: argparse.Namespace) -> Report:
                         bar.step(f"rep {rep + 1} {short_bytes(c.nbytes)} {name}")
         finally:
             bar.close()
-        out["measure_s"] = time.perf_counter() - t_meas
-        out["load"] = foreign_load(snap0, cpu_snapshot())
-        out["setup_s"] = t_meas - t_setup
-        out["columns"] = configs
+        record_timing(out, t_setup, t_meas, snap0, configs)
 
         for k, c in enumerate(cases):
             res: Report = {}
