@@ -19,9 +19,9 @@ def _tables(kind, src, dsts):
         return list(src), [list(d) for d in dsts]
     if kind == "numpy":
         return np.array(src, np.int32), [np.array(d, np.int64) for d in dsts]
+    if kind.startswith("torch") and torch is None:
+        pytest.fail("torch missing: install the e2e extra", pytrace=False)
     if kind == "torch":
-        if torch is None:
-            pytest.fail("torch missing: install the e2e extra", pytrace=False)
         return torch.tensor(src, dtype=torch.int32), [torch.tensor(d) for d in dsts]
     if kind == "torch-2d":
         return torch.tensor(src), torch.tensor([list(d) for d in dsts])
