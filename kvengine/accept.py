@@ -218,7 +218,7 @@ class Acceptor:
                     await ch.recv(control.HELLO_MAX)
         except (TimeoutError, ProtocolError, OSError, KeyError, TypeError, ValueError) as e:
             log.info("control connection of cluster %s dropped: %s",
-                     joining.cluster_id if joining else "?", e)
+                     joining.cluster_id if joining else "?", e or type(e).__name__)
         finally:
             self.preauth.leave(slot)
             if not keep:
