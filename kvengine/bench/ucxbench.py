@@ -19,32 +19,57 @@ import asyncio
 import os
 import statistics
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from . import peers as P
 from . import ucxpeers as U
 from .common import Progress, Report, cpu_snapshot, record_timing, short_bytes
 from .harness import KvSide, close_all, model_label, summary
 
+if TYPE_CHECKING:
+    from kvengine import Cache, CacheIndex
+
 KV = "kvengine"
 KV_TCP = "kvengine tcp"
 LAT_GOAL = 1.5          # kvengine's one-layer p50 at most 1.5x NIXL's
 
 
+@dataclass
+class _Case:
+    """One size: kvengine's source and destination per column (ucx, tcp), the peers' plan key."""
+    tensors: int
+    row: int
+    kv: dict[str, tuple[KvSide, Cache, CacheIndex]]
+    n: int                               # transfers per measurement
+    key: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensors * self.row
+
+
 def set_tls(args: argparse.Namespace) -> str:
     """Export UCX_TLS for this process and every child (kvengine's decode engine, NIXL, UCXX)."""
-    tls = U.TLS_PRESETS.get(args.ucx_tls, args.ucx_tls)
+    tls: str = U.TLS_PRESETS.get(args.ucx_tls, str(args.ucx_tls))
     os.environ["UCX_TLS"] = tls
     return tls
 
 
-async def _start(args: argparse.Namespace, out: Report, size: int) -> tuple[KvSide, KvSide, dict[str, P.PeerPair]]:
-    pairs, missing = U.start_ucx_peers(args.ucx_peers, size, args.peer_log)
+async def _start(args: argparse.Namespace, out: Report, size: int, kvs: KvSide, kvt: KvSide,
+                 pairs: dict[str, P.PeerPair]) -> None:
+    """Start the peers (into ``pairs``) and both kvengine sides."""
+    started, missing = U.start_ucx_peers(args.ucx_peers, size, args.peer_log)
+    pairs.update(started)
     out["peers"] = {n: ("ok" if n in pairs else missing.get(n, "not run (--peers)")) for n in U.UCX_ENGINES}
     out["peers"][P.MOONCAKE] = "not run (no UCX transport)"
-    kvs, kvt = KvSide("ucx", args.movers), KvSide("tcp", args.movers)
     await kvs.start()
     await kvt.start()
-    return kvs, kvt, pairs
+
+
+async def _close(kvs: KvSide, kvt: KvSide, pairs: dict[str, P.PeerPair]) -> None:
+    await kvt.close()
+    await close_all(kvs, pairs)
 
 
 async def run_throughput(args: argparse.Namespace) -> Report:
@@ -55,42 +80,52 @@ async def run_throughput(args: argparse.Namespace) -> Report:
     out: Report = {"transport": "ucx", "ucx_tls": tls, "sizes": [], "loop": args.loop_name}
     t_setup = time.perf_counter()
     say(f"setup: UCX_TLS={tls}; decode engines in child processes (ucx, tcp), NIXL, UCXX ...", flush=True)
-    kvs = kvt = None
+    kvs, kvt = KvSide("ucx", args.movers), KvSide("tcp", args.movers)
     pairs: dict[str, P.PeerPair] = {}
     try:
-        kvs, kvt, pairs = await _start(args, out, max(t * r for t, r in sizes))
+        await _start(args, out, max(t * r for t, r in sizes), kvs, kvt, pairs)
         floor, why = U.perftest_binary()
+        if floor:
+            try:
+                await asyncio.to_thread(U.perftest, "ucp_put_bw", 1 << 20, 10)
+            except P.PeerError as e:
+                floor, why = None, str(e)
         out["perftest"] = "ok" if floor else why
-        cases = []
+        cases: list[_Case] = []
         for k, (tensors, row) in enumerate(sizes):
             src, idx = await kvs.alloc(tensors, row, seed=11 + k)
             srct, idxt = await kvt.alloc(tensors, row, seed=11 + k)
-            cases.append((tensors, row, src, idx, srct, idxt, burst(tensors * row), f"s{k}"))
-        plans = [(key, [(i * row, row) for i in range(t)]) for t, row, *_, key in cases]
+            cases.append(_Case(tensors, row, {KV: (kvs, src, idx), KV_TCP: (kvt, srct, idxt)},
+                               burst(tensors * row), f"s{k}"))
+        plans = [(c.key, [(i * c.row, c.row) for i in range(c.tensors)]) for c in cases]
         verify: dict[str, list[bool]] = {}
         for name, pair in list(pairs.items()):
             pair.prepare(plans)
-        for t, row, src, idx, srct, idxt, n, key in cases:
-            for name, side, s, i in ((KV, kvs, src, idx), (KV_TCP, kvt, srct, idxt)):
+        for c in cases:
+            for name, (side, s, i) in c.kv.items():
                 ok = await side.verify(s, i)
                 verify.setdefault(name, []).append(ok)
                 if not ok:
-                    raise RuntimeError(f"{name}: pushed {model_label(t, row)} differs from the source")
-            await P.check_peers(pairs, lambda pair: pair.verify(key, t * row), f"transfer of {t * row} B",
+                    raise RuntimeError(f"{name}: pushed {model_label(c.tensors, c.row)} differs from the source")
+            await P.check_peers(pairs, lambda pair: pair.verify(c.key, c.nbytes), f"transfer of {c.nbytes} B",
                                 out, verify, say)
         out["verify"] = verify
         configs = [KV, KV_TCP] + list(pairs) + ([U.PERFTEST] if floor else [])
 
-        async def measure(name: str, c: tuple) -> float:   # type: ignore[type-arg]
-            t, row, src, idx, srct, idxt, n, key = c
-            if name == KV:
-                return await kvs.push_seconds(src, idx, n) / n
-            if name == KV_TCP:
-                return await kvt.push_seconds(srct, idxt, n) / n
+        async def measure(name: str, c: _Case) -> float:
+            n = c.n
+            if name in c.kv:
+                side, src, idx = c.kv[name]
+                return await side.push_seconds(src, idx, n) / n
             if name == U.PERFTEST:
-                r = await asyncio.to_thread(U.perftest, "ucp_put_bw", t * row, max(n, 10))
-                return t * row / (r["MBps"] * (1 << 20))
-            return float(await asyncio.to_thread(pairs[name].run, key, n, True)) / n
+                try:
+                    r = await asyncio.to_thread(U.perftest, "ucp_put_bw", c.nbytes, max(n, 10))
+                except P.PeerError as e:   # the floor is missing for this one measurement only
+                    say(f"  {U.PERFTEST}: {e}")
+                    out.setdefault("perftest_failures", []).append(str(e))
+                    return float("nan")
+                return c.nbytes / (r["MBps"] * (1 << 20))
+            return await asyncio.to_thread(pairs[name].run, c.key, n, True) / n
 
         secs: dict[tuple[int, str], list[float]] = {(k, c): [] for k in range(len(cases)) for c in configs}
         say(f"measuring: {len(configs)} columns x {len(cases)} sizes x {args.reps} repetitions, interleaved "
@@ -103,34 +138,28 @@ async def run_throughput(args: argparse.Namespace) -> Report:
                     r = (rep + k) % len(configs)
                     for name in configs[r:] + configs[:r]:
                         secs[(k, name)].append(await measure(name, c))
-                        bar.step(f"rep {rep + 1} {short_bytes(c[0] * c[1])} {name}")
+                        bar.step(f"rep {rep + 1} {short_bytes(c.nbytes)} {name}")
         finally:
             bar.close()
         record_timing(out, t_setup, t_meas, snap0, configs)
-        for k, (t, row, *_rest) in enumerate(cases):
-            nb = t * row
+        for k, c in enumerate(cases):
+            nb = c.nbytes
             res: Report = {}
             for name in configs:
-                g = [nb / x / 1e9 for x in secs[(k, name)]]
-                res[name] = {"GBps": nb / statistics.median(secs[(k, name)]) / 1e9, "min_GBps": min(g),
+                got = [x for x in secs[(k, name)] if x == x] or [float("nan")]   # nan: a failed floor run
+                g = [nb / x / 1e9 for x in got]
+                res[name] = {"GBps": nb / statistics.median(got) / 1e9, "min_GBps": min(g),
                              "max_GBps": max(g), "per_rep_GBps": g}
             kv_s = secs[(k, KV)]
-            ratios = {name: statistics.median(b / a for a, b in zip(kv_s, secs[(k, name)]))
+            ratios = {name: statistics.median([b / a for a, b in zip(kv_s, secs[(k, name)]) if b == b] or [float("nan")])
                       for name in configs if name != KV}
-            out["sizes"].append({"tensors": t, "row_bytes": row, "bytes": nb, "transfers_per_measurement": _rest[4],
-                                 "results": res, "kv_over": ratios})
+            out["sizes"].append({"tensors": c.tensors, "row_bytes": c.row, "bytes": nb,
+                                 "transfers_per_measurement": c.n, "results": res, "kv_over": ratios})
         here, there = await kvs.stats()
         out["engine_stats"] = {"prefill": here, "decode": there}
         out["peer_env"] = {n: p.env for n, p in pairs.items()}
     finally:
-        for side in (kvt,):
-            if side is not None:
-                await side.close()
-        if kvs is not None:
-            await close_all(kvs, pairs)
-        else:
-            for p in pairs.values():
-                p.close()
+        await _close(kvs, kvt, pairs)
     return out
 
 
@@ -143,10 +172,10 @@ async def run_latency(args: argparse.Namespace) -> Report:
                    "loop": args.loop_name}
     t_setup = time.perf_counter()
     say(f"setup: UCX_TLS={tls}; decode engines in child processes (ucx, tcp), NIXL, UCXX ...", flush=True)
-    kvs = kvt = None
+    kvs, kvt = KvSide("ucx", args.movers), KvSide("tcp", args.movers)
     pairs: dict[str, P.PeerPair] = {}
     try:
-        kvs, kvt, pairs = await _start(args, out, 2 * LAYERS * HALF)
+        await _start(args, out, 2 * LAYERS * HALF, kvs, kvt, pairs)
         plans = [(f"l{i}", [(2 * i * HALF, HALF), ((2 * i + 1) * HALF, HALF)]) for i in range(LAYERS)]
         keys = [k for k, _ in plans]
         for name, pair in list(pairs.items()):
@@ -205,13 +234,7 @@ async def run_latency(args: argparse.Namespace) -> Report:
         out["engine_stats"] = {"prefill": here, "decode": there}
         out["peer_env"] = {n: p.env for n, p in pairs.items()}
     finally:
-        if kvt is not None:
-            await kvt.close()
-        if kvs is not None:
-            await close_all(kvs, pairs)
-        else:
-            for p in pairs.values():
-                p.close()
+        await _close(kvs, kvt, pairs)
     return out
 
 
