@@ -215,7 +215,7 @@ def plot(r: Report, path: str) -> None:
     import matplotlib.ticker
     T = r["transport"]
     color = {KV: "tab:blue", KV_SYNC: "tab:purple", MEMCPY: "grey", RAW: "grey", STREAMS: "tab:brown", P.NIXL: "tab:green",
-             P.MOONCAKE: "tab:orange"}
+             P.MOONCAKE: "tab:orange", "kvengine tcp": "tab:purple", "UCXX": "tab:red"}
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     ax = axes[0]
     for c in r["columns"]:

@@ -302,7 +302,9 @@ def plot(r: Report, path: str) -> None:
     style: dict[str, dict[str, Any]] = {KV: dict(color="tab:blue", lw=2.4, marker="o"), MEMCPY: dict(color="grey", ls=":", marker="s"),
              MEMCPY2: dict(color="black", ls=":", marker="x"),
              RAW: dict(color="grey", ls="--", marker="s"), STREAMS: dict(color="tab:brown", ls=":", marker="^"),
-             P.NIXL: dict(color="tab:green", marker="D"), P.MOONCAKE: dict(color="tab:orange", marker="v")}
+             P.NIXL: dict(color="tab:green", marker="D"), P.MOONCAKE: dict(color="tab:orange", marker="v"),
+             "kvengine tcp": dict(color="tab:purple", ls="--", marker="o"), "UCXX": dict(color="tab:red", marker="^"),
+             "ucx_perftest": dict(color="black", ls=":", marker="x")}
     for c in cols:
         y = [s["results"][c]["GBps"] for s in sizes]
         lo = [s["results"][c]["min_GBps"] for s in sizes]
