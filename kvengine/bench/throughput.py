@@ -372,6 +372,8 @@ def resolve_common(ap: argparse.ArgumentParser, args: argparse.Namespace, what: 
             args.peers = [names[x.strip()] for x in p.split(",") if x.strip()]
         except KeyError:
             ap.error("--peers: auto, none, or a comma-separated list of nixl, mooncake (ucx: nixl, ucxx)")
+        if "UCXX" in args.peers and args.transport != "ucx":
+            ap.error("--peers ucxx: with --transport ucx only")
     args.ucx_peers = [n for n in args.peers if n in (P.NIXL, "UCXX")]
 
 
