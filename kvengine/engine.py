@@ -382,13 +382,13 @@ class KvEngine:
     def layer_stream(self, cache: Cache, dsts: Sequence[Any], src_batch_index: int = 0,
                      tensor_num_per_layer: int = 2, timeout: float | None = None,
                      notify: bytes | None = None, priority: int = 0,
-                     src_blocks: Sequence[int] | None = None,
-                     dst_blocks: Sequence[Sequence[int]] | None = None) -> LayerStream:
+                     src_blocks: BlockTable | None = None,
+                     dst_blocks: BlockTable | Sequence[BlockTable] | None = None) -> LayerStream:
         """Push ``cache`` layer by layer as layers become ready (see kvengine/layers.py).
 
         ``dsts``: ``CacheIndex`` or ``CacheKey`` rows (source row ``src_batch_index``), or
-        ``BlocksCacheKey`` caches with ``src_blocks`` and ``dst_blocks`` (one list, or
-        one per destination). ``timeout`` covers the whole stream. ``notify`` reaches
+        ``BlocksCacheKey`` caches with ``src_blocks`` and ``dst_blocks`` (one table, or
+        one per destination; lists, numpy int arrays or CPU tensors). ``timeout`` covers the whole stream. ``notify`` reaches
         each destination once all its layers landed.
         """
         p = self._open()
