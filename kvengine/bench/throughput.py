@@ -357,6 +357,8 @@ def add_common_args(ap: argparse.ArgumentParser, what: str) -> None:
 
 
 def resolve_common(ap: argparse.ArgumentParser, args: argparse.Namespace, what: str) -> None:
+    if args.transport == "ucx" and "paged" in what:
+        ap.error("--layout paged: --transport shm or tcp")
     tls = f"-{args.ucx_tls.replace(',', '+')}" if args.transport == "ucx" else ""
     args.out = args.out or os.path.join("kvengine-bench", f"{what}-{args.transport}{tls}")
     args.json_path, args.png_path = out_paths(args.out, args.json)
@@ -391,8 +393,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", type=int, default=None, help="paged: blocks per tensor (default: the largest table)")
     args = ap.parse_args(argv)
     paged = args.layout == "paged"
-    if paged and args.transport == "ucx":
-        ap.error("--layout paged: shm or tcp")
     resolve_common(ap, args, "throughput-paged" if paged else "throughput")
     if paged:
         from . import paged as mod
