@@ -97,7 +97,8 @@ async def demo(args: argparse.Namespace) -> int:
 
 _BENCH = {
     "throughput": ("kvengine.bench.throughput",
-                   "push GB/s from one layer to a 256 MiB cache beside memcpy/sockets, NIXL and Mooncake"),
+                   "push GB/s from one layer to a 256 MiB cache beside memcpy/sockets, NIXL and Mooncake "
+                   "(--transport ucx: beside kvengine tcp, NIXL, UCXX, ucx_perftest)"),
     "latency": ("kvengine.bench.latency", "one-layer (64 KiB) push p50/p99/p999 beside the same; "
                 "--layout paged: one layer of a 64-block request beside the same bytes contiguous"),
     "load": ("kvengine.bench.load", "EDF vs FIFO scheduling under mixed load over tcp"),

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from . import channels, control, kernel
 from .control import ProtocolError
 from .channels import SeqpacketChannel, StreamChannel
-from .handshake import NO_SECRET_MSG, hello_problem, is_ucx_address, peer_process
+from .handshake import NO_SECRET_MSG, hello_problem, is_ucx_address, peer_process, ucx_for_auto
 from .link import Detached, Link, TaskSet
 from .links import LinkManager
 from .native import _native
@@ -267,7 +267,8 @@ class Acceptor:
         elif want == "tcp" or not same_host:
             if want in ("local", "shm"):
                 return reject(S.LLM_LINK_FAILED, f"transport {want!r} needs both engines on one host")
-            transport = "tcp"
+            # auto across hosts: UCX when both ends have it and allow it (hello's "ucx")
+            transport = "ucx" if want is None and h.get("ucx") is True and ucx_for_auto(opts) else "tcp"
         elif want == "local" or (want is None and same_process):
             if not same_process:
                 return reject(S.LLM_LINK_FAILED, "transport 'local' needs both engines in one process")

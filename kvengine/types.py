@@ -316,6 +316,11 @@ def _env_secret() -> bytes | None:
     return v.encode() if v else None
 
 
+def _env_auto_ucx() -> bool | None:
+    v = os.environ.get("KVENGINE_AUTO_UCX", "").strip().lower()
+    return None if v in ("", "rdma") else v not in ("0", "false", "no", "off")
+
+
 @dataclass(slots=True)
 class EngineOptions:
     """Engine settings. Times are in seconds.
@@ -330,8 +335,13 @@ class EngineOptions:
     transport: ``"auto"`` (local in one process, shm on one host, tcp across hosts),
       ``"local"``, ``"shm"``, ``"tcp"`` or ``"ucx"`` (forced; both ends must agree or say
       auto). ``"ucx"``: one-sided puts and gets through UCX (``pip install "kvengine[ucx]"``;
-      ``UCX_TLS`` and the other ``UCX_*`` settings pass through; docs/tuning.md); "auto"
-      never picks it.
+      ``UCX_TLS`` and the other ``UCX_*`` settings pass through; docs/tuning.md).
+    auto_ucx: whether this engine lets ``"auto"`` pick ``"ucx"`` across hosts (it does
+      when both ends allow it, else tcp; on one host never): True, False, or None
+      (default) = when this host has an RDMA device (``/sys/class/infiniband``), since
+      UCX over plain TCP is slower than kvengine's tcp (docs/benchmarks.md, "UCX").
+      Default ``$KVENGINE_AUTO_UCX`` (``1``/``true``/``yes``/``on``: True, ``0``/``false``/
+      ``no``/``off``: False, unset: None).
     movers: native copy threads.
     inline_threshold: transfers of at most this many bytes are copied on the calling
       thread (a cross-core thread wake-up costs more than the copy).
@@ -357,6 +367,7 @@ class EngineOptions:
     link_timeout: float = 3.0
     secret: bytes | None = field(default_factory=_env_secret)
     transport: str = "auto"
+    auto_ucx: bool | None = field(default_factory=_env_auto_ucx)
     movers: int = 2
     inline_threshold: int = 256 * 1024
     chunk_bytes: int = 1 << 20
@@ -380,6 +391,8 @@ class EngineOptions:
         if self.transport not in ("auto", "local", "shm", "tcp", "ucx"):
             raise param_invalid("EngineOptions.transport must be 'auto', 'local', 'shm', 'tcp' or 'ucx', "
                                 f"got {self.transport!r}")
+        if self.auto_ucx is not None and not isinstance(self.auto_ucx, bool):
+            raise param_invalid(f"EngineOptions.auto_ucx must be True, False or None, got {self.auto_ucx!r}")
         _check_int("EngineOptions.tcp_streams", self.tcp_streams, 1, 16)
         if isinstance(self.tcp_window_bytes, bool) or self.tcp_window_bytes != 0:
             _check_int("EngineOptions.tcp_window_bytes", self.tcp_window_bytes, 64 << 10, 1 << 40)
