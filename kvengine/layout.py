@@ -154,12 +154,12 @@ def union_spans(addrs: Sequence[int], span: int) -> tuple[list[tuple[int, int]],
     return regions, [(first[which[k]], addrs[k] - merged[which[k]][0]) for k in range(len(addrs))]
 
 
-def block_geometry(desc: CacheDesc) -> tuple[int, int, int]:
+def block_geometry(desc: CacheDesc, side: str = "") -> tuple[int, int, int]:
     """``(rows, heads, head_bytes)`` of one block: rows are the dims between dim 0 and the
     head axis (a block's tokens), a row holds ``heads`` heads of ``head_bytes``."""
     a = desc.head_axis
     if a is None:
-        raise param_invalid(f"the cache of shape {desc.shape} names no head axis: give "
+        raise param_invalid(f"head ranges: the {side} cache of shape {desc.shape} names no head axis: give "
                             "CacheDesc(..., head_axis=...) to transfer head ranges")
     return (math.prod(desc.shape[1:a]), desc.shape[a],
             math.prod(desc.shape[a + 1:]) * desc.dtype.itemsize)

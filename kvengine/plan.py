@@ -38,7 +38,6 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import layout
-from .status import LLMParamInvalidError
 from .types import CacheDesc, KvCacheExtParam, check_timeout, param_invalid
 
 __all__ = ["Segment", "Packed", "Planner", "block_ids", "check_blocks", "layer_tensors", "plan_cache", "plan_blocks", "coalesce", "block_runs",
@@ -135,13 +134,7 @@ def head_split(src: CacheDesc, dst: CacheDesc, ext: KvCacheExtParam | None
     (src start, dst start) in a block, (src, dst) row strides)`` in bytes."""
     if ext is None or (_all(ext.src_head_range) and _all(ext.dst_head_range)):
         return None
-    geo = []
-    for side, desc in (("source", src), ("destination", dst)):
-        try:
-            geo.append(layout.block_geometry(desc))
-        except LLMParamInvalidError as e:
-            raise param_invalid(f"head ranges: the {side} {e}") from None
-    (rs, hs, bs), (rd, hd, bd) = geo
+    (rs, hs, bs), (rd, hd, bd) = layout.block_geometry(src, "source"), layout.block_geometry(dst, "destination")
     if rs != rd:
         raise param_invalid(f"head ranges: source blocks hold {rs} rows (tokens) before the head axis, "
                             f"destination blocks {rd}: must be equal")
