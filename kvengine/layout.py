@@ -216,6 +216,15 @@ def expand_rows(packed8: NDArray[np.uint64]) -> NDArray[np.uint64]:
     lead removes it with the native 2-D merge."""
     s = packed8.reshape(-1, SEG2)
     rows = s[:, 5].astype(np.int64)
+    if rows.size and int(rows.min()) == int(rows.max()):   # the usual case: one block's rows each
+        k = np.arange(int(rows[0]), dtype=U64)[None, :]
+        b = np.empty((s.shape[0], int(rows[0]), SEG1), U64)
+        b[:, :, 0] = s[:, 0:1]
+        np.add(s[:, 1:2], k * s[:, 6:7], out=b[:, :, 1])
+        b[:, :, 2] = s[:, 2:3]
+        np.add(s[:, 3:4], k * s[:, 7:8], out=b[:, :, 3])
+        b[:, :, 4] = s[:, 4:5]
+        return b.reshape(-1)
     seg = np.repeat(np.arange(s.shape[0]), rows)
     k = (np.arange(seg.size) - np.repeat(np.cumsum(rows) - rows, rows)).astype(U64)
     out = np.empty((seg.size, SEG1), U64)

@@ -272,3 +272,22 @@ async def test_split_and_gather_across_processes(transport):
             assert [[rows[t][b] for b in dbl.tolist()] for t in range(4)] == want
     finally:
         await peer.close()
+
+
+def test_bench_head_split_runs_checks_bytes_and_reports_the_ratio(tmp_path):
+    import json
+    import subprocess
+    import sys
+    prefix = tmp_path / "hs"
+    r = subprocess.run([sys.executable, "-m", "kvengine", "bench", "throughput", "--layout", "paged", "--head-split",
+                        "2", "--tables", "8", "--reps", "2", "--peers", "none", "--out", str(prefix)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    out = json.loads((tmp_path / "hs.json").read_text())
+    assert out["head_split"] == 2 and out["verify"]["head-split"] == [True, True]   # each rank byte-checked
+    t = out["tables"][0]
+    assert t["blocks"] == 8 and t["segments_2d"] == 64 * 8 * 2 and t["split_over_contiguous"] > 0
+    assert "x contiguous" in r.stdout and "goal: 8 blocks, TP=1 -> 2 TP=2 ranks" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvengine", "bench", "throughput", "--head-split", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--head-split N: N >= 2, with --layout paged" in bad.stderr
