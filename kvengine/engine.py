@@ -328,7 +328,8 @@ class KvEngine:
                               dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
                               timeout: float | None = None, priority: int = 0,
                               notify: bytes | None = None) -> Transfer:
-        """Start writing local blocks ``src_blocks[i]`` into the peer's ``dst_blocks[i]``."""
+        """Start writing local blocks ``src_blocks[i]`` into the peer's ``dst_blocks[i]``
+        (``ext_param``: layer ranges, and head ranges for caches with a ``head_axis``)."""
         return self._submit("push_kv_blocks", cache, dst_key, "dst_key", (BlocksCacheKey,), timeout, priority,
                             notify, lambda planner, local, rc, row: planner.blocks(
                                 local.cache.desc, rc.desc, src_blocks, dst_blocks, ext_param, "push",

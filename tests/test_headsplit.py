@@ -265,8 +265,8 @@ async def test_split_and_gather_across_processes(transport):
                     tens[t][...] = stens[t][:, :, 4 * r:4 * r + 4]
                 halves.append(c)
             for r, c in enumerate(halves):
-                await e.push_kv_blocks(c, kv.BlocksCacheKey(2, tp1), sbl, dbl, Ext(dst_head_range=range(4 * r, 4 * r + 4)),
-                                       timeout=30)
+                await e.push_kv_blocks(c, kv.BlocksCacheKey(2, tp1), sbl, dbl,
+                                       Ext(dst_head_range=range(4 * r, 4 * r + 4)), timeout=30)
             rows = (await peer.call("digest", cache_id=tp1))["rows"]
             want = row_digests([np.ascontiguousarray(t[sbl]) for t in stens])
             assert [[rows[t][b] for b in dbl.tolist()] for t in range(4)] == want
@@ -291,3 +291,28 @@ def test_bench_head_split_runs_checks_bytes_and_reports_the_ratio(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvengine", "bench", "throughput", "--head-split", "2"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--head-split N: N >= 2, with --layout paged" in bad.stderr
+
+
+def test_sync_layer_stream_gathers_heads_from_threads():
+    """kvengine.sync: a TP=2 prefill rank's stream, layers marked ready from worker threads,
+    fills its half of the heads of a TP=1 cache (dst_head_range)."""
+    import concurrent.futures
+
+    from kvengine.sync import SyncKvEngine
+    o = kv.EngineOptions(transport="local")
+    with SyncKvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", o) as p, \
+            SyncKvEngine(2, kv.Role.DECODER, "127.0.0.1:0", o) as d:
+        assert p.link_clusters([kv.ClusterInfo(2, d.address)])[0] == S.LLM_SUCCESS
+        src = p.allocate_cache(CacheDesc(8, (6, BS, H // 2, D), np.float16, head_axis=2))
+        for i, t in enumerate(src.tensors):
+            t[...] = i + 1
+        dst = d.allocate_cache(CacheDesc(8, (6, BS, H, D), np.float16, head_axis=2))
+        p.wait_remote_cache(2, dst.cache_id, timeout=10)
+        stream = p.layer_stream(src, [kv.BlocksCacheKey(2, dst.cache_id)], src_blocks=np.array([0, 1]),
+                                dst_blocks=[4, 2], dst_head_range=(4, 7), timeout=10)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(stream.layer_ready, range(4)))
+        assert stream.wait(10) == [S.LLM_SUCCESS]
+        for i, t in enumerate(dst.tensors):
+            assert (t[[4, 2]][:, :, 4:] == i + 1).all() and not t[[4, 2]][:, :, :4].any()
+            assert not t[[0, 1, 3, 5]].any()
