@@ -39,6 +39,8 @@ import itertools
 from time import perf_counter
 from typing import TYPE_CHECKING, Callable, Protocol
 
+import numpy as np
+
 from .layout import SEG1, submit_form
 from .native import _native
 from .stats import Accounting
@@ -123,8 +125,10 @@ class Scheduler:
         kvengine/link.py, "mover lease"), 0 for none."""
         t = Transfer(self, what)
         t._lease = lease
-        segs, t._words = submit_form(segs, _SEG2)
-        words = () if t._words == SEG1 else (t._words,)
+        words: tuple[int, ...] = ()
+        if isinstance(segs, np.ndarray) and segs.ndim == 2:   # 2-D segments (kvengine/layout.py)
+            segs, t._words = submit_form(segs, _SEG2)
+            words = () if t._words == SEG1 else (t._words,)
         opts = self._options
         if total <= opts.inline_threshold and link.transport not in ("tcp", "ucx"):
             # below a thread hand-off's cost: copy now, on this thread (local and shm only)
