@@ -381,15 +381,16 @@ class KvEngine:
     def layer_stream(self, cache: Cache, dsts: Sequence[Any], src_batch_index: int = 0,
                      tensor_num_per_layer: int = 2, timeout: float | None = None,
                      notify: bytes | None = None, priority: int = 0,
-                     src_blocks: BlockTable | None = None, dst_blocks: Any = None,
+                     src_blocks: BlockTable | None = None,
+                     dst_blocks: BlockTable | Sequence[BlockTable] | None = None,
                      src_head_range: Any = (-1, -1), dst_head_range: Any = (-1, -1)) -> LayerStream:
         """Push ``cache`` layer by layer as layers become ready (see kvengine/layers.py).
 
         ``dsts``: ``CacheIndex`` or ``CacheKey`` rows (source row ``src_batch_index``), or
-        ``BlocksCacheKey`` caches with ``src_blocks`` and ``dst_blocks`` (one table, or a
-        list of one per destination), and head ranges (one, or a list of one per
-        destination: KvCacheExtParam's). ``timeout`` covers the whole stream.
-        ``notify`` reaches each destination once all its layers landed."""
+        ``BlocksCacheKey`` caches with ``src_blocks`` and ``dst_blocks`` (one table, or one
+        per destination; lists, numpy int arrays or CPU tensors), and head ranges (one, or
+        a list of one per destination: KvCacheExtParam's). ``timeout`` covers the whole
+        stream. ``notify`` reaches each destination once all its layers landed."""
         p = self._open()
         local = p.registry.get(cache)
         tmo, prio, note = plan.transfer_options(timeout, self.options.sync_kv_timeout, priority, notify)

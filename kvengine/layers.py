@@ -67,22 +67,17 @@ def _per_dest(name: str, value: Any, n: int) -> list[Any]:
     return list(value)
 
 
-def _tables(dst_blocks: Any, n: int) -> list[NDArray[np.int64]]:
-    """``dst_blocks``: one block table for every destination (a list, a 1-D array or tensor)
-    or one per destination (a list of tables, a 2-D array or tensor)."""
-    if not isinstance(dst_blocks, np.ndarray) and hasattr(dst_blocks, "__dlpack__"):
-        dst_blocks = plan.block_ids("dst_blocks", dst_blocks) if getattr(dst_blocks, "ndim", 1) == 1 \
-            else np.from_dlpack(dst_blocks)
-    if isinstance(dst_blocks, np.ndarray) and dst_blocks.ndim == 2:
-        lists: Sequence[Any] = list(dst_blocks)
-    elif isinstance(dst_blocks, (list, tuple)) and dst_blocks and (
-            isinstance(dst_blocks[0], (list, tuple, range, np.ndarray)) or hasattr(dst_blocks[0], "__dlpack__")):
-        lists = dst_blocks
-    else:
-        lists = [dst_blocks] * n   # one block table for every destination
-    if len(lists) != n:
-        raise param_invalid("dst_blocks needs one block table per destination")
-    return [plan.block_ids("dst_blocks", b) for b in lists]
+def _one_table(tables: Any) -> bool:
+    """``dst_blocks`` is one table (for every destination), not one per destination: a
+    1-D array or tensor, or a sequence whose first entry is an int."""
+    ndim = getattr(tables, "ndim", None)
+    if ndim is not None:
+        return bool(ndim == 1)
+    try:
+        first = tables[0]
+    except (TypeError, IndexError, KeyError):
+        return True                        # empty or not indexable: block_ids says what is wrong
+    return isinstance(first, (int, np.integer)) or getattr(first, "ndim", 1) == 0
 
 
 class _Dest:
@@ -115,24 +110,32 @@ class LayerStream:
             raise param_invalid("destinations must all be CacheIndex or CacheKey (rows), or all BlocksCacheKey "
                                 "(blocks)")
         per: list[NDArray[np.int64] | None]
-        src_table: NDArray[np.int64] | None = None
         if blocks:
             if src_blocks is None or dst_blocks is None:
                 raise param_invalid("block destinations need src_blocks and dst_blocks")
-            src_table = plan.block_ids("src_blocks", src_blocks)
-            per = list(_tables(dst_blocks, len(dsts)))
+            # block tables: lists, numpy int arrays or CPU tensors (plan.block_ids), copied
+            # (the caller may reuse its table while layers are pending); the ids are
+            # checked per push (plan.check_blocks)
+            src_ids = plan.block_ids("src_blocks", src_blocks).copy()
+            lists: Sequence[Any] = dst_blocks
+            if _one_table(dst_blocks):
+                lists = [dst_blocks] * len(dsts)   # one block table for every destination
+            if len(lists) != len(dsts):
+                raise param_invalid("dst_blocks needs one block table per destination")
+            per = [plan.block_ids("dst_blocks", b).copy() for b in lists]
         else:
             if src_blocks is not None or dst_blocks is not None:
                 raise param_invalid("src_blocks/dst_blocks go with BlocksCacheKey destinations")
             if heads != _ALL:
                 raise param_invalid("head ranges go with BlocksCacheKey destinations")
             per = [None] * len(dsts)
+            src_ids = None
         hs = zip(_per_dest("src_head_range", heads[0], len(dsts)), _per_dest("dst_head_range", heads[1], len(dsts)))
         self._notify_peer = notify_peer
         self._engine = engine
         self._cache = cache
         self._batch = src_batch_index
-        self._src_blocks = src_table
+        self._src_blocks = src_ids
         self._tnpl = tnpl
         self.num_layers = cache.desc.num_tensors // tnpl
         self._dests = [_Dest(d, b, h) for d, b, h in zip(dsts, per, hs)]

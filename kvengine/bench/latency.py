@@ -2,6 +2,7 @@
 
     kvengine bench latency --transport shm [--quick] [--json PATH] [--out PREFIX]
     kvengine bench latency --transport tcp
+    kvengine bench latency --layout paged --transport shm|tcp    (kvengine/bench/paged_latency.py)
 
 One layer of a 32-layer model-shaped cache (K + V: 2 x 32 KiB = 64 KiB, cycling
 over the layers) pushed from a prefill engine in this process into a decode
@@ -251,9 +252,17 @@ def plot(r: Report, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    layout = argparse.ArgumentParser(add_help=False)
+    layout.add_argument("--layout", choices=["rows", "paged"], default="rows")
+    if layout.parse_known_args(sys.argv[1:] if argv is None else argv)[0].layout == "paged":
+        from . import paged_latency   # one layer of a 64-block request beside the same bytes contiguous
+        return paged_latency.main(argv)
     ap = argparse.ArgumentParser(prog="kvengine bench latency", description=__doc__.split("\n")[0],
                                  epilog="Peers: pip install -e '.[peers]' or benchmarks/install_peers.sh; see docs/benchmarks.md.")
     add_common_args(ap, "latency")
+    ap.add_argument("--layout", choices=["rows", "paged"], default="rows",
+                    help="paged: one layer of a 64-block request, push_kv_blocks vs contiguous "
+                         "(kvengine/bench/paged_latency.py)")
     ap.add_argument("--api", choices=["async", "sync"], default="async",
                     help="sync: add a column pushing through kvengine.sync from a worker thread")
     ap.add_argument("--n", type=int, default=None, help="samples per column (default 50000, --quick 3000)")
