@@ -285,8 +285,10 @@ def test_bench_head_split_runs_checks_bytes_and_reports_the_ratio(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     out = json.loads((tmp_path / "hs.json").read_text())
     assert out["head_split"] == 2 and out["verify"]["head-split"] == [True, True]   # each rank byte-checked
+    assert out["verify"]["gather"] == [True]                                        # and the gathered blocks
     t = out["tables"][0]
-    assert t["blocks"] == 8 and t["segments_2d"] == 64 * 8 * 2 and t["split_over_contiguous"] > 0
+    assert t["blocks"] == 8 and t["segments_2d"] == 64 * 8 * 2
+    assert t["split_over_contiguous"] > 0 and t["gather_over_contiguous"] > 0
     assert "x contiguous" in r.stdout and "goal: 8 blocks, TP=1 -> 2 TP=2 ranks" in r.stdout
     bad = subprocess.run([sys.executable, "-m", "kvengine", "bench", "throughput", "--head-split", "2"],
                          capture_output=True, text=True, timeout=60)

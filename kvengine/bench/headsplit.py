@@ -13,13 +13,17 @@ repetition with the order rotating:
   its head range (``KvCacheExtParam(src_head_range=...)``), the N pushes
   concurrent: one 2-D segment per block and tensor per rank (16 rows of
   ``2 * 128 * 8 / N`` bytes);
+- gather: N TP=N prefill ranks' caches here (each holding its heads of the
+  same blocks) push into a TP=1 cache there, each with its
+  ``dst_head_range``, concurrently;
 - contiguous: the same bytes, blocks 0..n-1 -> 0..n-1 of a TP=1 cache there
   (one segment per tensor).
 
 Before timing, each rank's blocks are checked byte for byte against numpy
-slicing of the source (``src[t][blocks][:, :, h0:h1]``). Reported: median GB/s
-of the table's bytes (1e9 B/s) and the median of the per-repetition ratio
-head-split / contiguous. Goal (issue 12): >= 0.7x.
+slicing of the source (``src[t][blocks][:, :, h0:h1]``), and the gathered TP=1
+blocks against the source's. Reported: median GB/s of the table's bytes (1e9
+B/s) and the medians of the per-repetition ratios to contiguous. Goal (issue
+12): head-split >= 0.7x.
 
 Until the core takes 2-D segments (``_native.SEG2_WORDS``), the scheduler runs
 each 2-D segment as its rows (kvengine/layout.py ``expand_rows``, a shim): the
@@ -42,7 +46,7 @@ from .harness import KvSide, footer, gbps, ratio, table
 TENSORS, TOKENS, HEADS, DIM = 64, 16, 8, 128
 BLOCK = TOKENS * HEADS * DIM * 2
 TABLES, QUICK_TABLES = [256], [64]
-SPLIT, CONTIG = "head-split", "contiguous"
+SPLIT, GATHER, CONTIG = "head-split", "gather", "contiguous"
 VARIANTS = 4
 
 
@@ -66,15 +70,24 @@ async def run(args: argparse.Namespace) -> Report:
             fill_pattern(t, 43, i)
         ranks = [(await peer.call("alloc", n=TENSORS, shape=[pool, TOKENS, HEADS // N, DIM], head_axis=2,
                                   timeout=600))["cache_id"] for _ in range(N)]
-        whole = (await peer.call("alloc", n=TENSORS, shape=[pool, TOKENS, HEADS, DIM], timeout=600))["cache_id"]
+        whole = (await peer.call("alloc", n=TENSORS, shape=[pool, TOKENS, HEADS, DIM], head_axis=2,
+                                 timeout=600))["cache_id"]
         for c in (*ranks, whole):
             await e.wait_remote_cache(2, c, timeout=60)
         heads = [range(r * HEADS // N, (r + 1) * HEADS // N) for r in range(N)]
         exts = [kv.KvCacheExtParam(src_head_range=h) for h in heads]
+        gexts = [kv.KvCacheExtParam(dst_head_range=h) for h in heads]
+        parts = []   # the TP=N prefill ranks: their heads of every block of the source
+        for h in heads:
+            part = await e.allocate_cache_async(kv.CacheDesc(TENSORS, (pool, TOKENS, HEADS // N, DIM), np.float16,
+                                                             head_axis=2))
+            for t, whole_t in zip(part.tensors, src.tensors):
+                t[...] = whole_t[:, :, h.start:h.stop]
+            parts.append(part)
         rng = np.random.default_rng(13)
         tabs = {nb: [(rng.permutation(pool)[:nb], rng.permutation(pool)[:nb]) for _ in range(VARIANTS)]
                 for nb in args.tables}
-        verify = []
+        verify, gathered = [], []
         for nb in args.tables:
             sb, db = tabs[nb][0]
             for r, c in enumerate(ranks):
@@ -86,7 +99,15 @@ async def run(args: argparse.Namespace) -> Report:
                 verify.append(ok)
                 if not ok:
                     raise RuntimeError(f"kvengine: rank {r}'s heads of a table of {nb} blocks differ from the source")
-        out["verify"] = {SPLIT: verify}
+            await peer.call("zero", cache_id=whole, timeout=600)
+            for r, part in enumerate(parts):
+                await e.push_kv_blocks(part, kv.BlocksCacheKey(2, whole), sb, db, gexts[r], timeout=600)
+            got = (await peer.call("digest", cache_id=whole, timeout=600))["rows"]
+            gathered.append([[got[t][d] for d in db.tolist()] for t in range(TENSORS)]
+                            == row_digests([np.ascontiguousarray(t[sb]) for t in src.tensors]))
+            if not gathered[-1]:
+                raise RuntimeError(f"kvengine: the gathered blocks of a table of {nb} blocks differ from the source")
+        out["verify"] = {SPLIT: verify, GATHER: gathered}
 
         async def measure(name: str, nb: int, rep: int) -> float:
             n = max(1, min(8, (128 * MiB) // (TENSORS * nb * BLOCK)))
@@ -97,6 +118,11 @@ async def run(args: argparse.Namespace) -> Report:
                     ts = [e.submit_push_kv_blocks(src, kv.BlocksCacheKey(2, c), sb, db, exts[r], timeout=600)
                           for r, c in enumerate(ranks)]
                     sts = await asyncio.gather(*ts)
+                elif name == GATHER:
+                    sb, db = tabs[nb][(rep * n + i) % VARIANTS]
+                    ts = [e.submit_push_kv_blocks(part, kv.BlocksCacheKey(2, whole), sb, db, gexts[r], timeout=600)
+                          for r, part in enumerate(parts)]
+                    sts = await asyncio.gather(*ts)
                 else:
                     blocks = np.arange(nb)
                     sts = [await e.submit_push_kv_blocks(src, kv.BlocksCacheKey(2, whole), blocks, blocks, timeout=600)]
@@ -104,14 +130,14 @@ async def run(args: argparse.Namespace) -> Report:
                     raise RuntimeError(f"{name}: {sts}")
             return (time.perf_counter() - t0) / n
 
-        configs = [SPLIT, CONTIG]
+        configs = [SPLIT, GATHER, CONTIG]
         secs: dict[tuple[int, str], list[float]] = {(nb, c): [] for nb in args.tables for c in configs}
-        bar = Progress(args.reps * len(args.tables) * 2, f"head-split {T}")
+        bar = Progress(args.reps * len(args.tables) * len(configs), f"head-split {T}")
         snap0, t_meas = cpu_snapshot(), time.perf_counter()
         try:
             for rep in range(args.reps):
                 for nb in args.tables:
-                    for name in (configs if rep % 2 == 0 else configs[::-1]):
+                    for name in configs[rep % 3:] + configs[:rep % 3]:
                         secs[(nb, name)].append(await measure(name, nb, rep))
                         bar.step(f"rep {rep + 1} {nb} blocks {name}")
         finally:
@@ -121,9 +147,11 @@ async def run(args: argparse.Namespace) -> Report:
             nbytes = TENSORS * nb * BLOCK
             res = {c: {"GBps": nbytes / statistics.median(secs[(nb, c)]) / 1e9,
                        "per_rep_GBps": [nbytes / x / 1e9 for x in secs[(nb, c)]]} for c in configs}
-            over = statistics.median(c / s for s, c in zip(secs[(nb, SPLIT)], secs[(nb, CONTIG)]))
+            over = {c: statistics.median(x / s for s, x in zip(secs[(nb, c)], secs[(nb, CONTIG)]))
+                    for c in (SPLIT, GATHER)}
             out["tables"].append({"blocks": nb, "bytes": nbytes, "segments_2d": TENSORS * nb * N,
-                                  "rows": TENSORS * nb * N * TOKENS, "results": res, "split_over_contiguous": over})
+                                  "rows": TENSORS * nb * N * TOKENS, "results": res,
+                                  "split_over_contiguous": over[SPLIT], "gather_over_contiguous": over[GATHER]})
         here, there = await kvs.stats()
         out["engine_stats"] = {"prefill": here, "decode": there}
     finally:
@@ -146,9 +174,11 @@ def report(r: Report, reps: int) -> list[str]:
              ("2-D segments run as rows (shim: the core takes no 2-D segments yet)" if r["shim_rows"]
               else "2-D segments native"), ""]
     rows = [[f"{t['blocks']} blocks ({t['bytes'] // MiB} MiB)", str(t["segments_2d"]), str(t["rows"]),
-             gbps(t["results"][SPLIT]["GBps"]), gbps(t["results"][CONTIG]["GBps"]), ratio(t["split_over_contiguous"])]
+             gbps(t["results"][SPLIT]["GBps"]), gbps(t["results"][GATHER]["GBps"]), gbps(t["results"][CONTIG]["GBps"]),
+             ratio(t["split_over_contiguous"]), ratio(t["gather_over_contiguous"])]
             for t in r["tables"]]
-    lines.append(table(rows, ["table", "2-D segments", "rows", SPLIT, CONTIG, "x contiguous"]))
+    lines.append(table(rows, ["table", "2-D segments", "rows", SPLIT, GATHER, CONTIG, "split x contiguous",
+                              "gather x contiguous"]))
     lines.append("")
     for g in goals(r):
         lines.append(f"goal: {g['what']}: {g['ratio']:.2f}x, {g['status']}")
@@ -163,15 +193,16 @@ def plot(r: Report, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     tabs = r["tables"]
     x = np.arange(len(tabs))
-    for k, (c, color) in enumerate(((SPLIT, "tab:blue"), (CONTIG, "black"))):
+    for k, (c, color) in enumerate(((SPLIT, "tab:blue"), (GATHER, "tab:green"), (CONTIG, "black"))):
         style: dict[str, Any] = {"color": color, "alpha": 0.8}
-        ax.bar(x + (k - 0.5) * 0.35, [t["results"][c]["GBps"] for t in tabs], 0.35, label=c, **style)
+        ax.bar(x + (k - 1) * 0.27, [t["results"][c]["GBps"] for t in tabs], 0.27, label=c, **style)
     for i, t in enumerate(tabs):
-        ax.annotate(f"{t['split_over_contiguous']:.2f}x", (i, max(t["results"][c]["GBps"] for c in (SPLIT, CONTIG))),
-                    ha="center", va="bottom")
+        ax.annotate(f"split {t['split_over_contiguous']:.2f}x, gather {t['gather_over_contiguous']:.2f}x",
+                    (i, max(t["results"][c]["GBps"] for c in (SPLIT, GATHER, CONTIG))), ha="center", va="bottom")
     ax.set_xticks(x, [f"{t['blocks']} blocks" for t in tabs])
     ax.set_ylabel("GB/s (median)")
-    ax.set_title(f"TP=1 -> {r['head_split']} x TP={r['head_split']} head-split push, {r['transport']}", fontsize=10)
+    ax.set_title(f"TP=1 <-> {r['head_split']} x TP={r['head_split']}: head-split and gather pushes, {r['transport']}",
+                 fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
