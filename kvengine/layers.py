@@ -50,6 +50,23 @@ class Pusher(Protocol):
                               notify: bytes | None = None) -> Transfer: ...
 
 
+Heads = tuple[Any, Any]   # (src_head_range, dst_head_range) of KvCacheExtParam
+_ALL: Heads = ((-1, -1), (-1, -1))
+
+
+def _one_range(r: Any) -> bool:
+    return isinstance(r, range) or (isinstance(r, tuple) and len(r) == 2 and not isinstance(r[0], (tuple, range)))
+
+
+def _per_dest(name: str, value: Any, n: int) -> list[Any]:
+    """One head range for every destination, or a list of one per destination."""
+    if _one_range(value):
+        return [value] * n
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        raise param_invalid(f"{name} must be one head range or a list of one per destination ({n})")
+    return list(value)
+
+
 def _one_table(tables: Any) -> bool:
     """``dst_blocks`` is one table (for every destination), not one per destination: a
     1-D array or tensor, or a sequence whose first entry is an int."""
@@ -64,11 +81,12 @@ def _one_table(tables: Any) -> bool:
 
 
 class _Dest:
-    __slots__ = ("key", "blocks", "status", "pending", "done_layers", "transfers")
+    __slots__ = ("key", "blocks", "heads", "status", "pending", "done_layers", "transfers")
 
-    def __init__(self, key: Any, blocks: NDArray[np.int64] | None) -> None:
+    def __init__(self, key: Any, blocks: NDArray[np.int64] | None, heads: Heads) -> None:
         self.key = key
         self.blocks = blocks
+        self.heads = heads
         self.status: S | None = None       # final status, once known
         self.pending = 0                   # layer pushes in flight
         self.done_layers = 0               # layers landed
@@ -81,7 +99,7 @@ class LayerStream:
     def __init__(self, engine: Pusher, loop: asyncio.AbstractEventLoop,
                  notify_peer: Callable[[int, bytes], None], cache: Cache, dsts: Sequence[Any],
                  src_batch_index: int, tnpl: int, timeout: float, notify: bytes | None, priority: int,
-                 src_blocks: BlockTable | None, dst_blocks: Any) -> None:
+                 src_blocks: BlockTable | None, dst_blocks: Any, heads: Heads = _ALL) -> None:
         """Made by ``KvEngine.layer_stream``, which checked the cache, ``tnpl``, the timeout,
         priority and notification; ``notify_peer(cluster_id, payload)`` sends the latter."""
         if not isinstance(dsts, (list, tuple)) or not dsts:
@@ -108,8 +126,11 @@ class LayerStream:
         else:
             if src_blocks is not None or dst_blocks is not None:
                 raise param_invalid("src_blocks/dst_blocks go with BlocksCacheKey destinations")
+            if heads != _ALL:
+                raise param_invalid("head ranges go with BlocksCacheKey destinations")
             per = [None] * len(dsts)
             src_ids = None
+        hs = zip(_per_dest("src_head_range", heads[0], len(dsts)), _per_dest("dst_head_range", heads[1], len(dsts)))
         self._notify_peer = notify_peer
         self._engine = engine
         self._cache = cache
@@ -117,7 +138,7 @@ class LayerStream:
         self._src_blocks = src_ids
         self._tnpl = tnpl
         self.num_layers = cache.desc.num_tensors // tnpl
-        self._dests = [_Dest(d, b) for d, b in zip(dsts, per)]
+        self._dests = [_Dest(d, b, h) for d, b, h in zip(dsts, per, hs)]
         self._loop = loop
         self._lock = threading.Lock()
         self._marked: set[int] = set()
@@ -157,9 +178,9 @@ class LayerStream:
     def _start(self, layer: int) -> None:
         e = self._engine
         remaining = self._deadline - self._loop.time()
-        ext = KvCacheExtParam((layer, layer), (layer, layer), self._tnpl)
         futs: list[asyncio.Future[S]] = []
         for d in self._dests:
+            ext = KvCacheExtParam((layer, layer), (layer, layer), self._tnpl, *d.heads)
             if d.status is not None:
                 continue
             if remaining <= 0:

@@ -156,15 +156,22 @@ class CacheDesc:
     The constructor takes more than the fields hold (an int or any sequence of ints for
     ``shape``; a dtype name, numpy dtype or id for ``dtype``) and normalises it: the
     fields are always a tuple of ints, a :class:`DataType` and a :class:`Placement`.
+
+    Layouts (docs/concepts.md): ``block_stride``, elements from one entry of dim 0 to the
+    next (torch's ``t.stride(0)``; None: contiguous); ``head_axis``, the dim of the KV
+    heads (2 in ``(blocks, block_size, kv_heads, head_dim)``), for head-range transfers.
     """
     num_tensors: int
     shape: tuple[int, ...]
     dtype: DataType
     placement: Placement
+    block_stride: int | None
+    head_axis: int | None
 
     def __init__(self, num_tensors: int, shape: int | Iterable[SupportsIndex],
                  dtype: DTypeLike | int = DataType.DT_FLOAT16,
-                 placement: Placement | int = Placement.HOST) -> None:
+                 placement: Placement | int = Placement.HOST, *, block_stride: int | None = None,
+                 head_axis: int | None = None) -> None:
         n = _check_int("CacheDesc.num_tensors", num_tensors, 1, _U32)
         if isinstance(shape, (int, np.integer)):
             shape = (shape,)
@@ -174,25 +181,34 @@ class CacheDesc:
             raise param_invalid("CacheDesc.shape must be a sequence of ints") from None
         if not 1 <= len(dims) <= MAX_SHAPE_RANK:
             raise param_invalid(f"CacheDesc.shape must have 1..{MAX_SHAPE_RANK} dims, got {len(dims)}")
-        object.__setattr__(self, "shape",
-                           tuple(_check_int("CacheDesc.shape[%d]" % i, d, 1, _I64) for i, d in enumerate(dims)))
+        ints = tuple(_check_int("CacheDesc.shape[%d]" % i, d, 1, _I64) for i, d in enumerate(dims))
+        object.__setattr__(self, "shape", ints)
         object.__setattr__(self, "dtype", DataType.from_any(dtype))
         try:
             object.__setattr__(self, "placement", Placement(placement))
         except ValueError:
             raise param_invalid(f"unknown placement {placement!r}") from None
         object.__setattr__(self, "num_tensors", n)
-        if self.nbytes > _MAX_CACHE_BYTES:
-            raise param_invalid(f"cache of {self.nbytes} bytes exceeds the {_MAX_CACHE_BYTES}-byte limit")
+        inner = math.prod(ints[1:])
+        if block_stride is not None:   # normalised: None when contiguous, so equal descs compare equal
+            block_stride = _check_int("CacheDesc.block_stride", block_stride, inner, _I64)
+        object.__setattr__(self, "block_stride", None if block_stride == inner else block_stride)
+        if head_axis is not None:
+            h = _check_int("CacheDesc.head_axis", head_axis, -len(ints), len(ints) - 1)
+            if h in (0, -len(ints)):
+                raise param_invalid("CacheDesc.head_axis cannot be dim 0 (the blocks)")
+            head_axis = h % len(ints)
+        object.__setattr__(self, "head_axis", head_axis)
+        if self.span * n > _MAX_CACHE_BYTES:
+            raise param_invalid(f"cache of {self.span * n} bytes exceeds the {_MAX_CACHE_BYTES}-byte limit")
 
     @property
-    def batch_size(self) -> int:
-        """Dim 0: the number of batch rows (or of blocks)."""
+    def batch_size(self) -> int:   # dim 0: the number of batch rows (or of blocks)
         return self.shape[0]
 
     @property
     def size(self) -> int:
-        """Bytes of one tensor."""
+        """Bytes of one tensor's data."""
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
@@ -201,17 +217,32 @@ class CacheDesc:
         return self.size // self.shape[0]
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of the whole cache."""
+    def block_stride_bytes(self) -> int:
+        """Bytes from one batch row (or block) of a tensor to the next."""
+        return self.row_bytes if self.block_stride is None else self.block_stride * self.dtype.itemsize
+
+    @property
+    def span(self) -> int:
+        """Bytes one tensor reaches from its address (``size`` when contiguous)."""
+        return (self.shape[0] - 1) * self.block_stride_bytes + self.row_bytes
+
+    @property
+    def nbytes(self) -> int:   # bytes of the whole cache
         return self.size * self.num_tensors
 
     def to_wire(self) -> dict[str, int | list[int]]:
-        return {"n": self.num_tensors, "shape": list(self.shape), "dtype": int(self.dtype),
-                "placement": int(self.placement)}
+        out: dict[str, int | list[int]] = {"n": self.num_tensors, "shape": list(self.shape),
+                                           "dtype": int(self.dtype), "placement": int(self.placement)}
+        if self.block_stride is not None:
+            out["block_stride"] = self.block_stride
+        if self.head_axis is not None:
+            out["head_axis"] = self.head_axis
+        return out
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> CacheDesc:   # Any: a peer's JSON, checked here
-        return cls(d["n"], tuple(d["shape"]), DataType(d["dtype"]), Placement(d["placement"]))
+        return cls(d["n"], tuple(d["shape"]), DataType(d["dtype"]), Placement(d["placement"]),
+                   block_stride=d.get("block_stride"), head_axis=d.get("head_axis"))
 
 
 class Cache:
@@ -298,10 +329,13 @@ class BlocksCacheKey:
 @dataclass(frozen=True, slots=True)
 class KvCacheExtParam:
     """Layer ranges: an inclusive ``(first, last)`` tuple (``(-1, -1)`` = all layers) or a
-    half-open ``range`` with step 1. A layer is ``tensor_num_per_layer`` consecutive tensors."""
+    half-open ``range`` with step 1. A layer is ``tensor_num_per_layer`` consecutive tensors.
+    Head ranges (block transfers, caches with a ``head_axis``) are written the same way."""
     src_layer_range: tuple[int, int] | range = (-1, -1)
     dst_layer_range: tuple[int, int] | range = (-1, -1)
     tensor_num_per_layer: int = 2
+    src_head_range: tuple[int, int] | range = (-1, -1)
+    dst_head_range: tuple[int, int] | range = (-1, -1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,18 +458,3 @@ class SupportsDLPack(Protocol):
 # A block table: ints, a 1-D numpy integer array, or a 1-D integer CPU tensor (plan.block_ids)
 BlockTable = Union[Sequence[int], "NDArray[np.integer[Any]]", SupportsDLPack]
 
-
-def as_int_list(name: str, seq: Sequence[int]) -> list[int]:
-    """Validate a list of non-negative ints (block ids)."""
-    if isinstance(seq, np.ndarray):
-        if seq.ndim != 1 or seq.dtype.kind not in "iu":
-            raise param_invalid(f"{name} must be a 1-D integer array")
-        return seq.tolist()
-    try:
-        out = list(seq)
-    except TypeError:
-        raise param_invalid(f"{name} must be a sequence of ints") from None
-    for v in out:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise param_invalid(f"{name} must contain only ints, got {v!r}")
-    return [int(v) for v in out]

@@ -391,11 +391,19 @@ def main(argv: list[str] | None = None) -> int:
                          "tables of a vLLM-shaped cache (kvengine/bench/paged.py)")
     ap.add_argument("--tables", default=None, help="paged: table sizes in blocks (default 16,256,1024; --quick 16,256)")
     ap.add_argument("--pool", type=int, default=None, help="paged: blocks per tensor (default: the largest table)")
+    ap.add_argument("--head-split", type=int, default=1, metavar="N",
+                    help="paged: push each block's KV heads split over N TP=N decode ranks' caches, beside the "
+                         "same bytes contiguous (kvengine/bench/headsplit.py)")
     args = ap.parse_args(argv)
     paged = args.layout == "paged"
-    resolve_common(ap, args, "throughput-paged" if paged else "throughput")
+    if args.head_split != 1 and (not paged or args.head_split < 2):
+        ap.error("--head-split N: N >= 2, with --layout paged")
+    resolve_common(ap, args, "throughput-headsplit" if args.head_split > 1 else
+                   "throughput-paged" if paged else "throughput")
     if paged:
         from . import paged as mod
+        if args.head_split > 1:
+            from . import headsplit as mod   # type: ignore[no-redef]   # the same entry points
         args.tables = [int(x) for x in args.tables.split(",")] if args.tables else \
             (mod.QUICK_TABLES if args.quick else mod.TABLES)
         args.pool = args.pool or max(args.tables)
