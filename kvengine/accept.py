@@ -26,7 +26,7 @@ from .link import Detached, Link, TaskSet
 from .links import LinkManager
 from .native import _native
 from .status import LLMStatusCode as S, error_for
-from .types import EngineOptions
+from .options import EngineOptions
 
 __all__ = ["Acceptor", "Preauth"]
 

@@ -33,8 +33,9 @@ from .stats import Accounting
 from .status import LLMError, LLMStatusCode as S, LinkResult, error_for, overall
 from .targets import Segments
 from .transfer import Transfer
+from .options import EngineOptions
 from .types import (BlockTable, BlocksCacheKey, Cache, CacheDesc, CacheIndex, CacheKey, ClusterInfo,
-                    EngineOptions, KvCacheExtParam, Role, check_timeout, param_invalid)
+                    KvCacheExtParam, Role, check_timeout, param_invalid)
 
 __all__ = ["KvEngine"]
 

@@ -32,7 +32,8 @@ from .native import _native
 from .registry import LOCAL_REGISTRIES
 from .status import LLMStatusCode as S, LinkResult, overall, to_status
 from .tables import int_in
-from .types import ClusterInfo, EngineOptions, Role
+from .options import EngineOptions
+from .types import ClusterInfo, Role
 
 __all__ = ["Dialer", "hello_problem", "peer_process", "NO_SECRET_MSG", "TRANSPORTS", "is_hex", "ucx_for_auto"]
 

@@ -46,7 +46,7 @@ from .native import _native
 from .stats import Accounting
 from .status import LLMStatusCode as S, to_status
 from .transfer import Counted, Transfer, What
-from .types import EngineOptions
+from .options import EngineOptions
 
 if TYPE_CHECKING:
     from .link import Link

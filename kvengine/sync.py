@@ -40,8 +40,8 @@ from .layers import LayerStream
 from .notify import Notification
 from .status import LLMError, LLMStatusCode as S, LinkResult, error_for
 from .transfer import Transfer
-from .types import (BlockTable, BlocksCacheKey, Cache, CacheDesc, CacheIndex, ClusterInfo, EngineOptions,
-                    KvCacheExtParam, Role)
+from .options import EngineOptions
+from .types import BlockTable, BlocksCacheKey, Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, Role
 
 __all__ = ["SyncKvEngine", "SyncLayerStream", "TransferFuture"]
 
