@@ -304,6 +304,12 @@ class Planner:
     def __init__(self) -> None:
         self._memo: dict[tuple[Any, ...], tuple[array.array[int], int]] = {}
 
+    @property
+    def memo(self) -> dict[tuple[Any, ...], tuple[array.array[int], int]]:
+        """The memo, ``memo_key(key) -> (packed, bytes)``: read by the native fast path
+        (``_native.FastPath``), which runs only what the Planner has checked and memoized."""
+        return self._memo
+
     def segments(self, key: tuple[Any, ...] | None, make: Callable[[], list[Segment]],
                  src_regions: Sequence[tuple[int, int]],
                  dst_regions: Sequence[tuple[int, int]]) -> tuple[array.array[int], int]:
@@ -313,6 +319,7 @@ class Planner:
             if not _plain_key(key):   # only exact ints hit the memo: True == 1, 0.0 == 0
                 key = None
             else:
+                key = memo_key(key)
                 hit = self._memo.get(key)
                 if hit is not None:
                     return hit
@@ -374,3 +381,13 @@ def _plain_key(key: tuple[Any, ...]) -> bool:
         return True
     return (type(ext) is KvCacheExtParam and type(ext.tensor_num_per_layer) is int
             and _plain_range(ext.src_layer_range) and _plain_range(ext.dst_layer_range))
+
+
+def memo_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A plain key (``_plain_key``) as the memo holds it: the ext param as the tuple
+    ``(src_layer_range, dst_layer_range, tensor_num_per_layer)``, which hashes in C
+    (the native fast path builds the same tuple; a dataclass hashes in Python)."""
+    *head, ext = key
+    if ext is None:
+        return key
+    return (*head, (ext.src_layer_range, ext.dst_layer_range, ext.tensor_num_per_layer))

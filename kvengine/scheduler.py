@@ -112,6 +112,22 @@ class Scheduler:
 
     # ------------------------------------------------------------ submission
 
+    @property
+    def jobs(self) -> "itertools.count[int]":
+        """The native job ids (the fast path draws from the same counter)."""
+        return self._jobs
+
+    def inline_done(self, link: "Link", what: What, lease: int, status: int, done: bool, nbytes: int,
+                    t0: float) -> Transfer:
+        """An inline job the native fast path ran did not succeed: its Transfer, finished
+        as :meth:`launch` finishes one (accounting, link-down, message)."""
+        t = Transfer(self, what)
+        t._lease, t._link = lease, link
+        t._t_queued = t._t_started = t0
+        assert done or status, "kv_core_submit copies a local job of at most inline_max bytes inline"
+        t._finish(status, nbytes)
+        return t
+
     def launch(self, link: "Link", refs: tuple[Counted, ...], segs: "Packed", total: int,
                timeout: float, priority: int, notify: bytes | None, what: "str | What", lease: int = 0) -> Transfer:
         """Start a transfer of the packed ``segs`` (``total`` bytes) on ``link``.
