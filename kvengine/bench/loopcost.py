@@ -8,7 +8,8 @@ in this process (``local``) or in a child process (``shm``, ``tcp``). Per push, 
 median over ``--rounds`` interleaved rounds of ``--n`` pushes:
 
 - wall time, and the loop thread's CPU time (``time.thread_time_ns``: everything the
-  loop thread ran, waits excluded), of the push as the API runs it (``fast``: the
+  loop thread ran, waits excluded; split into user and kernel time, and the times it
+  slept, by ``getrusage(RUSAGE_THREAD)``), of the push as the API runs it (``fast``: the
   native fast path takes the inline case whole) and of the same push forced through
   the Python path (``python``: ``submit_push_kv_cache(...)._result()``, what every
   push ran before the fast path);
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import statistics
 import sys
 import time
@@ -38,11 +40,20 @@ from .harness import KvSide, table
 
 LAYERS = 32
 HALF = 32 * KiB
-Sampler = Callable[[int], Awaitable[tuple[float, float]]]
+Sampler = Callable[[int], Awaitable[dict[str, float]]]
 
 
-def _per(n: int, wall_ns: int, cpu_ns: int) -> tuple[float, float]:
-    return wall_ns / n / 1e3, cpu_ns / n / 1e3
+def _clocks() -> tuple[int, int, float, float, int]:
+    """(wall ns, this thread's CPU ns, its user s, its system s, its voluntary context switches)."""
+    ru = resource.getrusage(resource.RUSAGE_THREAD)
+    return time.perf_counter_ns(), time.thread_time_ns(), ru.ru_utime, ru.ru_stime, ru.ru_nvcsw
+
+
+def _per(n: int, c0: tuple[int, int, float, float, int]) -> dict[str, float]:
+    """Per push since ``c0``: wall, CPU, user and system us, voluntary switches (sleeps)."""
+    c1 = _clocks()
+    return {"wall": (c1[0] - c0[0]) / n / 1e3, "cpu": (c1[1] - c0[1]) / n / 1e3,
+            "user": (c1[2] - c0[2]) / n * 1e6, "sys": (c1[3] - c0[3]) / n * 1e6, "sleeps": (c1[4] - c0[4]) / n}
 
 
 def _timed(fn: Callable[[int], object], n: int) -> float:
@@ -51,6 +62,22 @@ def _timed(fn: Callable[[int], object], n: int) -> float:
     for i in range(n):
         fn(i)
     return (time.thread_time_ns() - t0) / n / 1e3
+
+
+class _TimedCore:
+    """The core, with the time spent in ``submit`` summed (the scheduler's view of it)."""
+
+    def __init__(self, core: Any) -> None:
+        self.core, self.ns = core, 0
+
+    def submit(self, *args: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        r = self.core.submit(*args)
+        self.ns += time.perf_counter_ns() - t0
+        return r
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.core, name)
 
 
 async def _engines(transport: str) -> tuple[Any, Any, Callable[[], Awaitable[None]]]:
@@ -92,17 +119,17 @@ async def one(transport: str, n: int, rounds: int) -> dict[str, Any]:
         p = engine._p          # a measuring tool: it reads the parts it times
         push, submit = engine.push_kv_cache, engine.submit_push_kv_cache
 
-        async def fast(k: int) -> tuple[float, float]:
-            w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        async def fast(k: int) -> dict[str, float]:
+            c0 = _clocks()
             for i in range(k):
                 await push(src, idx, 0, ext_param=exts[i % LAYERS], timeout=10)
-            return _per(k, time.perf_counter_ns() - w0, time.thread_time_ns() - c0)
+            return _per(k, c0)
 
-        async def python(k: int) -> tuple[float, float]:
-            w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        async def python(k: int) -> dict[str, float]:
+            c0 = _clocks()
             for i in range(k):
                 await submit(src, idx, 0, ext_param=exts[i % LAYERS], timeout=10)._result()
-            return _per(k, time.perf_counter_ns() - w0, time.thread_time_ns() - c0)
+            return _per(k, c0)
 
         drain_ns = [0, 0]   # tcp: time in the eventfd reader, calls
         fd = p.core.fileno()
@@ -114,17 +141,22 @@ async def one(transport: str, n: int, rounds: int) -> dict[str, Any]:
             drain_ns[1] += 1
 
         async def launch_only(k: int) -> tuple[float, float]:
-            ts, tl = [], 0
-            for i in range(k):
-                t0 = time.perf_counter_ns()
-                t = submit(src, idx, 0, ext_param=exts[i % LAYERS], timeout=10)
-                tl += time.perf_counter_ns() - t0
-                ts.append(await t)
-            return tl / k / 1e3, 0.0
+            """us per push: the launch (submit_push_kv_cache to its return), its Core.submit."""
+            tl, timed = 0, _TimedCore(p.core)
+            p.scheduler._core = timed
+            try:
+                for i in range(k):
+                    t0 = time.perf_counter_ns()
+                    t = submit(src, idx, 0, ext_param=exts[i % LAYERS], timeout=10)
+                    tl += time.perf_counter_ns() - t0
+                    await t
+            finally:
+                p.scheduler._core = p.core
+            return tl / k / 1e3, timed.ns / k / 1e3
 
         cols: dict[str, Sampler] = {"fast": fast, "python": python}
         out: dict[str, Any] = {"transport": transport, "n": n, "rounds": rounds}
-        got: dict[str, list[tuple[float, float]]] = {c: [] for c in cols}
+        got: dict[str, list[dict[str, float]]] = {c: [] for c in cols}
         for c in cols:
             await cols[c](2000)   # warm-up: plans memoized, caches hot
         if transport == "tcp":
@@ -141,14 +173,16 @@ async def one(transport: str, n: int, rounds: int) -> dict[str, Any]:
                         out.setdefault(f"drain_{c}_us", []).append(d_ns / n / 1e3)
                         out.setdefault(f"drains_per_push_{c}", []).append(d_calls / n)
             if transport == "tcp":
-                out["launch_us"] = [(await launch_only(n // 4))[0] for _ in range(3)]
+                launches = [await launch_only(n // 4) for _ in range(3)]
+                out["launch_us"] = [a for a, _ in launches]
+                out["launch_submit_us"] = [b for _, b in launches]
         finally:
             if transport == "tcp":
                 p.loop.remove_reader(fd)
                 p.loop.add_reader(fd, p.drain)
         for c in cols:
-            out[f"{c}_wall_us"] = statistics.median(w for w, _ in got[c])
-            out[f"{c}_cpu_us"] = statistics.median(c_ for _, c_ in got[c])
+            for k in ("wall", "cpu", "user", "sys", "sleeps"):
+                out[f"{c}_{k}" + ("_us" if k != "sleeps" else "")] = statistics.median(g[k] for g in got[c])
         for k in [k for k in out if k.startswith(("drain_", "drains_", "launch_"))]:
             out[k] = statistics.median(out[k])
 
@@ -211,9 +245,10 @@ def report(res: list[dict[str, Any]]) -> list[str]:
         copy = r["pieces_us"].get("copy: Core.submit of the plan (C call + inline memmove)")
         for c in ("fast", "python"):
             beyond = f"{r[f'{c}_cpu_us'] - copy:.2f}" if copy is not None else "-"
-            rows.append([r["transport"], c, f"{r[f'{c}_wall_us']:.2f}", f"{r[f'{c}_cpu_us']:.2f}", beyond])
-    lines.append(table(rows, ["transport", "path", "wall us/push", "loop CPU us/push", "CPU beyond the copy"],
-                       align="llrrr"))
+            rows.append([r["transport"], c, f"{r[f'{c}_wall_us']:.2f}", f"{r[f'{c}_cpu_us']:.2f}", beyond,
+                         f"{r[f'{c}_user_us']:.1f} / {r[f'{c}_sys_us']:.1f}", f"{r[f'{c}_sleeps']:.2f}"])
+    lines.append(table(rows, ["transport", "path", "wall us/push", "loop CPU us/push", "CPU beyond the copy",
+                              "user / kernel us", "sleeps/push"], align="llrrrrr"))
     for r in res:
         lines.append("")
         lines.append(f"{r['transport']}: pieces, each alone (loop-thread CPU us per call)")
@@ -221,6 +256,8 @@ def report(res: list[dict[str, Any]]) -> list[str]:
         if r["transport"] == "tcp":
             prow += [["launch: submit_push_kv_cache to return (incl. hand-off to the I/O thread)",
                       f"{r['launch_us']:.3f}"],
+                     ["  of which Core.submit (the hand-off: queue the job, wake the I/O thread)",
+                      f"{r['launch_submit_us']:.3f}"],
                      ["completion: Parts.drain per push (poll, resolve, account)", f"{r['drain_fast_us']:.3f}"],
                      ["eventfd wake-ups per push", f"{r['drains_per_push_fast']:.2f}"]]
         lines.append(table(prow, ["piece", "us"], align="lr"))
