@@ -283,3 +283,6 @@ cdef class Core:
             "tcp_lease_expired": s.tcp_lease_expired, "tcp_fence_expired": s.tcp_fence_expired,
             "tcp_stalled": s.tcp_stalled, "tcp_accept_paused": s.tcp_accept_paused,
         }
+
+
+include "_fast.pxi"   # the loop thread's hot path of small transfers, and the accounting's counters

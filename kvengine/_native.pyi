@@ -6,7 +6,7 @@ functions, constants and ``Core`` methods, with the same parameters.
 """
 
 import array
-from typing import Final
+from typing import Any, Callable, Final, Iterator
 
 import numpy as np
 from numpy.typing import NDArray
@@ -75,3 +75,50 @@ class Core:
     def ucx_rkey_add(self, link_id: int, base: int, length: int, rkey: bytes) -> tuple[int, int]: ...
     def ucx_link_close(self, link_id: int, status: int) -> int: ...
     def stats(self) -> dict[str, int]: ...
+
+# --- the loop thread's hot path and the accounting's counters (cython_src/_fast.pxi) ---
+
+class Histogram:
+    """Latency histogram with log buckets (ratio 2**0.25, from 1 us to ~1.2 h), in C."""
+
+    n: Final[int]
+    total: Final[float]
+    def record(self, seconds: float) -> None: ...
+    @property
+    def counts(self) -> list[int]: ...
+    def upper(self, i: int) -> float: ...
+    def quantile(self, q: float) -> float: ...
+    def summary(self) -> dict[str, float]: ...
+
+class Counts:
+    """Counters and histograms of finished transfers (all, or one peer's)."""
+
+    queue: Final[Histogram]
+    transfer: Final[Histogram]
+    total: Final[Histogram]
+    hists: Final[dict[str, Histogram]]
+    def add(self, name: str, nbytes: int) -> None: ...
+    def times(self, queue_s: float, transfer_s: float, total_s: float) -> None: ...
+    def _bench(self, n: int, seconds: float) -> None: ...
+    @property
+    def transfers(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def by_status(self) -> dict[str, int]: ...
+    def summary(self) -> dict[str, object]: ...
+
+class FastPath:
+    """An engine's native hot path of awaited inline pushes and pulls."""
+
+    taken: Final[int]
+    def __init__(self, loop: object, core: Core, options: object, jobs: Iterator[int],
+                 caches: dict[int, Any], links: dict[Any, Any], memo: dict[Any, Any], whole: Counts,
+                 peer: Callable[[tuple[int, str]], Counts], failed: Callable[..., Any],
+                 t_cache: type, t_index: type, t_ext: type) -> None: ...
+    def push(self, cache: object, where: object, src_batch_index: object, size: object, ext_param: object,
+             timeout: object, priority: object, notify: object) -> Any:
+        """None: not the fast path's; 0: done (success); else the finished failed Transfer."""
+    def pull(self, where: object, cache: object, batch_index: object, size: object, ext_param: object,
+             timeout: object, priority: object) -> Any: ...
+    def forget(self) -> None: ...
