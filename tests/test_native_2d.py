@@ -188,3 +188,40 @@ def test_tcp_2d_push_and_pull_land_byte_exact():
     finally:
         b.close()
         a.close()
+
+
+@pytest.mark.skipif(not _native.UCX, reason="kvengine built without UCX")
+def test_ucx_gets_2d_segments_expanded_into_rows(monkeypatch):
+    """UCX declares no 2-D support: the core expands the job's rows at submit, and the
+    push and the pull still land byte for byte (the gaps between rows untouched)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    a, b = _native.Core(), _native.Core()
+    try:
+        sa, addr_a = a.ucx_address()
+        sb, addr_b = b.ucx_address()
+        assert sa == sb == S.LLM_SUCCESS
+        assert a.ucx_link_add(1, addr_b, 0, 1.0) == S.LLM_SUCCESS
+        assert b.ucx_link_add(1, addr_a, 0, 1.0) == S.LLM_SUCCESS
+        rng = np.random.default_rng(3)
+        src = rng.integers(0, 256, 1 << 18, dtype=np.uint8)
+        back = np.full(1 << 18, GUARD, dtype=np.uint8)
+        dst = np.full(1 << 18, GUARD, dtype=np.uint8)
+        rs, rback = _region(a, src, _native.F_EXPORT), _region(a, back, _native.F_EXPORT)
+        rd = _region(b, dst, _native.F_EXPORT)
+        st, rkey = b.ucx_mem_map(rd)
+        assert st == S.LLM_SUCCESS
+        st, rr = a.ucx_rkey_add(1, dst.ctypes.data, dst.nbytes, rkey)
+        assert st == S.LLM_SUCCESS
+        push = [(rs, 5, rr, 3, 1000, 200, 1100, 1003)]
+        want = _model(dst.copy(), src, [(0, 5, 0, 3, 1000, 200, 1100, 1003)])
+        assert a.submit(1, _segs(push), 0, words=W)[0] == S.LLM_SUCCESS
+        assert _wait(a, 1) == (S.LLM_SUCCESS, 200_000)
+        assert np.array_equal(dst, want)
+        pull = [(rr, 3, rback, 7, 1000, 200, 1003, 1200)]
+        want_back = _model(back.copy(), dst, [(0, 3, 0, 7, 1000, 200, 1003, 1200)])
+        assert a.submit(2, _segs(pull), 0, words=W)[0] == S.LLM_SUCCESS
+        assert _wait(a, 2) == (S.LLM_SUCCESS, 200_000)
+        assert np.array_equal(back, want_back)
+    finally:
+        a.close()
+        b.close()
