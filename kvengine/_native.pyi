@@ -19,6 +19,9 @@ REGION_UCX: Final[int]
 UCX: Final[bool]
 # uint64 words per segment in ``Core.submit(segs=...)``
 SEG_WORDS: Final[int]
+# uint64 words per 2-D segment (``Core.submit(..., words=SEG2_WORDS)``): src_region, src_offset,
+# dst_region, dst_offset, row_bytes, rows, src_stride, dst_stride
+SEG2_WORDS: Final[int]
 # region flags
 F_UNMAP: Final[int]
 F_EXPORT: Final[int]
@@ -50,10 +53,10 @@ class Core:
     def region_remove(self, region_id: int) -> int: ...
     def region_pidfd(self, region_id: int, pidfd: int, key: int = 0) -> int: ...
     def submit(self, job_id: int, segs: array.array[int] | NDArray[np.uint64] | memoryview, inline_max: int,
-               rank: int = 0, lease: int = 0) -> tuple[int, bool, int]:
+               rank: int = 0, lease: int = 0, words: int = 5) -> tuple[int, bool, int]:
         """Start a job: returns ``(status, done_inline, nbytes)``. ``segs``: a C-contiguous buffer
         of uint64 (``array.array("Q")``, a numpy uint64 array, or a memoryview of one),
-        SEG_WORDS words per segment."""
+        ``words`` (SEG_WORDS, or SEG2_WORDS for 2-D segments) words per segment."""
     def lease_add(self, until_ns: int) -> tuple[int, int]:
         """Returns ``(status, lease_id)``."""
     def lease_renew(self, lease_id: int, until_ns: int) -> int: ...

@@ -57,7 +57,6 @@ __all__ = ["Scheduler", "rank"]
 _seq = itertools.count()
 _NO_LIMIT = 1 << 62   # default budget and piece: the native queues keep the order
 _UNSTARTED = _native.DONE_UNSTARTED
-_SEG2 = getattr(_native, "SEG2_WORDS", None)   # None: no 2-D segments yet (layout.expand_rows, the shim)
 _RANK_DEADLINE = (1 << 52) - 1   # deadline in microseconds of the loop clock (142 years)
 
 
@@ -143,7 +142,7 @@ class Scheduler:
         t._lease = lease
         words: tuple[int, ...] = ()
         if isinstance(segs, np.ndarray) and segs.ndim == 2:   # 2-D segments (kvengine/layout.py)
-            segs, t._words = submit_form(segs, _SEG2)
+            segs, t._words = submit_form(segs)
             words = () if t._words == SEG1 else (t._words,)
         opts = self._options
         if total <= opts.inline_threshold and link.transport not in ("tcp", "ucx"):
