@@ -8,13 +8,10 @@ its blocks layer by layer with ``engine.layer_stream(..., src_blocks=<its table
 here>, dst_blocks=<its table there>)``.
 
 Head split (TP=2 emulated, ``--tp 2``): decode rank ``r`` of ``R`` registers a
-pool of ``kv_heads / R`` heads per block. Heads are outermost in a block, so
-heads ``[r * h, (r + 1) * h)`` of prefill block ``b`` are one contiguous range,
-and the prefill's pool, registered a second time over the same memory as
-``(R * num_blocks, kv_heads / R, block_size, head_dim)`` (``head_split_view``), has
-that range as whole block ``b * R + r``. So each rank gets only its heads through
-today's ``push_kv_blocks`` / ``layer_stream`` (whole blocks of the view): no
-engine change, no copy, half the bytes per rank (``push_heads``).
+pool of ``kv_heads / R`` heads per block; both pools name their head axis
+(``CacheDesc(head_axis=1)``), so the prefill pushes each rank heads
+``[r * h, (r + 1) * h)`` of the request's blocks with ``src_head_range`` (one
+2-D segment per block, no copy, half the bytes per rank: ``push_heads``).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import torch
 
 import kvengine as kv
 
-__all__ = ["BlockAllocator", "blocks_needed", "head_split_view", "head_table", "push_heads"]
+__all__ = ["BlockAllocator", "blocks_needed", "push_heads"]
 
 
 def blocks_needed(tokens: int, block_size: int) -> int:
@@ -75,28 +72,12 @@ class BlockAllocator:
         self._free.update(ids)
 
 
-def head_split_view(engine: kv.KvEngine, pool: kv.Cache, ranks: int) -> kv.Cache:
-    """The prefill pool registered a second time, over the same memory, as ``ranks``
-    times as many blocks of ``kv_heads / ranks`` heads: block ``b * ranks + r`` of the
-    view is heads ``[r * h, (r + 1) * h)`` of pool block ``b`` (heads are outermost in
-    a block)."""
-    nb, heads, bs, dim = pool.desc.shape
-    if heads % ranks:
-        raise ValueError(f"{heads} KV heads do not split over {ranks} ranks")
-    desc = kv.CacheDesc(pool.desc.num_tensors, (nb * ranks, heads // ranks, bs, dim), pool.desc.dtype)
-    return engine.register_kv_cache(desc, pool.tensors)
-
-
-def head_table(table: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
-    """Rank ``rank``'s share of a request's pool blocks, as blocks of the head-split view."""
-    return table * ranks + rank
-
-
-def push_heads(engine: kv.KvEngine, view: kv.Cache, table: torch.Tensor, rank_keys: Sequence[kv.BlocksCacheKey],
+def push_heads(engine: kv.KvEngine, pool: kv.Cache, table: torch.Tensor, rank_keys: Sequence[kv.BlocksCacheKey],
                rank_tables: Sequence[torch.Tensor], timeout: float, notify: bytes | None) -> list:
     """One layer stream per decode rank, each carrying only that rank's KV heads of the
     request's blocks ``table`` into the rank's pool blocks ``rank_tables[r]``."""
     ranks = len(rank_keys)
-    return [engine.layer_stream(view, [key], tensor_num_per_layer=2, timeout=timeout, notify=notify,
-                                src_blocks=head_table(table, r, ranks), dst_blocks=dst)
+    heads = pool.desc.shape[pool.desc.head_axis] // ranks
+    return [engine.layer_stream(pool, [key], tensor_num_per_layer=2, timeout=timeout, notify=notify,
+                                src_blocks=table, dst_blocks=dst, src_head_range=range(r * heads, (r + 1) * heads))
             for r, (key, dst) in enumerate(zip(rank_keys, rank_tables))]

@@ -171,15 +171,14 @@ def paged_cache_desc(kv, spec: ModelSpec, num_blocks: int, block_size: int, kv_h
         shape       = (num_blocks, kv_heads, block_size, head_dim)     float32
 
     Dim 0 is the block id (what block tables name). Inside a block the heads are
-    outermost, so heads [h0, h1) of a block are one contiguous range: a pool of
-    ``kv_heads / R`` heads per block is, byte for byte, the same memory cut into
-    ``R`` times as many blocks (see ``paged.head_split_view``). Block ``b`` of a
+    outermost (``head_axis=1``), so heads [h0, h1) of a block are one contiguous
+    range, which a head-range push sends to a TP rank (``blocks.push_heads``). Block ``b`` of a
     request holds its positions ``[b * block_size, (b + 1) * block_size)``; gathered
     and transposed, the blocks are the DynamicCache's ``(1, kv_heads, seq, head_dim)``.
     """
     heads = spec.num_kv_heads if kv_heads is None else kv_heads
     return kv.CacheDesc(num_tensors=2 * spec.num_layers, shape=(num_blocks, heads, block_size, spec.head_dim),
-                        dtype=np.float32)
+                        dtype=np.float32, head_axis=1)
 
 
 def write_blocks(pool_k: torch.Tensor, pool_v: torch.Tensor, table: torch.Tensor,

@@ -42,7 +42,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import kvengine as kv  # noqa: E402
-from blocks import BlockAllocator, blocks_needed, head_split_view, push_heads  # noqa: E402
+from blocks import BlockAllocator, blocks_needed, push_heads  # noqa: E402
 from model import (ModelSpec, build_model, kv_cache_desc, paged_cache_desc, reference_generate,  # noqa: E402
                    versions, weights_digest)
 from prefill import Prefiller  # noqa: E402
@@ -287,7 +287,6 @@ async def run_paged_session(prompts: Sequence[Sequence[int]], max_new_tokens: in
                 await engine.wait_remote_cache(p.cluster_id, p.cache_id, timeout=10)
             link_transport = engine.stats()["links"][DECODE_ID]["transport"]
             src = engine.allocate_cache(paged_cache_desc(kv, spec, num_blocks, block_size))
-            view = head_split_view(engine, src, tp) if tp > 1 else None
             prefiller = Prefiller(engine, model, src, max_seq=max_seq)
             here, there = BlockAllocator(num_blocks, seed=11), BlockAllocator(num_blocks, seed=12)
             keys = [kv.BlocksCacheKey(p.cluster_id, p.cache_id) for p in procs]
@@ -304,7 +303,7 @@ async def run_paged_session(prompts: Sequence[Sequence[int]], max_new_tokens: in
                     srcs, dsts = here.alloc_interleaved(sizes), there.alloc_interleaved(sizes)
                     try:
                         rs = await asyncio.gather(*[
-                            _one_paged(prefiller, ranks, keys, view, rid, mode, prompts[i], sb, db,
+                            _one_paged(prefiller, ranks, keys, tp, rid, mode, prompts[i], sb, db,
                                        max_new_tokens, timeout)
                             for (rid, mode, i), sb, db in zip(pair, srcs, dsts)])
                     finally:
@@ -326,7 +325,7 @@ async def run_paged_session(prompts: Sequence[Sequence[int]], max_new_tokens: in
             "versions": versions(), "requests": results, "summary": summarize(results)}
 
 
-async def _one_paged(prefiller: Prefiller, ranks: DecodeRanks, keys: Sequence[kv.BlocksCacheKey], view,
+async def _one_paged(prefiller: Prefiller, ranks: DecodeRanks, keys: Sequence[kv.BlocksCacheKey], tp: int,
                      rid: str, mode: str, prompt: Sequence[int], src_table: torch.Tensor, dst_table: torch.Tensor,
                      max_new_tokens: int, timeout: float) -> dict:
     """One request: prefill into ``src_table``, push to ``dst_table`` on every decode rank."""
@@ -334,10 +333,10 @@ async def _one_paged(prefiller: Prefiller, ranks: DecodeRanks, keys: Sequence[kv
     replies = ranks.expect(rid)
 
     def open_streams() -> list[kv.LayerStream]:
-        if view is None:       # one decode worker holding every head: one stream, the block tables as tensors
+        if tp == 1:       # one decode worker holding every head: one stream, the block tables as tensors
             return [engine.layer_stream(prefiller.cache, list(keys), tensor_num_per_layer=2, timeout=timeout,
                                         notify=rid.encode(), src_blocks=src_table, dst_blocks=dst_table)]
-        return push_heads(engine, view, src_table, keys, [dst_table] * len(keys), timeout, rid.encode())
+        return push_heads(engine, prefiller.cache, src_table, keys, [dst_table] * len(keys), timeout, rid.encode())
 
     def hand_over(first_token: int) -> None:
         for p in ranks.procs:
