@@ -32,6 +32,7 @@ _DOWN_HINTS = {
     "tcp_fence_expired": "; the peer did not acknowledge an abort within 0.5 * heartbeat_timeout",
     "tcp_stalled": "; a data stream made no progress for heartbeat_timeout",
     "tcp_bad_frames": "; the peer sent a malformed or impossible frame",
+    "ucx_bad_msgs": "; the peer sent a UCX message that failed our checks (region, bounds, state)",
 }
 
 
@@ -89,12 +90,14 @@ class DataPlane:
         st, address = self._core.ucx_address()
         return st, address
 
-    def add_ucx_link(self, link: Link, peer_address: bytes) -> None:
-        """Declare the link's UCX endpoint to the peer's worker. An aborted push whose
-        flush does not complete within 0.5 * heartbeat_timeout fails the link."""
+    def add_ucx_link(self, link: Link, peer_address: bytes, rx_token: bytes, tx_token: bytes) -> None:
+        """Declare the link's UCX endpoint to the peer's worker: the peer's messages must
+        carry ``rx_token``, ours carry ``tx_token`` (both exchanged on the authenticated
+        control channel). An aborted push whose ABORT_ACK does not come within
+        0.5 * heartbeat_timeout fails the link."""
         link.tcp_id = next(self._ids)
-        st = self._core.ucx_link_add(link.tcp_id, peer_address, self._options.tcp_window_bytes,
-                                     0.5 * self._options.heartbeat_timeout)
+        st = self._core.ucx_link_add(link.tcp_id, peer_address, rx_token, tx_token,
+                                     self._options.tcp_window_bytes, 0.5 * self._options.heartbeat_timeout)
         if st:
             raise ProtocolError(f"cannot reach the peer's UCX worker (status {st:#x})")
 
