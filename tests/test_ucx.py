@@ -179,3 +179,38 @@ async def test_cancel_is_fenced(monkeypatch):
     finally:
         await p.close()
         await d.close()
+
+
+@pytest.mark.parametrize("tls", ["tcp", "sm,self"])
+async def test_peer_killed_link_failed_within_the_heartbeat_bound(tls, monkeypatch):
+    """SIGKILL of the decode process with pushes and a pull in flight: every transfer
+    resolves (LLM_LINK_FAILED, or LLM_SUCCESS for what had completed) within
+    heartbeat_timeout + heartbeat_interval + 1 s of the kill, none hangs, and no job
+    is left in the core."""
+    import time
+    from kvengine._peer import PeerProcess
+    monkeypatch.setenv("UCX_TLS", tls)
+    opts = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0",
+                          kv.EngineOptions(transport="ucx", secret=b"s", **opts)).start()
+    d = await PeerProcess.start(cluster_id=2, secret=b"s", transport="ucx", options=opts)
+    try:
+        desc = kv.CacheDesc(2, (1, 32 << 20), np.uint8)
+        dst = (await d.call("alloc", n=2, shape=[1, 32 << 20], dtype="uint8"))["cache_id"]
+        st, per = await p.link_clusters([kv.ClusterInfo(2, d.address)])
+        assert st == S.LLM_SUCCESS, per
+        await p.wait_remote_cache(2, dst)
+        src = p.allocate_cache(desc)
+        mine = p.allocate_cache(desc)
+        ts = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=30) for _ in range(8)]
+        ts.append(p.submit_pull_kv_cache(kv.CacheIndex(2, dst, 0), mine, timeout=30))
+        d.kill()
+        t0 = time.monotonic()
+        statuses = await asyncio.wait_for(asyncio.gather(*ts), 10)
+        took = time.monotonic() - t0
+        assert set(statuses) <= {S.LLM_SUCCESS, S.LLM_LINK_FAILED} and S.LLM_LINK_FAILED in statuses
+        assert took <= 1.0 + 0.2 + 1.0, took
+        assert p.stats()["native"]["jobs_live"] == 0
+    finally:
+        await p.close()
+        await d.close()
