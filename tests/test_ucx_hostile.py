@@ -203,3 +203,44 @@ def test_nothing_lands_after_the_link_is_closed(tls, monkeypatch):
         assert t.unchanged()
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("tls", TLS)
+def test_aborted_pull_is_fenced(tls, monkeypatch):
+    """A pull aborted right after it started completes once none of its receives is in
+    progress; its destination does not change after the completion (late answers are
+    discarded), and the link stays usable: the same pull then succeeds byte-exact."""
+    t = Target(tls, monkeypatch)
+    try:
+        big = 32 << 20
+        srcb = np.frombuffer(np.random.default_rng(1).bytes(big), np.uint8)
+        st, rsrc = t.b.region_add(_native.REGION_LOCAL, 0, srcb.ctypes.data, big, _native.F_EXPORT)
+        assert st == 0 and t.b.ucx_mem_map(rsrc) == 0
+        st, rr = t.a.region_add(_native.REGION_UCX, 1, rsrc, big, 0)
+        dest = np.zeros(big, np.uint8)
+        st2, rdest = t.a.region_add(_native.REGION_LOCAL, 0, dest.ctypes.data, big, _native.F_EXPORT)
+        assert st == st2 == 0
+        seg = np.array([rr, 0, rdest, 0, big], np.uint64)
+        assert t.a.submit(40, seg, 0)[0] == 0
+        assert t.a.abort(40, 0x5010B101) == 0
+        end = time.monotonic() + 10
+        done = []
+        while not done and time.monotonic() < end:
+            done = [c for c in t.a.poll() if c[0] == 40]
+            time.sleep(0.001)
+        assert done and done[0][1] in (0x5010B101, 0), done
+        snap = dest.copy()
+        # a full pull afterwards: the link is up; while it runs, the aborted one writes nothing
+        other = np.zeros(big, np.uint8)
+        st, rother = t.a.region_add(_native.REGION_LOCAL, 0, other.ctypes.data, big, _native.F_EXPORT)
+        assert t.a.submit(41, np.array([rr, 0, rother, 0, big], np.uint64), 0)[0] == 0
+        end = time.monotonic() + 30
+        done = []
+        while not done and time.monotonic() < end:
+            done = [c for c in t.a.poll() if c[0] == 41]
+            time.sleep(0.001)
+        assert done and done[0][1] == 0 and (other == srcb).all()
+        assert (dest == snap).all()
+        assert t.a.stats()["ucx_bad_msgs"] == 0 and t.b.stats()["ucx_bad_msgs"] == 0
+    finally:
+        t.close()

@@ -428,14 +428,13 @@ static void inbox_remove(kv_ucx *u, ucx_job *j) {
         u->inbox_tail = j->prev;
 }
 
-/* Drop `j`'s pull requests: answers to them are discarded from now on. */
+/* Drop `j`'s pull requests not being received: answers to them are discarded
+ * from now on. A receive in progress ends first (it writes `j`'s own
+ * destination): `j` completes after it, which is its fence. */
 static void pulls_drop(ucx_link *l, ucx_job *j) {
     for (ucx_pull **p = &l->pulls; *p;) {
         ucx_pull *q = *p;
-        if (q->job != j) {
-            p = &q->next;
-        } else if (q->receiving) { /* its receive holds it; the callback frees it */
-            q->job = NULL;
+        if (q->job != j || q->receiving) {
             p = &q->next;
         } else {
             *p = q->next;
@@ -893,7 +892,7 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         r->claimed += h.len;
         ret = land(u, l, data, h.len, param, addr, h.region, r, NULL);
         c->stats.ucx_bytes_received += h.len;
-        if (ret == UCS_OK || ret == UCS_INPROGRESS)
+        if (ret == UCS_OK) /* eager: landed (a rendezvous receive settles `r` when it ends; `r` may be gone) */
             rx_settle(l, r);
         break;
     }
