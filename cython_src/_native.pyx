@@ -225,21 +225,23 @@ cdef class Core:
         return st
 
     def ucx_link_add(self, uint32_t link_id, bytes address, bytes rx_token, bytes tx_token,
-                     uint64_t window=0, double fence=1.0):
+                     uint64_t window=0, double fence=1.0, double lease=1.0, double margin=0.05):
         """Declare a UCX link to the peer's worker ``address``: messages to us must carry
-        ``rx_token``, ours carry ``tx_token`` (UCX_TOKEN bytes each); ``fence`` in seconds."""
+        ``rx_token``, ours carry ``tx_token`` (UCX_TOKEN bytes each); ``fence``, ``lease``
+        and ``margin`` in seconds (kv_core.h, kv_ucx_link_add)."""
         if self.c == NULL:
             return kvc.KV_LLM_ENGINE_FINALIZED
-        if not 0.001 <= fence <= 3600 or not address or len(rx_token) != UCX_TOKEN or len(tx_token) != UCX_TOKEN:
+        if not (0.001 <= fence <= 3600 and 0.001 <= lease <= 3600 and 0 <= margin <= 3600) or not address \
+                or len(rx_token) != UCX_TOKEN or len(tx_token) != UCX_TOKEN:
             return kvc.KV_LLM_PARAM_INVALID
         cdef const unsigned char *p = address
         cdef const unsigned char *rt = rx_token
         cdef const unsigned char *tt = tx_token
         cdef size_t n = len(address)
-        cdef uint64_t f = <uint64_t>(fence * 1e9)
+        cdef uint64_t f = <uint64_t>(fence * 1e9), ls = <uint64_t>(lease * 1e9), mg = <uint64_t>(margin * 1e9)
         cdef uint32_t st
         with nogil:
-            st = kvc.kv_ucx_link_add(self.c, link_id, p, n, rt, tt, window, f)
+            st = kvc.kv_ucx_link_add(self.c, link_id, p, n, rt, tt, window, ls, f, mg)
         return st
 
     def ucx_test_send(self, uint32_t link_id, bytes header, bytes data=b"", bint rndv=False):
@@ -287,4 +289,5 @@ cdef class Core:
             "tcp_stalled": s.tcp_stalled, "tcp_accept_paused": s.tcp_accept_paused,
             "ucx_bad_msgs": s.ucx_bad_msgs, "ucx_refused": s.ucx_refused, "ucx_dropped": s.ucx_dropped,
             "ucx_bytes_sent": s.ucx_bytes_sent, "ucx_bytes_received": s.ucx_bytes_received,
+            "ucx_lease_grants": s.ucx_lease_grants,
         }

@@ -56,6 +56,7 @@ cdef extern from "kv_core.h" nogil:
         uint64_t ucx_dropped
         uint64_t ucx_bytes_sent
         uint64_t ucx_bytes_received
+        uint64_t ucx_lease_grants
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)
@@ -90,7 +91,7 @@ cdef extern from "kv_core.h" nogil:
     uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id)
     uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const unsigned char *addr, size_t len,
                              const unsigned char *rx_token, const unsigned char *tx_token,
-                             uint64_t window, uint64_t fence_ns)
+                             uint64_t window, uint64_t lease_ns, uint64_t fence_ns, uint64_t margin_ns)
     uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status)
     uint32_t kv_ucx_test_send(kv_core *core, uint32_t link_id, const unsigned char *hdr, size_t hdr_len,
                               const unsigned char *data, size_t data_len, int rndv)

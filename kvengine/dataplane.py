@@ -93,11 +93,14 @@ class DataPlane:
     def add_ucx_link(self, link: Link, peer_address: bytes, rx_token: bytes, tx_token: bytes) -> None:
         """Declare the link's UCX endpoint to the peer's worker: the peer's messages must
         carry ``rx_token``, ours carry ``tx_token`` (both exchanged on the authenticated
-        control channel). An aborted push whose ABORT_ACK does not come within
-        0.5 * heartbeat_timeout fails the link."""
+        control channel). Lease, fence and margin as for tcp links (0.4, 0.5, 0.05 of
+        heartbeat_timeout): an aborted push whose ABORT_ACK does not come within the
+        fence fails the link, and the peer writes our pushes only under our lease."""
         link.tcp_id = next(self._ids)
+        hbt = self._options.heartbeat_timeout
         st = self._core.ucx_link_add(link.tcp_id, peer_address, rx_token, tx_token,
-                                     self._options.tcp_window_bytes, 0.5 * self._options.heartbeat_timeout)
+                                     self._options.tcp_window_bytes, fence=0.5 * hbt, lease=0.4 * hbt,
+                                     margin=0.05 * hbt)
         if st:
             raise ProtocolError(f"cannot reach the peer's UCX worker (status {st:#x})")
 

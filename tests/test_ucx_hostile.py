@@ -31,14 +31,15 @@ class Target:
     buffer, an unexported region and a peer region entry; core a (the hostile peer)
     linked to it as link 1."""
 
-    def __init__(self, tls, monkeypatch):
+    def __init__(self, tls, monkeypatch, lease=1.0):
         monkeypatch.setenv("UCX_TLS", tls)
         self.a, self.b = _native.Core(), _native.Core()
         (sa, addr_a), (sb, addr_b) = self.a.ucx_address(), self.b.ucx_address()
         assert sa == sb == 0
         self.ta, self.tb = secrets.token_bytes(16), secrets.token_bytes(16)  # a's rx, b's rx
-        assert self.a.ucx_link_add(1, addr_b, self.ta, self.tb, 0, 1.0) == 0
-        assert self.b.ucx_link_add(1, addr_a, self.tb, self.ta, 0, 1.0) == 0
+        self.addr_b = addr_b
+        assert self.a.ucx_link_add(1, addr_b, self.ta, self.tb, 0, 1.0, lease) == 0
+        assert self.b.ucx_link_add(1, addr_a, self.tb, self.ta, 0, 1.0, lease) == 0
         self.arena = np.full(3 * N, 0xAB, np.uint8)      # guard | region | guard
         self.dst = self.arena[N:2 * N]
         self.dst[:] = 0
@@ -49,6 +50,11 @@ class Target:
         st3, self.rpeer = self.b.region_add(_native.REGION_UCX, 1, 1, N, 0)   # a peer's region on b
         assert st == st2 == st3 == 0 and self.b.ucx_mem_map(self.rd) == 0
         self.snap = [x.copy() for x in (self.arena, self.canary, self.plain)]
+        # b writes a's pushes only under a lease a granted (asked for at once)
+        end = time.monotonic() + 10
+        while self.a.stats()["ucx_lease_grants"] == 0 and time.monotonic() < end:
+            time.sleep(0.001)
+        assert self.a.stats()["ucx_lease_grants"] > 0
 
     def send(self, header, data=b"", rndv=False):
         assert self.a.ucx_test_send(1, header, data, rndv) == 0
@@ -242,5 +248,42 @@ def test_aborted_pull_is_fenced(tls, monkeypatch):
         assert done and done[0][1] == 0 and (other == srcb).all()
         assert (dest == snap).all()
         assert t.a.stats()["ucx_bad_msgs"] == 0 and t.b.stats()["ucx_bad_msgs"] == 0
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("tls", TLS)
+def test_no_lease_nothing_lands(tls, monkeypatch):
+    """The target writes a push only under a lease the pusher granted. Here the granter
+    goes silent (its side of link 1 closed: it answers no LEASE_REQ) while a second
+    endpoint keeps sending valid pushes with link 1's token: each lands until the lease
+    runs out (at most `lease` after the last grant); the first one after that fails the
+    link (tcp_lease_expired) and does not land."""
+    lease = 0.3
+    t = Target(tls, monkeypatch, lease=lease)
+    try:
+        assert t.a.ucx_link_add(2, t.addr_b, secrets.token_bytes(16), t.tb, 0, 1.0, lease) == 0
+        assert t.a.ucx_link_close(1, 0x5010B004) == 0
+        t0 = time.monotonic()
+        down, last = False, 0
+        for i in range(1, 100000):
+            assert t.a.ucx_test_send(2, hdr(t.tb, PUSH, t.rd, job=i, length=8, total=8),
+                                     struct.pack("<Q", i)) == 0
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                if struct.unpack("<Q", t.dst[:8].tobytes())[0] == i:
+                    last = i
+                    break
+                if [c for c in t.b.poll() if c[0] == _native.EVENT_LINK_DOWN | 1]:
+                    down = True
+                    break
+                time.sleep(0.0005)
+            if down or time.monotonic() - t0 > 5 + lease:
+                break
+        assert down, "the lease never ran out"
+        assert time.monotonic() - t0 <= lease + 1.0
+        assert t.b.stats()["tcp_lease_expired"] == 1 and last == i - 1
+        assert struct.unpack("<Q", t.dst[:8].tobytes())[0] == last      # message i did not land
+        assert (t.arena[:N] == 0xAB).all() and (t.arena[2 * N:] == 0xAB).all() and (t.canary == 0xCD).all()
     finally:
         t.close()

@@ -83,6 +83,7 @@ typedef struct {
     uint64_t ucx_dropped;       /* UCX data dropped on purpose: an aborted push's or pull's late bytes */
     uint64_t ucx_bytes_sent;    /* UCX payload bytes */
     uint64_t ucx_bytes_received;
+    uint64_t ucx_lease_grants;  /* UCX lease requests we granted (a peer may write our pushes) */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a
@@ -205,6 +206,8 @@ enum {
     KV_UCX_ABORT_ACK, /* target -> pusher: nothing of push `job` lands any more */
     KV_UCX_PULL_REQ,  /* requester -> source: send len bytes at region/offset; job, tag: the requester's */
     KV_UCX_PULL_DATA, /* source -> requester: the answer to (job, tag); len bytes of payload */
+    KV_UCX_LEASE_REQ, /* a target asks the peer for a lease; tag: its request number */
+    KV_UCX_LEASE,     /* the grant of LEASE_REQ `tag`: the target may write pushes until (asked + lease) */
 };
 
 /* The header of every message, 64 bytes, little-endian (host order: same-arch peers). */
@@ -216,7 +219,7 @@ typedef struct kv_ucx_hdr {
     uint64_t offset;             /* PUSH, PULL_REQ: offset in that region */
     uint64_t len;                /* payload bytes (PUSH, PULL_DATA) or bytes asked for (PULL_REQ) */
     uint64_t total;              /* PUSH: the push's total bytes; else 0 */
-    uint64_t tag;                /* PULL_REQ, PULL_DATA: the requester's request tag */
+    uint64_t tag;                /* PULL_REQ, PULL_DATA: the requester's request tag; LEASE_REQ, LEASE: seq */
 } kv_ucx_hdr;
 
 /* 1 if this build has the UCX transport. */
@@ -232,10 +235,16 @@ uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id);
  * exchanged on the authenticated control channel; rx tokens are unique per
  * core). At most `window` bytes of data messages outstanding (0: no limit); an
  * aborted push whose ABORT_ACK does not come within `fence_ns` fails the link.
- * A failure of the link posts KV_EVENT_LINK_DOWN|link_id. A peer's regions are
- * KV_REGION_UCX regions (kv_region_add: pid = link id, addr = the peer's region id). */
+ * The lease, as tcp's (kv_tcp_link_add): this end writes a peer's push only
+ * before (when it asked for the grant) + `lease_ns`, asking every lease_ns / 4;
+ * a push of a failed link that was not fenced completes only at (our last grant
+ * to the peer) + lease_ns + `margin_ns`. Both ends should agree on lease_ns.
+ * lease_ns, fence_ns: 1 ms .. 1 h. A failure of the link posts
+ * KV_EVENT_LINK_DOWN|link_id. A peer's regions are KV_REGION_UCX regions
+ * (kv_region_add: pid = link id, addr = the peer's region id). */
 uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const uint8_t *addr, size_t len, const uint8_t *rx_token,
-                         const uint8_t *tx_token, uint64_t window, uint64_t fence_ns);
+                         const uint8_t *tx_token, uint64_t window, uint64_t lease_ns, uint64_t fence_ns,
+                         uint64_t margin_ns);
 /* Close a link (forced): from now on nothing a peer sends on it is written;
  * its jobs complete with `status`. */
 uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status);

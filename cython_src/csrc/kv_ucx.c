@@ -27,8 +27,11 @@
  * are discarded) and completes once no receive of it is in progress. No
  * ABORT_ACK within `fence_ns` fails the link. A link that failed (close
  * command, endpoint error, stop) writes nothing more: the handler drops every
- * message whose token names a dead link. What holds on each fabric:
- * docs/protocol.md, "UCX links". */
+ * message whose token names a dead link. The lease (tcp's rule): a target
+ * writes a push's message only before (when it sent the LEASE_REQ the pusher
+ * answered last) + lease_ns, asking every lease_ns / 4; a push of a failed link
+ * that was not fenced completes at (our last grant) + lease_ns + margin_ns.
+ * What holds on each fabric: docs/protocol.md, "UCX links". */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -63,6 +66,8 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, uint64_t data
     case KV_UCX_ACK:
     case KV_UCX_ABORT:
     case KV_UCX_ABORT_ACK:
+    case KV_UCX_LEASE_REQ:
+    case KV_UCX_LEASE:
         return data_len == 0 && h.len == 0 && h.region == 0 ? KV_LLM_SUCCESS : KV_LLM_PARAM_INVALID;
     default:
         return KV_LLM_PARAM_INVALID;
@@ -90,8 +95,10 @@ uint32_t kv_ucx_mem_map(kv_core *c, uint32_t region_id) {
     return KV_LLM_FEATURE_NOT_ENABLED;
 }
 uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size_t len, const uint8_t *rx_token,
-                         const uint8_t *tx_token, uint64_t window, uint64_t fence_ns) {
+                         const uint8_t *tx_token, uint64_t window, uint64_t lease_ns, uint64_t fence_ns,
+                         uint64_t margin_ns) {
     (void)c, (void)link_id, (void)addr, (void)len, (void)rx_token, (void)tx_token, (void)window, (void)fence_ns;
+    (void)lease_ns, (void)margin_ns;
     return KV_LLM_FEATURE_NOT_ENABLED;
 }
 uint32_t kv_ucx_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
@@ -180,6 +187,13 @@ struct ucx_link {
     uint8_t rx_token[KV_UCX_TOKEN]; /* what the peer's headers must carry */
     uint8_t tx_token[KV_UCX_TOKEN]; /* what ours carry */
     uint64_t window, inflight, fence_ns;
+    /* the lease (docs/protocol.md, "UCX links"): as a target we write a push's
+     * bytes only before lease_until (our clock), set from the time we asked for
+     * the grant; as a pusher, last_grant is when we last granted one */
+    uint64_t lease_ns, margin_ns, lease_until, last_grant, next_lease_req;
+    uint64_t lease_seq;                 /* our last LEASE_REQ */
+    uint64_t lease_asked[8];            /* when we sent LEASE_REQ seq (by seq % 8) */
+    uint64_t lease_seen;                /* the highest seq granted */
     kv_job *send_head, *send_tail; /* jobs with chunks left to post, by rank */
     ucx_job *active;      /* jobs taken off the inbox and not complete */
     ucx_pull *pulls;      /* our pull requests outstanding */
@@ -215,7 +229,7 @@ typedef struct ucx_cmd {
     const uint8_t *buf, *buf2;
     size_t len, len2;
     uint8_t rx_token[KV_UCX_TOKEN], tx_token[KV_UCX_TOKEN];
-    uint64_t window, fence_ns;
+    uint64_t window, lease_ns, fence_ns, margin_ns;
     kv_event *down_event;
     struct ucx_cmd *next;
 } ucx_cmd;
@@ -617,7 +631,13 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
         if (j->job.queued)
             kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
         j->job.state = KV_JS_FENCING;
-        j->due = now_ns() + l->fence_ns; /* at the latest: then it stops waiting for UCX */
+        /* at the latest then it stops waiting for UCX: a push with bytes on the way
+         * once the peer's lease from our last grant has surely run out (the peer,
+         * stopped now, may resume with them in its buffers), else after the fence */
+        uint64_t t = now_ns();
+        j->due = t + l->fence_ns;
+        if (!j->is_pull && j->posted && !j->acked && j->abort_state != 3)
+            j->due = l->last_grant ? l->last_grant + l->lease_ns + l->margin_ns : t;
         if (j->is_pull)
             pulls_drop(l, j);
         sig |= job_maybe_done(u, j);
@@ -879,6 +899,17 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
             ret = UCS_ERR_CANCELED;
             break;
         }
+        if (now_ns() >= l->lease_until) { /* no lease from the pusher: nothing lands */
+            if (l->lease_until == 0) { /* never granted yet (the first grant is on its way) */
+                c->stats.ucx_dropped++;
+                ret = UCS_ERR_CANCELED;
+                break;
+            }
+            c->stats.tcp_lease_expired++;
+            u->io_sig |= link_fail(u, l, KV_LLM_LINK_FAILED, 1);
+            ret = UCS_ERR_CANCELED;
+            break;
+        }
         if (!r && !(r = rx_add(l, h.job))) {
             ret = bad(u, l);
             break;
@@ -924,6 +955,22 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         else if (j->abort_state == 2)
             j->abort_state = 3;
         sig |= job_maybe_done(u, j);
+        break;
+    }
+    case KV_UCX_LEASE_REQ: /* the peer asks us for a lease: granted now, by our clock */
+        l->last_grant = now_ns();
+        c->stats.ucx_lease_grants++;
+        send_ctl(l, KV_UCX_LEASE, 0, 0, 0, 0, h.tag);
+        break;
+    case KV_UCX_LEASE: { /* our lease runs from when we asked for it */
+        if (h.tag == 0 || h.tag > l->lease_seq || l->lease_seq - h.tag >= 8) {
+            ret = bad(u, l); /* a grant we never asked for */
+            break;
+        }
+        if (h.tag > l->lease_seen) {
+            l->lease_seen = h.tag;
+            l->lease_until = l->lease_asked[h.tag % 8] + l->lease_ns;
+        }
         break;
     }
     case KV_UCX_PULL_REQ: {
@@ -1056,6 +1103,8 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
         memcpy(l->tx_token, m->tx_token, KV_UCX_TOKEN);
         l->window = m->window;
         l->fence_ns = m->fence_ns;
+        l->lease_ns = m->lease_ns;
+        l->margin_ns = m->margin_ns;
         l->next_tag = 1;
         l->down_event = m->down_event;
         m->down_event = NULL;
@@ -1112,6 +1161,8 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
             u->aborts = 1;
             continue;
         }
+        if (!j->is_pull && !l->last_grant)
+            break; /* the peer has no lease of ours yet: it would drop the data (its first request comes at once) */
         size_t si = j->job.claim_segment;
         const kv_segment *s = &j->job.segments[si];
         uint64_t off = j->job.claim_offset, n = s->len - off;
@@ -1244,6 +1295,12 @@ static int timers(kv_ucx *u, uint64_t now) {
             sig |= link_fail(u, l, l->down_status, 1);
             continue;
         }
+        if (now >= l->next_lease_req) { /* ask the peer to renew our lease, every lease / 4 */
+            l->next_lease_req = now + l->lease_ns / 4;
+            l->lease_seq++;
+            l->lease_asked[l->lease_seq % 8] = now;
+            send_ctl(l, KV_UCX_LEASE_REQ, 0, 0, 0, 0, l->lease_seq);
+        }
         for (ucx_job *j = l->active; j; j = j->next)
             if (j->job.state == KV_JS_ABORTING && j->due && j->due <= now) {
                 u->core->stats.tcp_fence_expired++;
@@ -1361,6 +1418,9 @@ static void *io_main(void *arg) {
             continue;
         } else {
             tmo = working ? UCX_BUSY_TICK_MS : (int)(UCX_TICK_NS / 1000000);
+            for (ucx_link *l = u->links; l && tmo > UCX_BUSY_TICK_MS; l = l->next) /* the lease requests */
+                if (!l->dead && l->lease_ns / 8000000 < (uint64_t)tmo)
+                    tmo = (int)(l->lease_ns / 8000000) + 1;
         }
         struct epoll_event evs[4];
         int ne = epoll_wait(u->epoll_fd, evs, 4, tmo);
@@ -1459,9 +1519,11 @@ uint32_t kv_ucx_mem_map(kv_core *c, uint32_t region_id) {
 }
 
 uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size_t len, const uint8_t *rx_token,
-                         const uint8_t *tx_token, uint64_t window, uint64_t fence_ns) {
-    if (link_id == 0 || link_id > INT32_MAX || len == 0 || len > KV_UCX_MAX_BLOB || fence_ns < 1000000ull ||
-        fence_ns > 3600000000000ull || !rx_token || !tx_token)
+                         const uint8_t *tx_token, uint64_t window, uint64_t lease_ns, uint64_t fence_ns,
+                         uint64_t margin_ns) {
+    const uint64_t lo = 1000000ull, hi = 3600000000000ull;
+    if (link_id == 0 || link_id > INT32_MAX || len == 0 || len > KV_UCX_MAX_BLOB || fence_ns < lo || fence_ns > hi ||
+        lease_ns < lo || lease_ns > hi || margin_ns > hi || !rx_token || !tx_token)
         return KV_LLM_PARAM_INVALID;
     kv_event *d = calloc(1, sizeof *d);
     if (!d)
@@ -1475,7 +1537,7 @@ uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size
     }
     memcpy(copy, addr, len);
     ucx_cmd m = {.type = CMD_LINK_ADD, .link_id = link_id, .buf = copy, .len = len, .window = window,
-                 .fence_ns = fence_ns, .down_event = d};
+                 .lease_ns = lease_ns, .fence_ns = fence_ns, .margin_ns = margin_ns, .down_event = d};
     memcpy(m.rx_token, rx_token, KV_UCX_TOKEN);
     memcpy(m.tx_token, tx_token, KV_UCX_TOKEN);
     uint32_t st = post_cmd(c, &m);

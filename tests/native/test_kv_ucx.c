@@ -217,8 +217,8 @@ static void pair(kv_core **a, kv_core **b, uint8_t *ta, uint8_t *tb) {
         ta[i] = (uint8_t)rnd();
         tb[i] = (uint8_t)rnd();
     }
-    CHECK_EQ(kv_ucx_link_add(*a, 1, addr_b, lb, ta, tb, 0, 1000000000ull), 0);
-    CHECK_EQ(kv_ucx_link_add(*b, 1, addr_a, la, tb, ta, 0, 1000000000ull), 0);
+    CHECK_EQ(kv_ucx_link_add(*a, 1, addr_b, lb, ta, tb, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
+    CHECK_EQ(kv_ucx_link_add(*b, 1, addr_a, la, tb, ta, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
 }
 
 static void test_loopback(void) {
