@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import os
 import socket
 from typing import Callable
 
@@ -22,6 +24,14 @@ from .status import LLMStatusCode as S, to_status
 from .types import EngineOptions
 
 __all__ = ["DataPlane"]
+
+log = logging.getLogger("kvengine")
+
+UCX_TCP_WARNING = (
+    "UCX_TLS=%r includes UCX's tcp transport: UCX executes raw PUT requests from anyone who "
+    "reaches its listening port, below kvengine's checks, so any host that can reach it can write "
+    "into this process (docs/security.md, 'UCX links'); use it only on a network where every host "
+    "is trusted. Without UCX_TLS, kvengine leaves UCX's tcp transport out")
 
 # Native failure counters, and what each one tells the operator when a link fails.
 _DOWN_HINTS = {
@@ -49,6 +59,7 @@ class DataPlane:
         self._tcp_links: dict[int, Link] = {}   # native link id -> live link
         self._tcp_ready: dict[int, asyncio.Future[S]] = {}
         self._down_counts: dict[str, int] = {}  # native failure counters at the last link failure
+        self._ucx_started = False
 
     def add_data_link(self, link: Link, data_token: str, streams: int) -> None:
         """Declare the link's TCP data plane in the core: streams presenting ``data_token``
@@ -86,7 +97,13 @@ class DataPlane:
             self._tcp_ready.pop(link.tcp_id, None)
 
     def ucx_address(self) -> tuple[int, bytes]:
-        """``(status, this engine's UCP worker address)``; the first call starts UCX."""
+        """``(status, this engine's UCP worker address)``; the first call starts UCX (and
+        warns once if UCX_TLS enables UCX's tcp transport)."""
+        if not self._ucx_started:
+            self._ucx_started = True
+            tls = os.environ.get("UCX_TLS")
+            if tls is not None and not tls.startswith("^") and ("tcp" in tls.split(",") or "all" in tls.split(",")):
+                log.warning(UCX_TCP_WARNING, tls)
         st, address = self._core.ucx_address()
         return st, address
 

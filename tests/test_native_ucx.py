@@ -54,3 +54,32 @@ def test_kv_ucx_asan(exe, tls):
     assert r.returncode == 0, out[-4000:]
     want = "2 passed, 0 failed" if _ucx() else "1 passed, 0 failed"
     assert want in r.stdout, out[-4000:]
+
+
+PROBE = ROOT / "tests" / "native" / "ucx_put_probe.c"
+
+
+@pytest.mark.skipif(not _ucx(), reason="UCX headers not installed (libucx wheel)")
+@pytest.mark.parametrize("tls", [None, "tcp"])
+def test_uct_tcp_put_from_a_peer(tmp_path, tls):
+    """A peer's own UCP put (its own rkey, tcp only) at an address this process never
+    exported: with UCX_TLS unset kvengine leaves UCX's tcp transport out and there is no
+    endpoint to put through; with UCX_TLS=tcp the bytes land, because UCT's tcp
+    transport executes PUT requests unchecked (UCX 1.22). The second case documents the
+    hole docs/security.md names; if a UCX release closes it, update that page."""
+    cc = shlex.split(os.environ.get("CC") or "cc")
+    out = tmp_path / "probe"
+    r = subprocess.run([*cc, "-std=c99", "-D_GNU_SOURCE", "-O1", "-pthread", f"-I{CSRC}", str(PROBE),
+                        str(CSRC / "kv_core.c"), str(CSRC / "kv_tcp.c"), str(CSRC / "kv_ucx.c"), *_ucx(),
+                        "-o", str(out)], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "UCX_TLS")}
+    if tls:
+        env["UCX_TLS"] = tls
+    r = subprocess.run([str(out)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    verdict = r.stdout.strip().splitlines()[-1]
+    if tls is None:
+        assert verdict.startswith("refused"), verdict
+    else:
+        assert verdict == "written", verdict

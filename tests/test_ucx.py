@@ -25,13 +25,17 @@ from test_cross_process import (  # noqa: E402,F401
     test_cache_registered_after_link_and_peer_push, test_peer_killed_mid_transfer_then_new_peer,
     test_pull_and_pull_size, test_push_with_layer_ranges_byte_exact, test_timeout_fenced_across_processes)
 
-# UCX_TLS per case: tcp only; shared memory (posix/sysv, cma for zero copy, self).
-TLS = {"tcp": "tcp", "sm": "sm,self", "tcpcma": "tcp,cma"}
+# UCX_TLS per case: tcp only; shared memory (posix/sysv, cma for zero copy, self); tcp with cma;
+# "default": UCX_TLS unset, kvengine's default (every transport but UCX's tcp).
+TLS = {"tcp": "tcp", "sm": "sm,self", "tcpcma": "tcp,cma", "default": None}
 
 
 @pytest.fixture(params=sorted(TLS))
 def xtransport(request, monkeypatch):
-    monkeypatch.setenv("UCX_TLS", TLS[request.param])
+    if TLS[request.param] is None:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    else:
+        monkeypatch.setenv("UCX_TLS", TLS[request.param])
     return "ucx"
 
 

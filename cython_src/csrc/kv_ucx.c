@@ -356,6 +356,13 @@ static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
     ucp_config_t *config = NULL;
     if (ucp_config_read(NULL, NULL, &config) != UCS_OK)
         goto fail;
+    /* UCX's own tcp transport executes raw PUT requests from anyone who connects to
+     * its port, below every check of ours (docs/security.md): it is used only when
+     * UCX_TLS names it explicitly */
+    if (!getenv("UCX_TLS") && ucp_config_modify(config, "TLS", "^tcp") != UCS_OK) {
+        ucp_config_release(config);
+        goto fail;
+    }
     ucs_status_t s = ucp_init(&params, config, &u->context);
     ucp_config_release(config);
     if (s != UCS_OK) {
