@@ -1412,7 +1412,9 @@ static void *io_main(void *arg) {
 
         /* progress until idle, then arm the worker's event fd and sleep */
         int progressed = 0;
-        while (ucp_worker_progress(u->worker))
+        /* bounded: the round's timers (lease requests every lease / 4, fences) must run
+         * while a large transfer keeps progress busy (each call: at most one message) */
+        for (int k = 0; k < 64 && ucp_worker_progress(u->worker); k++)
             progressed = 1;
         now = now_ns();
         if (progressed)
