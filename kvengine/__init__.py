@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import status
+from . import layout, status   # layout: kv.layout.kv_tensors / describe (vLLM, FlashInfer, SGLang, MLA)
 from .status import *  # noqa: F401,F403  (LLMStatusCode, LLMError, LINK_USABLE_AFTER, one class per code)
+from .options import EngineOptions
 from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, CacheKey, ClusterInfo, DataType,
-                    EngineOptions, KvCacheExtParam, Placement, Role)
+                    KvCacheExtParam, Placement, Role)
 
 if TYPE_CHECKING:   # loaded lazily (they need the compiled core): see __getattr__
     from .engine import KvEngine

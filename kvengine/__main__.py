@@ -97,8 +97,10 @@ async def demo(args: argparse.Namespace) -> int:
 
 _BENCH = {
     "throughput": ("kvengine.bench.throughput",
-                   "push GB/s from one layer to a 256 MiB cache beside memcpy/sockets, NIXL and Mooncake"),
-    "latency": ("kvengine.bench.latency", "one-layer (64 KiB) push p50/p99/p999 beside the same"),
+                   "push GB/s from one layer to a 256 MiB cache beside memcpy/sockets, NIXL and Mooncake "
+                   "(--transport ucx: beside kvengine tcp, NIXL, UCXX, ucx_perftest)"),
+    "latency": ("kvengine.bench.latency", "one-layer (64 KiB) push p50/p99/p999 beside the same; "
+                "--layout paged: one layer of a 64-block request beside the same bytes contiguous"),
     "load": ("kvengine.bench.load", "EDF vs FIFO scheduling under mixed load over tcp"),
     "cluster": ("kvengine.bench.cluster", "4 x 4 hosts in network namespaces (root), optionally with a fault"),
     "soak": ("kvengine.bench.soak", "mixed load for N minutes: RSS, fds, threads, live counters stay flat"),

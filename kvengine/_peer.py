@@ -143,7 +143,8 @@ class _Server:
         self.held: _HeldFaults | None = None
 
     def _desc(self, m: Message) -> CacheDesc:
-        return self.kv.CacheDesc(m["n"], tuple(m["shape"]), m.get("dtype", "float16"))
+        return self.kv.CacheDesc(m["n"], tuple(m["shape"]), m.get("dtype", "float16"),
+                                 block_stride=m.get("block_stride"), head_axis=m.get("head_axis"))
 
     async def handle(self, m: Message) -> Message:
         kv, e = self.kv, self.engine
@@ -155,6 +156,9 @@ class _Server:
                 cache = e.allocate_cache(desc, cache_keys=keys)
             else:
                 bufs = [np.zeros(desc.shape, dtype=desc.dtype.numpy_dtype) for _ in range(desc.num_tensors)]
+                if m.get("layout") == "flashinfer":   # (blocks, 2, ...) per layer: K, V interleaved
+                    bufs = kv.layout.kv_tensors([np.zeros((desc.shape[0], 2, *desc.shape[1:]), desc.dtype.numpy_dtype)
+                                                 for _ in range(desc.num_tensors // 2)], "flashinfer")
                 cache = e.register_kv_cache(desc, bufs, cache_keys=keys)
             if m.get("fill") is not None:
                 for i, arr in enumerate(cache.tensors):

@@ -21,12 +21,12 @@ from typing import Any, Callable
 from . import channels, control, kernel
 from .control import ProtocolError
 from .channels import SeqpacketChannel, StreamChannel
-from .handshake import NO_SECRET_MSG, hello_problem, is_hex, is_ucx_address, peer_process
+from .handshake import NO_SECRET_MSG, hello_problem, is_hex, is_ucx_address, peer_process, ucx_for_auto
 from .link import Detached, Link, TaskSet
 from .links import LinkManager
 from .native import _native
 from .status import LLMStatusCode as S, error_for
-from .types import EngineOptions
+from .options import EngineOptions
 
 __all__ = ["Acceptor", "Preauth"]
 
@@ -218,7 +218,7 @@ class Acceptor:
                     await ch.recv(control.HELLO_MAX)
         except (TimeoutError, ProtocolError, OSError, KeyError, TypeError, ValueError) as e:
             log.info("control connection of cluster %s dropped: %s",
-                     joining.cluster_id if joining else "?", e)
+                     joining.cluster_id if joining else "?", e or type(e).__name__)
         finally:
             self.preauth.leave(slot)
             if not keep:
@@ -267,7 +267,8 @@ class Acceptor:
         elif want == "tcp" or not same_host:
             if want in ("local", "shm"):
                 return reject(S.LLM_LINK_FAILED, f"transport {want!r} needs both engines on one host")
-            transport = "tcp"
+            # auto across hosts: UCX when both ends have it and allow it (hello's "ucx")
+            transport = "ucx" if want is None and h.get("ucx") is True and ucx_for_auto(opts) else "tcp"
         elif want == "local" or (want is None and same_process):
             if not same_process:
                 return reject(S.LLM_LINK_FAILED, "transport 'local' needs both engines in one process")

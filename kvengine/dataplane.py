@@ -21,7 +21,7 @@ from .control import ProtocolError
 from .link import Link
 from .native import _native
 from .status import LLMStatusCode as S, to_status
-from .types import EngineOptions
+from .options import EngineOptions
 
 __all__ = ["DataPlane"]
 

@@ -33,8 +33,9 @@ from .stats import Accounting
 from .status import LLMError, LLMStatusCode as S, LinkResult, error_for, overall
 from .targets import Segments
 from .transfer import Transfer
+from .options import EngineOptions
 from .types import (BlockTable, BlocksCacheKey, Cache, CacheDesc, CacheIndex, CacheKey, ClusterInfo,
-                    EngineOptions, KvCacheExtParam, Role, check_timeout, param_invalid)
+                    KvCacheExtParam, Role, check_timeout, param_invalid)
 
 __all__ = ["KvEngine"]
 
@@ -181,13 +182,11 @@ class KvEngine:
 
     def register_kv_cache(self, desc: CacheDesc, tensors: Sequence[Any],
                           cache_keys: Sequence[CacheKey] | None = None) -> Cache:
-        """Register caller-owned buffers, one per tensor (LLM-DataDist's RegisterKvCache).
-
-        Each must be C-contiguous, writable, exactly ``desc.size`` bytes: numpy
-        arrays, memoryviews, bytearrays, anything with the buffer protocol or
-        ``__dlpack__`` (CPU torch tensors). They stay referenced until unregistered.
-        ``cache_keys``: key i names batch row i (see :meth:`bind_cache_key`).
-        """
+        """Register caller-owned buffers, one per tensor (LLM-DataDist's RegisterKvCache):
+        numpy arrays, buffer-protocol objects, ``__dlpack__`` CPU tensors (torch) and their
+        views; writable; C-contiguous of ``desc.size`` bytes, or of ``desc.shape`` with
+        blocks ``desc.block_stride`` apart (kvengine.layout.kv_tensors: vLLM, FlashInfer).
+        Kept referenced until unregistered. ``cache_keys``: key i names batch row i."""
         p = self._open()
         keys = p.keys.check(cache_keys, check_desc(desc).batch_size)
         return p.keys.bind_all(p.registry.register(desc, tensors), keys)
@@ -330,7 +329,8 @@ class KvEngine:
                               dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
                               timeout: float | None = None, priority: int = 0,
                               notify: bytes | None = None) -> Transfer:
-        """Start writing local blocks ``src_blocks[i]`` into the peer's ``dst_blocks[i]``."""
+        """Start writing local blocks ``src_blocks[i]`` into the peer's ``dst_blocks[i]``
+        (``ext_param``: layer ranges, and head ranges for caches with a ``head_axis``)."""
         return self._submit("push_kv_blocks", cache, dst_key, "dst_key", (BlocksCacheKey,), timeout, priority,
                             notify, lambda planner, local, rc, row: planner.blocks(
                                 local.cache.desc, rc.desc, src_blocks, dst_blocks, ext_param, "push",
@@ -382,15 +382,16 @@ class KvEngine:
     def layer_stream(self, cache: Cache, dsts: Sequence[Any], src_batch_index: int = 0,
                      tensor_num_per_layer: int = 2, timeout: float | None = None,
                      notify: bytes | None = None, priority: int = 0,
-                     src_blocks: Sequence[int] | None = None,
-                     dst_blocks: Sequence[Sequence[int]] | None = None) -> LayerStream:
+                     src_blocks: BlockTable | None = None,
+                     dst_blocks: BlockTable | Sequence[BlockTable] | None = None,
+                     src_head_range: Any = (-1, -1), dst_head_range: Any = (-1, -1)) -> LayerStream:
         """Push ``cache`` layer by layer as layers become ready (see kvengine/layers.py).
 
         ``dsts``: ``CacheIndex`` or ``CacheKey`` rows (source row ``src_batch_index``), or
-        ``BlocksCacheKey`` caches with ``src_blocks`` and ``dst_blocks`` (one list, or
-        one per destination). ``timeout`` covers the whole stream. ``notify`` reaches
-        each destination once all its layers landed.
-        """
+        ``BlocksCacheKey`` caches with ``src_blocks`` and ``dst_blocks`` (one table, or one
+        per destination; lists, numpy int arrays or CPU tensors), and head ranges (one, or
+        a list of one per destination: KvCacheExtParam's). ``timeout`` covers the whole
+        stream. ``notify`` reaches each destination once all its layers landed."""
         p = self._open()
         local = p.registry.get(cache)
         tmo, prio, note = plan.transfer_options(timeout, self.options.sync_kv_timeout, priority, notify)
@@ -401,7 +402,7 @@ class KvEngine:
             if link is not None:
                 p.notifier.send(link, payload)
         return LayerStream(self, p.loop, notify_peer, cache, dsts, src_batch_index, tnpl, tmo, note, prio,
-                           src_blocks, dst_blocks)
+                           src_blocks, dst_blocks, (src_head_range, dst_head_range))
 
     # ------------------------------------------------------------- notifications
 

@@ -7,6 +7,7 @@ peer's pid comes from SO_PEERCRED), across hosts (or with ``transport="tcp"``)
 the TCP connection stays the control channel and the native core opens
 ``tcp_streams`` data connections; with ``transport="ucx"`` it stays the control
 channel too, and attach / attached carry each end's UCP worker address (``ucx``).
+"auto" across hosts is ucx when both ends allow it (hello's ``ucx``, ``ucx_for_auto``).
  Without a secret only peers on this host may
 link (``EngineOptions.insecure`` lifts that). Protocol: docs/protocol.md.
 
@@ -32,9 +33,10 @@ from .native import _native
 from .registry import LOCAL_REGISTRIES
 from .status import LLMStatusCode as S, LinkResult, overall, to_status
 from .tables import int_in
-from .types import ClusterInfo, EngineOptions, Role
+from .options import EngineOptions
+from .types import ClusterInfo, Role
 
-__all__ = ["Dialer", "hello_problem", "peer_process", "NO_SECRET_MSG", "TRANSPORTS", "is_hex"]
+__all__ = ["Dialer", "hello_problem", "peer_process", "NO_SECRET_MSG", "TRANSPORTS", "is_hex", "ucx_for_auto"]
 
 log = logging.getLogger("kvengine")
 
@@ -60,6 +62,22 @@ def is_ucx_address(v: Any) -> bool:
     return isinstance(v, str) and 2 <= len(v) <= UCX_ADDR_HEX and is_hex(v, len(v))
 
 
+def rdma_devices() -> list[str]:
+    """This host's RDMA devices (InfiniBand / RoCE / iWARP), as the kernel lists them."""
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
+def ucx_for_auto(opts: EngineOptions) -> bool:
+    """What this engine says in hello's ``ucx``: "auto" may pick UCX with it across hosts
+    (built with UCX, and ``auto_ucx`` True, or None with an RDMA device here)."""
+    if not _native.UCX or opts.auto_ucx is False:
+        return False
+    return opts.auto_ucx is True or bool(rdma_devices())
+
+
 def hello_problem(h: dict[str, Any]) -> str | None:
     """What is malformed in a hello (None: nothing). Unknown fields are ignored."""
     checks: tuple[tuple[str, Callable[[Any], bool]], ...] = (("cluster", lambda v: int_in(v, 0, _U64)), ("role", lambda v: int_in(v, 0, 2**31)),
@@ -74,6 +92,8 @@ def hello_problem(h: dict[str, Any]) -> str | None:
             return f"malformed hello: no {name!r}"
         if not ok(h[name]):
             return f"malformed hello: bad {name!r}"
+    if not isinstance(h.get("ucx", False), bool):   # optional (engines before issue 14 omit it)
+        return "malformed hello: bad 'ucx'"
     return None
 
 
@@ -172,7 +192,8 @@ class Dialer:
                 await tcp.send({"t": "hello", "v": control.PROTOCOL_VERSION, "cluster": self._cluster_id,
                                 "role": int(self._role), "host": self._host, "process": control.process_tag(),
                                 "transport": opts.transport, "streams": opts.tcp_streams,
-                                "auth": opts.secret is not None, "nonce": nonce, "inc": self._incarnation})
+                                "auth": opts.secret is not None, "nonce": nonce, "inc": self._incarnation,
+                                "ucx": ucx_for_auto(opts)})
                 w = await _reply(tcp, "hello")
                 if w["t"] != "welcome" or w.get("v") != control.PROTOCOL_VERSION:
                     raise _fail(S.LLM_LINK_FAILED, f"unexpected reply {w.get('t')!r} to the hello")

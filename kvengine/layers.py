@@ -25,10 +25,13 @@ import functools
 import threading
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
+from numpy.typing import NDArray
+
 from . import plan
 from .status import LLMStatusCode as S, error_for
 from .transfer import Transfer
-from .types import BlocksCacheKey, Cache, CacheIndex, CacheKey, KvCacheExtParam, as_int_list, param_invalid
+from .types import BlockTable, BlocksCacheKey, Cache, CacheIndex, CacheKey, KvCacheExtParam, param_invalid
 
 __all__ = ["LayerStream"]
 
@@ -41,18 +44,49 @@ class Pusher(Protocol):
                              timeout: float | None = None, priority: int = 0,
                              notify: bytes | None = None) -> Transfer: ...
 
-    def submit_push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: Sequence[int],
-                              dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
+    def submit_push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: BlockTable,
+                              dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
                               timeout: float | None = None, priority: int = 0,
                               notify: bytes | None = None) -> Transfer: ...
 
 
-class _Dest:
-    __slots__ = ("key", "blocks", "status", "pending", "done_layers", "transfers")
+Heads = tuple[Any, Any]   # (src_head_range, dst_head_range) of KvCacheExtParam
+_ALL: Heads = ((-1, -1), (-1, -1))
 
-    def __init__(self, key: Any, blocks: list[int] | None) -> None:
+
+def _one_range(r: Any) -> bool:
+    return isinstance(r, range) or (isinstance(r, tuple) and len(r) == 2 and not isinstance(r[0], (tuple, range)))
+
+
+def _per_dest(name: str, value: Any, n: int) -> list[Any]:
+    """One head range for every destination, or a list of one per destination."""
+    if _one_range(value):
+        return [value] * n
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        raise param_invalid(f"{name} must be one head range or a list of one per destination ({n})")
+    return list(value)
+
+
+def _one_table(tables: Any) -> bool:
+    """``dst_blocks`` is one table (for every destination), not one per destination: a
+    1-D array or tensor, or a sequence whose first entry is an int."""
+    ndim = getattr(tables, "ndim", None)
+    if ndim is not None:
+        return bool(ndim == 1)
+    try:
+        first = tables[0]
+    except (TypeError, IndexError, KeyError):
+        return True                        # empty or not indexable: block_ids says what is wrong
+    return isinstance(first, (int, np.integer)) or getattr(first, "ndim", 1) == 0
+
+
+class _Dest:
+    __slots__ = ("key", "blocks", "heads", "status", "pending", "done_layers", "transfers")
+
+    def __init__(self, key: Any, blocks: NDArray[np.int64] | None, heads: Heads) -> None:
         self.key = key
         self.blocks = blocks
+        self.heads = heads
         self.status: S | None = None       # final status, once known
         self.pending = 0                   # layer pushes in flight
         self.done_layers = 0               # layers landed
@@ -65,7 +99,7 @@ class LayerStream:
     def __init__(self, engine: Pusher, loop: asyncio.AbstractEventLoop,
                  notify_peer: Callable[[int, bytes], None], cache: Cache, dsts: Sequence[Any],
                  src_batch_index: int, tnpl: int, timeout: float, notify: bytes | None, priority: int,
-                 src_blocks: Sequence[int] | None, dst_blocks: Sequence[Sequence[int]] | None) -> None:
+                 src_blocks: BlockTable | None, dst_blocks: Any, heads: Heads = _ALL) -> None:
         """Made by ``KvEngine.layer_stream``, which checked the cache, ``tnpl``, the timeout,
         priority and notification; ``notify_peer(cluster_id, payload)`` sends the latter."""
         if not isinstance(dsts, (list, tuple)) or not dsts:
@@ -75,29 +109,36 @@ class LayerStream:
         if not blocks and not all(isinstance(d, (CacheIndex, CacheKey)) for d in dsts):
             raise param_invalid("destinations must all be CacheIndex or CacheKey (rows), or all BlocksCacheKey "
                                 "(blocks)")
-        per: list[list[int] | None]
+        per: list[NDArray[np.int64] | None]
         if blocks:
             if src_blocks is None or dst_blocks is None:
                 raise param_invalid("block destinations need src_blocks and dst_blocks")
-            src_blocks = as_int_list("src_blocks", src_blocks)
+            # block tables: lists, numpy int arrays or CPU tensors (plan.block_ids), copied
+            # (the caller may reuse its table while layers are pending); the ids are
+            # checked per push (plan.check_blocks)
+            src_ids = plan.block_ids("src_blocks", src_blocks).copy()
             lists: Sequence[Any] = dst_blocks
-            if lists and not isinstance(lists[0], (list, tuple, range)):
-                lists = [dst_blocks] * len(dsts)   # one block list for every destination
+            if _one_table(dst_blocks):
+                lists = [dst_blocks] * len(dsts)   # one block table for every destination
             if len(lists) != len(dsts):
-                raise param_invalid("dst_blocks needs one block list per destination")
-            per = [as_int_list("dst_blocks", b) for b in lists]
+                raise param_invalid("dst_blocks needs one block table per destination")
+            per = [plan.block_ids("dst_blocks", b).copy() for b in lists]
         else:
             if src_blocks is not None or dst_blocks is not None:
                 raise param_invalid("src_blocks/dst_blocks go with BlocksCacheKey destinations")
+            if heads != _ALL:
+                raise param_invalid("head ranges go with BlocksCacheKey destinations")
             per = [None] * len(dsts)
+            src_ids = None
+        hs = zip(_per_dest("src_head_range", heads[0], len(dsts)), _per_dest("dst_head_range", heads[1], len(dsts)))
         self._notify_peer = notify_peer
         self._engine = engine
         self._cache = cache
         self._batch = src_batch_index
-        self._src_blocks = src_blocks
+        self._src_blocks = src_ids
         self._tnpl = tnpl
         self.num_layers = cache.desc.num_tensors // tnpl
-        self._dests = [_Dest(d, b) for d, b in zip(dsts, per)]
+        self._dests = [_Dest(d, b, h) for d, b, h in zip(dsts, per, hs)]
         self._loop = loop
         self._lock = threading.Lock()
         self._marked: set[int] = set()
@@ -137,9 +178,9 @@ class LayerStream:
     def _start(self, layer: int) -> None:
         e = self._engine
         remaining = self._deadline - self._loop.time()
-        ext = KvCacheExtParam((layer, layer), (layer, layer), self._tnpl)
         futs: list[asyncio.Future[S]] = []
         for d in self._dests:
+            ext = KvCacheExtParam((layer, layer), (layer, layer), self._tnpl, *d.heads)
             if d.status is not None:
                 continue
             if remaining <= 0:

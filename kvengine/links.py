@@ -29,7 +29,7 @@ from .registry import CacheRegistry, LocalCache
 from .scheduler import Scheduler
 from .status import LLMStatusCode as S, LinkResult, error_for, to_status
 from .tables import CacheTables
-from .types import EngineOptions
+from .options import EngineOptions
 
 __all__ = ["LinkManager"]
 

@@ -28,7 +28,8 @@ from .stats import Accounting
 from .status import LLMStatusCode as S, error_for
 from .tables import CacheTables
 from .targets import Targets
-from .types import EngineOptions, Role
+from .options import EngineOptions
+from .types import Role
 
 __all__ = ["Parts", "UCX_HINT"]
 

@@ -12,7 +12,12 @@ Rules (LLM-DataDist V2, docs/api.md):
 - without an ext param every tensor maps to the tensor of the same index;
 - push's ``size`` must be -1; pull's ``size`` is bytes per tensor or -1;
 - block lists are non-empty, of equal length, in range, with no repeated
-  destination block; runs of consecutive blocks move as one segment;
+  destination block; runs of consecutive blocks move as one segment where blocks
+  are contiguous on both sides (no ``block_stride``);
+- head ranges (block transfers only) are written like layer ranges, over the
+  ``head_axis`` of caches that name one; both span the same count of heads, and
+  the two blocks have the same rows (tokens) and head size: each block moves as
+  one 2-D segment (rows of the range's heads), a run of contiguous blocks as one;
 - a transfer's priority is an int in [-1000, 1000], its notification at most
   4096 bytes, its timeout finite and positive (types.check_timeout).
 
@@ -32,10 +37,11 @@ from typing import Any, Callable, Sequence, Union
 import numpy as np
 from numpy.typing import NDArray
 
+from . import layout
 from .types import CacheDesc, KvCacheExtParam, check_timeout, param_invalid
 
 __all__ = ["Segment", "Packed", "Planner", "block_ids", "check_blocks", "layer_tensors", "plan_cache", "plan_blocks", "coalesce", "block_runs",
-           "check_tensor_num_per_layer", "transfer_options", "check_notify", "MAX_NOTIFY"]
+           "check_tensor_num_per_layer", "head_split", "transfer_options", "check_notify", "MAX_NOTIFY"]
 
 Segment = tuple[int, int, int, int, int]  # (src_tensor, src_offset, dst_tensor, dst_offset, nbytes)
 # A packed plan for the core: 5 uint64 words per segment (src_region, src_off, dst_region, dst_off, nbytes)
@@ -92,27 +98,58 @@ def layer_tensors(desc: CacheDesc, layer_range: Any, tnpl: int, what: str) -> ra
     num_layers = desc.num_tensors // tnpl
     if layer_range is None:
         return range(0, num_layers * tnpl)
-    if isinstance(layer_range, range):
-        if layer_range.step != 1:
-            raise param_invalid(f"{what} must have step 1, got {layer_range!r}")
-        start, stop = layer_range.start, layer_range.stop
-        if not 0 <= start < stop <= num_layers:
-            raise param_invalid(
-                f"{what} {layer_range!r} must satisfy 0 <= start < stop <= {num_layers} "
-                f"(num_tensors {desc.num_tensors} / tensor_num_per_layer {tnpl})")
-        return range(start * tnpl, stop * tnpl)
-    if isinstance(layer_range, (tuple, list)) and len(layer_range) == 2 \
-            and all(_is_int(v) for v in layer_range):
-        first, last = int(layer_range[0]), int(layer_range[1])
+    r = _span(layer_range, num_layers, what, "layer",
+              f" (num_tensors {desc.num_tensors} / tensor_num_per_layer {tnpl})")
+    return range(r.start * tnpl, r.stop * tnpl)
+
+
+def _span(r: Any, count: int, what: str, unit: str, why: str = "") -> range:
+    """A layer or head range (inclusive tuple, (-1, -1) = all, or a half-open range) in
+    [0, count), as a half-open range."""
+    if isinstance(r, range):
+        if r.step != 1:
+            raise param_invalid(f"{what} must have step 1, got {r!r}")
+        if not 0 <= r.start < r.stop <= count:
+            raise param_invalid(f"{what} {r!r} must satisfy 0 <= start < stop <= {count}{why}")
+        return r
+    if isinstance(r, (tuple, list)) and len(r) == 2 and all(_is_int(v) for v in r):
+        first, last = int(r[0]), int(r[1])
         if first == -1 and last == -1:
-            return range(0, num_layers * tnpl)
-        if not 0 <= first <= last <= num_layers - 1:
-            raise param_invalid(
-                f"{what} {tuple(layer_range)!r} must be (-1, -1) or satisfy "
-                f"0 <= first <= last <= max layer index {num_layers - 1}")
-        return range(first * tnpl, (last + 1) * tnpl)
-    raise param_invalid(
-        f"{what} must be an inclusive (first, last) tuple of ints or a range, got {layer_range!r}")
+            return range(0, count)
+        if not 0 <= first <= last <= count - 1:
+            raise param_invalid(f"{what} {tuple(r)!r} must be (-1, -1) or satisfy "
+                                f"0 <= first <= last <= max {unit} index {count - 1}")
+        return range(first, last + 1)
+    raise param_invalid(f"{what} must be an inclusive (first, last) tuple of ints or a range, got {r!r}")
+
+
+def _all(r: Any) -> bool:
+    return isinstance(r, (tuple, list)) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) \
+        and int(r[0]) == -1 and int(r[1]) == -1
+
+
+def head_split(src: CacheDesc, dst: CacheDesc, ext: KvCacheExtParam | None
+               ) -> tuple[int, int, tuple[int, int], tuple[int, int]] | None:
+    """The head-range rules: None when whole blocks move, else ``(row_bytes, rows,
+    (src start, dst start) in a block, (src, dst) row strides)`` in bytes."""
+    if ext is None or (_all(ext.src_head_range) and _all(ext.dst_head_range)):
+        return None
+    (rs, hs, bs), (rd, hd, bd) = layout.block_geometry(src, "source"), layout.block_geometry(dst, "destination")
+    if rs != rd:
+        raise param_invalid(f"head ranges: source blocks hold {rs} rows (tokens) before the head axis, "
+                            f"destination blocks {rd}: must be equal")
+    if bs != bd:
+        raise param_invalid(f"head ranges: a source head is {bs} bytes, a destination head {bd}: "
+                            "head_dim (and dtype) must be equal")
+    s = _span(ext.src_head_range, hs, "src_head_range", "head", f" (source kv heads {hs})")
+    d = _span(ext.dst_head_range, hd, "dst_head_range", "head", f" (destination kv heads {hd})")
+    if len(s) != len(d):
+        raise param_invalid(f"src_head_range spans {len(s)} heads, dst_head_range {len(d)}: "
+                            "spans must be equal (a destination block holding fewer heads needs "
+                            "src_head_range, a source holding fewer dst_head_range)")
+    if len(s) == hs == hd:
+        return None
+    return len(s) * bs, rs, (s.start * bs, d.start * bd), (hs * bs, hd * bd)
 
 
 def _tensor_pairs(src: CacheDesc, dst: CacheDesc, ext: KvCacheExtParam | None) -> list[tuple[int, int]]:
@@ -149,6 +186,9 @@ def plan_cache(src: CacheDesc, dst: CacheDesc, src_batch: int, dst_batch: int, s
                ext: KvCacheExtParam | None, *, op: str) -> list[Segment]:
     """Segments of a push (``op="push"``) or pull of one batch row of each tensor."""
     _check_op(op)
+    if ext is not None and isinstance(ext, KvCacheExtParam) and not (
+            _all(ext.src_head_range) and _all(ext.dst_head_range)):
+        raise param_invalid("head ranges apply to block transfers (push_kv_blocks, pull_kv_blocks)")
     sb = _check_index("source batch_index", src_batch, src.shape[0])
     db = _check_index("destination batch_index", dst_batch, dst.shape[0])
     pairs = _tensor_pairs(src, dst, ext)
@@ -168,7 +208,7 @@ def plan_cache(src: CacheDesc, dst: CacheDesc, src_batch: int, dst_batch: int, s
                 f"source row is {srb} bytes per tensor, destination row {drb}: "
                 "rows must be equal (or give a pull size)")
         size = srb
-    so, do = sb * srb, db * drb
+    so, do = sb * src.block_stride_bytes, db * dst.block_stride_bytes
     return [(s, so, d, do, size) for s, d in pairs]
 
 
@@ -259,23 +299,29 @@ def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tup
 
 
 def _block_plan(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: Any, ext: KvCacheExtParam | None,
-                op: str) -> tuple[list[tuple[int, int]], int, tuple[NDArray[np.int64], ...]]:
-    """Every rule of a block push or pull: (tensor pairs, bytes per block, runs)."""
+                op: str) -> tuple[list[tuple[int, int]], Any, tuple[NDArray[np.int64], ...]]:
+    """Every rule of a block push or pull: (tensor pairs, head split or None, runs)."""
     _check_op(op)
     sbl, dbl = check_blocks(src, dst, src_blocks, dst_blocks)
     pairs = _tensor_pairs(src, dst, ext)
+    heads = head_split(src, dst, ext)
     sbb, dbb = src.row_bytes, dst.row_bytes
-    if sbb != dbb:
+    if heads is None and sbb != dbb:
         raise param_invalid(f"source block is {sbb} bytes per tensor, destination block {dbb}: must be equal")
-    return pairs, sbb, run_arrays(sbl, dbl)
+    if src.block_stride is None and dst.block_stride is None:
+        return pairs, heads, run_arrays(sbl, dbl)
+    return pairs, heads, (sbl, dbl, np.ones(sbl.size, np.int64))   # strided: a segment per block
 
 
 def plan_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Sequence[int], dst_blocks: Sequence[int],
                 ext: KvCacheExtParam | None, *, op: str) -> list[Segment]:
     """Segments of a push or pull of block lists: ``src_blocks[i]`` -> ``dst_blocks[i]``
-    (the tuple form; the engine uses :meth:`Planner.blocks`, the same plan packed)."""
-    pairs, bb, (rs, rd, n) = _block_plan(src, dst, src_blocks, dst_blocks, ext, op)
-    runs = list(zip((rs * bb).tolist(), (rd * bb).tolist(), (n * bb).tolist()))
+    (the tuple form of whole blocks; the engine uses :meth:`Planner.blocks`)."""
+    pairs, heads, (rs, rd, n) = _block_plan(src, dst, src_blocks, dst_blocks, ext, op)
+    if heads is not None:
+        raise param_invalid("plan_blocks plans whole blocks: head ranges need Planner.blocks")
+    bb, ss, ds = src.row_bytes, src.block_stride_bytes, dst.block_stride_bytes
+    runs = list(zip((rs * ss).tolist(), (rd * ds).tolist(), (n * bb).tolist()))
     return [(s, so, d, do, nb) for s, d in pairs for so, do, nb in runs]
 
 
@@ -331,20 +377,20 @@ class Planner:
                op: str, src_regions: Sequence[tuple[int, int]],
                dst_regions: Sequence[tuple[int, int]]) -> tuple[NDArray[np.uint64], int]:
         """:func:`plan_blocks` mapped, coalesced and packed like :meth:`segments`, vectorised:
-        numpy over the runs, a Python step per tensor pair only (not per block or segment)."""
-        pairs, bb, (rs, rd, n) = _block_plan(src, dst, src_blocks, dst_blocks, ext, op)
-        ub = np.uint64(bb)
-        reg = np.array([(src_regions[s][0], src_regions[s][1], dst_regions[d][0], dst_regions[d][1])
-                        for s, d in pairs], np.uint64).reshape(-1, 4)
-        p, r = reg.shape[0], rs.size
-        out = np.empty((p, r, 5), np.uint64)
-        out[:, :, 0] = reg[:, 0:1]
-        np.add(reg[:, 1:2], rs.astype(np.uint64) * ub, out=out[:, :, 1])
-        out[:, :, 2] = reg[:, 2:3]
-        np.add(reg[:, 3:4], rd.astype(np.uint64) * ub, out=out[:, :, 3])
-        out[:, :, 4] = n.astype(np.uint64) * ub
+        numpy over the runs, a Python step per tensor pair only (not per block or segment).
+        With head ranges: 2-D segments, an ``(n, 8)`` array (kvengine/layout.py)."""
+        pairs, heads, runs = _block_plan(src, dst, src_blocks, dst_blocks, ext, op)
+        strides = (src.block_stride_bytes, dst.block_stride_bytes)
+        if heads is not None:
+            row_bytes, rows, starts, row_strides = heads
+            out8 = layout.pack_rows(pairs, runs, strides, starts, row_bytes, rows, row_strides,
+                                    src_regions, dst_regions)
+            return out8.reshape(-1, layout.SEG2), int(out8[:, :, 5].sum()) * row_bytes
+        bb = src.row_bytes
+        out = layout.pack_blocks(pairs, runs, strides, bb, src_regions, dst_regions)
+        p, r = out.shape[0], out.shape[1]
         flat = out.reshape(-1, 5)
-        total = int(n.sum()) * bb * p
+        total = int(runs[2].sum()) * bb * p
         if p > 1:
             # Runs are maximal, so only a tensor's last run and the next tensor's first can
             # touch in memory (coalesce's rule, checked at those p - 1 places only)
@@ -373,4 +419,5 @@ def _plain_key(key: tuple[Any, ...]) -> bool:
     if ext is None:
         return True
     return (type(ext) is KvCacheExtParam and type(ext.tensor_num_per_layer) is int
-            and _plain_range(ext.src_layer_range) and _plain_range(ext.dst_layer_range))
+            and all(_plain_range(r) for r in (ext.src_layer_range, ext.dst_layer_range,
+                                               ext.src_head_range, ext.dst_head_range)))

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from . import kernel
+from . import kernel, layout
 from .link import wait_idle
 from .native import _native
 from .status import LLMStatusCode as S, error_for
@@ -70,22 +70,12 @@ class _NoPeers:
         pass
 
 
-def group_regions(addrs: Sequence[int], size: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Merge tensors that sit back to back into one region.
-
-    Returns ``(regions, placement)``: regions as ``(base, length)`` and, per tensor,
-    ``(region index, offset in region)``.
-    """
-    regions: list[list[int]] = []
-    placement: list[tuple[int, int]] = []
-    for a in addrs:
-        if regions and regions[-1][0] + regions[-1][1] == a:
-            placement.append((len(regions) - 1, regions[-1][1]))
-            regions[-1][1] += size
-        else:
-            placement.append((len(regions), 0))
-            regions.append([a, size])
-    return [(r[0], r[1]) for r in regions], placement
+def group_regions(addrs: Sequence[int], span: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Tensors at ``addrs``, each reaching ``span`` bytes (``CacheDesc.span``), as regions:
+    overlapping or touching tensors share one (back to back, or FlashInfer's interleaved K
+    and V). Returns ``(regions, placement)``: regions as ``(base, length)`` and, per
+    tensor, ``(region index, offset in region)`` (kvengine/layout.py)."""
+    return layout.union_spans(addrs, span)
 
 
 class CacheRegistry:
@@ -132,11 +122,11 @@ class CacheRegistry:
     # ------------------------------------------------------------------ adding
 
     def allocate(self, desc: Any) -> Cache:
-        desc = check_desc(desc)
+        desc = check_desc(desc, allocate=True)
         return self._register_allocated(desc, *allocate_memory(desc, self._cluster_id))
 
     async def allocate_async(self, desc: Any) -> Cache:
-        desc = check_desc(desc)
+        desc = check_desc(desc, allocate=True)
         mem = await self._loop.run_in_executor(None, allocate_memory, desc, self._cluster_id)
         if self._closed:
             os.close(mem[0])
@@ -166,9 +156,9 @@ class CacheRegistry:
             raise param_invalid("register_kv_cache takes a list of buffers, one per tensor")
         if len(tensors) != desc.num_tensors:
             raise param_invalid(f"got {len(tensors)} buffers for num_tensors {desc.num_tensors}")
-        arrays = [_as_array(i, t, desc) for i, t in enumerate(tensors)]
-        addrs = [a.__array_interface__["data"][0] for a in arrays]
-        regions, placement = group_regions(addrs, desc.size)
+        checked = [layout.check_tensor(i, layout.as_strided_array(i, t), desc) for i, t in enumerate(tensors)]
+        addrs = [a for a, _ in checked]
+        regions, placement = group_regions(addrs, desc.span)
         rids: list[int] = []
         for base, length in regions:
             st, rid = self._core.region_add(_native.REGION_LOCAL, 0, base, length, _LOCAL_FLAGS)
@@ -177,11 +167,9 @@ class CacheRegistry:
                     self._core.region_remove(r)
                 raise error_for(st, "cannot register the buffers")
             rids.append(rid)
-        npd = desc.dtype.numpy_dtype
-        views = [a.view(npd).reshape(desc.shape) if a.dtype.itemsize and a.nbytes == desc.size else a
-                 for a in arrays]
+        views = [v for _, v in checked]
         cache = Cache(next(self._ids), desc, views, addrs,
-                      [(rids[ri], off) for ri, off in placement], keep=(list(tensors), arrays))
+                      [(rids[ri], off) for ri, off in placement], keep=(list(tensors), views))
         self._add(cache, [(rid, length) for rid, (_, length) in zip(rids, regions)], None)
         return cache
 
@@ -253,36 +241,15 @@ class CacheRegistry:
         self._caches.clear()
 
 
-def check_desc(desc: Any) -> CacheDesc:
+def check_desc(desc: Any, allocate: bool = False) -> CacheDesc:
     if not isinstance(desc, CacheDesc):
         raise param_invalid(f"desc must be a CacheDesc, got {type(desc).__name__}")
+    if allocate and desc.block_stride is not None:
+        raise param_invalid("allocate_cache lays tensors out contiguously: a desc with a block_stride "
+                            "describes memory the caller registers (register_kv_cache)")
     if desc.placement != Placement.HOST:
         raise error_for(S.LLM_FEATURE_NOT_ENABLED, "only Placement.HOST caches exist on this machine")
     return desc
-
-
-def _as_array(i: int, obj: Any, desc: CacheDesc) -> np.ndarray[Any, np.dtype[Any]]:
-    if isinstance(obj, np.ndarray):
-        arr = obj
-    else:
-        try:
-            arr = np.asarray(memoryview(obj))
-        except TypeError:
-            if hasattr(obj, "__dlpack__"):
-                try:
-                    arr = np.from_dlpack(obj)
-                except (TypeError, RuntimeError, BufferError) as e:
-                    raise param_invalid(f"tensor {i}: not a CPU buffer ({e})") from None
-            else:
-                raise param_invalid(
-                    f"tensor {i}: {type(obj).__name__} has neither the buffer protocol nor __dlpack__") from None
-    if not arr.flags.c_contiguous:
-        raise param_invalid(f"tensor {i} is not C-contiguous")
-    if not arr.flags.writeable:
-        raise param_invalid(f"tensor {i} is read-only")
-    if arr.nbytes != desc.size:
-        raise param_invalid(f"tensor {i} has {arr.nbytes} bytes, the desc needs {desc.size}")
-    return arr.reshape(-1).view(np.uint8)
 
 
 def allocate_memory(desc: CacheDesc, cluster_id: int) -> tuple[int, mmap.mmap, int, int]:

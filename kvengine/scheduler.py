@@ -39,11 +39,14 @@ import itertools
 from time import perf_counter
 from typing import TYPE_CHECKING, Callable, Protocol
 
+import numpy as np
+
+from .layout import SEG1, submit_form
 from .native import _native
 from .stats import Accounting
 from .status import LLMStatusCode as S, to_status
 from .transfer import Counted, Transfer, What
-from .types import EngineOptions
+from .options import EngineOptions
 
 if TYPE_CHECKING:
     from .link import Link
@@ -54,6 +57,7 @@ __all__ = ["Scheduler", "rank"]
 _seq = itertools.count()
 _NO_LIMIT = 1 << 62   # default budget and piece: the native queues keep the order
 _UNSTARTED = _native.DONE_UNSTARTED
+_SEG2 = getattr(_native, "SEG2_WORDS", None)   # None: no 2-D segments yet (layout.expand_rows, the shim)
 _RANK_DEADLINE = (1 << 52) - 1   # deadline in microseconds of the loop clock (142 years)
 
 
@@ -121,12 +125,16 @@ class Scheduler:
         kvengine/link.py, "mover lease"), 0 for none."""
         t = Transfer(self, what)
         t._lease = lease
+        words: tuple[int, ...] = ()
+        if isinstance(segs, np.ndarray) and segs.ndim == 2:   # 2-D segments (kvengine/layout.py)
+            segs, t._words = submit_form(segs, _SEG2)
+            words = () if t._words == SEG1 else (t._words,)
         opts = self._options
         if total <= opts.inline_threshold and link.transport not in ("tcp", "ucx"):
             # below a thread hand-off's cost: copy now, on this thread (local and shm only)
             t._link, t._notify = link, notify
             t._t_queued = t._t_started = perf_counter()   # latency: a fine clock (uvloop's ticks in ms)
-            st, done, nbytes = self._core.submit(next(self._jobs), segs, opts.inline_threshold, 0, lease)
+            st, done, nbytes = self._core.submit(next(self._jobs), segs, opts.inline_threshold, 0, lease, *words)
             assert done or st, "kv_core_submit copies a local job of at most inline_max bytes inline"
             t._finish(st, nbytes)
             return t
@@ -158,7 +166,7 @@ class Scheduler:
                 continue
             segs, n = t._next_piece(piece)
             job = next(jobs)
-            st, _, _ = core.submit(job, segs, 0, t._rank, t._lease)
+            st, _, _ = core.submit(job, segs, 0, t._rank, t._lease, *(() if t._words == SEG1 else (t._words,)))
             if not t._t_started:
                 t._t_started = perf_counter()
             if st:

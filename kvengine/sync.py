@@ -40,8 +40,8 @@ from .layers import LayerStream
 from .notify import Notification
 from .status import LLMError, LLMStatusCode as S, LinkResult, error_for
 from .transfer import Transfer
-from .types import (BlocksCacheKey, Cache, CacheDesc, CacheIndex, ClusterInfo, EngineOptions, KvCacheExtParam,
-                    Role)
+from .options import EngineOptions
+from .types import BlockTable, BlocksCacheKey, Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, Role
 
 __all__ = ["SyncKvEngine", "SyncLayerStream", "TransferFuture"]
 
@@ -349,10 +349,11 @@ class SyncKvEngine:
     def layer_stream(self, cache: Cache, dsts: Sequence[Any], src_batch_index: int = 0,
                      tensor_num_per_layer: int = 2, timeout: float | None = None,
                      notify: bytes | None = None, priority: int = 0,
-                     src_blocks: Sequence[int] | None = None,
-                     dst_blocks: Sequence[Sequence[int]] | None = None) -> SyncLayerStream:
+                     src_blocks: BlockTable | None = None, dst_blocks: Any = None,
+                     src_head_range: Any = (-1, -1), dst_head_range: Any = (-1, -1)) -> SyncLayerStream:
         stream = self._call(lambda: self.engine.layer_stream(cache, dsts, src_batch_index, tensor_num_per_layer,
-                                                             timeout, notify, priority, src_blocks, dst_blocks))
+                                                             timeout, notify, priority, src_blocks, dst_blocks,
+                                                             src_head_range, dst_head_range))
         return SyncLayerStream(self, stream)
 
     # ------------------------------------------------------------- notifications

@@ -226,7 +226,7 @@ class CacheTables:
             if any((kind == k) != (link.transport == k) for k in ("tcp", "ucx", "local")):
                 raise ProtocolError(f"cache kind {kind!r} on a {link.transport} link")
             keep, regions, placement, kinds = await self._layout(link, kind, cache_id, msg, fds,
-                                                                 desc.num_tensors, desc.size)
+                                                                 desc.num_tensors, desc.span)
             rids = self._add_regions(link, regions, kinds)
             link.remote[cache_id] = RemoteCache(cache_id, desc, [(rids[ri], off) for ri, off in placement],
                                                 rids, keep)

@@ -39,7 +39,8 @@ from .scheduler import Scheduler
 from .status import LLMError, LLMStatusCode as S, error_for
 from .tables import int_in
 from .transfer import Transfer
-from .types import BlocksCacheKey, CacheIndex, CacheKey, EngineOptions, param_invalid
+from .options import EngineOptions
+from .types import BlocksCacheKey, CacheIndex, CacheKey, param_invalid
 
 __all__ = ["Targets", "Segments"]
 

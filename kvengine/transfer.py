@@ -68,7 +68,7 @@ class Transfer:
     __slots__ = ("_owner", "_what", "_status", "_fut", "_timer", "_link", "_refs", "_timeout",
                  "_message", "nbytes", "_segs", "_cur", "_off", "_left", "_jobs", "_fail", "_key",
                  "_notify", "_t_queued", "_t_started", "_total", "_inq", "_callbacks", "priority", "deadline",
-                 "_rank", "_ran", "_lease", "__weakref__")
+                 "_rank", "_ran", "_lease", "_words", "__weakref__")
 
     def __init__(self, owner: TransferOwner, what: "str | What") -> None:
         self._owner = owner
@@ -99,6 +99,7 @@ class Transfer:
         self._rank = 0         # the native queue's order (scheduler.rank)
         self._ran = False      # some piece went out (not aborted unstarted)
         self._lease = 0        # the link's mover lease (shm pushes), 0 for none
+        self._words = _SEG     # words per segment of _segs: 5, or 8 (2-D, kvengine/layout.py)
 
     @classmethod
     def failed(cls, owner: TransferOwner | None, what: str, status: int, message: str) -> "Transfer":
@@ -133,6 +134,13 @@ class Transfer:
         if i == 0 and off == 0 and self._left <= limit:
             n, self._cur, self._left = self._left, len(segs), 0
             return segs, n
+        if self._words != _SEG:   # 2-D segments (a block's rows each) go whole: cut between them
+            w, j, n = self._words, i, 0
+            while j < len(segs) and (n == 0 or n + int(segs[j + 4]) * int(segs[j + 5]) <= limit):
+                n += int(segs[j + 4]) * int(segs[j + 5])
+                j += w
+            self._cur, self._left = j, self._left - n
+            return segs[i:j], n
         out = array.array("Q")
         n = 0
         while i < len(segs) and n < limit:

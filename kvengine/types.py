@@ -8,8 +8,7 @@ docs/api.md for the rules each field obeys.
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol, Sequence, SupportsIndex, Union
 
 import numpy as np
@@ -19,7 +18,7 @@ from .status import LLMParamInvalidError, _NamedIntEnum
 
 __all__ = [
     "Role", "Placement", "DataType", "CacheDesc", "Cache", "CacheIndex", "CacheKey",
-    "BlocksCacheKey", "KvCacheExtParam", "ClusterInfo", "EngineOptions",
+    "BlocksCacheKey", "KvCacheExtParam", "ClusterInfo",
 ]
 
 _U32 = 2**32 - 1
@@ -156,15 +155,22 @@ class CacheDesc:
     The constructor takes more than the fields hold (an int or any sequence of ints for
     ``shape``; a dtype name, numpy dtype or id for ``dtype``) and normalises it: the
     fields are always a tuple of ints, a :class:`DataType` and a :class:`Placement`.
+
+    Layouts (docs/concepts.md): ``block_stride``, elements from one entry of dim 0 to the
+    next (torch's ``t.stride(0)``; None: contiguous); ``head_axis``, the dim of the KV
+    heads (2 in ``(blocks, block_size, kv_heads, head_dim)``), for head-range transfers.
     """
     num_tensors: int
     shape: tuple[int, ...]
     dtype: DataType
     placement: Placement
+    block_stride: int | None
+    head_axis: int | None
 
     def __init__(self, num_tensors: int, shape: int | Iterable[SupportsIndex],
                  dtype: DTypeLike | int = DataType.DT_FLOAT16,
-                 placement: Placement | int = Placement.HOST) -> None:
+                 placement: Placement | int = Placement.HOST, *, block_stride: int | None = None,
+                 head_axis: int | None = None) -> None:
         n = _check_int("CacheDesc.num_tensors", num_tensors, 1, _U32)
         if isinstance(shape, (int, np.integer)):
             shape = (shape,)
@@ -174,25 +180,34 @@ class CacheDesc:
             raise param_invalid("CacheDesc.shape must be a sequence of ints") from None
         if not 1 <= len(dims) <= MAX_SHAPE_RANK:
             raise param_invalid(f"CacheDesc.shape must have 1..{MAX_SHAPE_RANK} dims, got {len(dims)}")
-        object.__setattr__(self, "shape",
-                           tuple(_check_int("CacheDesc.shape[%d]" % i, d, 1, _I64) for i, d in enumerate(dims)))
+        ints = tuple(_check_int("CacheDesc.shape[%d]" % i, d, 1, _I64) for i, d in enumerate(dims))
+        object.__setattr__(self, "shape", ints)
         object.__setattr__(self, "dtype", DataType.from_any(dtype))
         try:
             object.__setattr__(self, "placement", Placement(placement))
         except ValueError:
             raise param_invalid(f"unknown placement {placement!r}") from None
         object.__setattr__(self, "num_tensors", n)
-        if self.nbytes > _MAX_CACHE_BYTES:
-            raise param_invalid(f"cache of {self.nbytes} bytes exceeds the {_MAX_CACHE_BYTES}-byte limit")
+        inner = math.prod(ints[1:])
+        if block_stride is not None:   # normalised: None when contiguous, so equal descs compare equal
+            block_stride = _check_int("CacheDesc.block_stride", block_stride, inner, _I64)
+        object.__setattr__(self, "block_stride", None if block_stride == inner else block_stride)
+        if head_axis is not None:
+            h = _check_int("CacheDesc.head_axis", head_axis, -len(ints), len(ints) - 1)
+            if h in (0, -len(ints)):
+                raise param_invalid("CacheDesc.head_axis cannot be dim 0 (the blocks)")
+            head_axis = h % len(ints)
+        object.__setattr__(self, "head_axis", head_axis)
+        if self.span * n > _MAX_CACHE_BYTES:
+            raise param_invalid(f"cache of {self.span * n} bytes exceeds the {_MAX_CACHE_BYTES}-byte limit")
 
     @property
-    def batch_size(self) -> int:
-        """Dim 0: the number of batch rows (or of blocks)."""
+    def batch_size(self) -> int:   # dim 0: the number of batch rows (or of blocks)
         return self.shape[0]
 
     @property
     def size(self) -> int:
-        """Bytes of one tensor."""
+        """Bytes of one tensor's data."""
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
@@ -201,17 +216,32 @@ class CacheDesc:
         return self.size // self.shape[0]
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of the whole cache."""
+    def block_stride_bytes(self) -> int:
+        """Bytes from one batch row (or block) of a tensor to the next."""
+        return self.row_bytes if self.block_stride is None else self.block_stride * self.dtype.itemsize
+
+    @property
+    def span(self) -> int:
+        """Bytes one tensor reaches from its address (``size`` when contiguous)."""
+        return (self.shape[0] - 1) * self.block_stride_bytes + self.row_bytes
+
+    @property
+    def nbytes(self) -> int:   # bytes of the whole cache
         return self.size * self.num_tensors
 
     def to_wire(self) -> dict[str, int | list[int]]:
-        return {"n": self.num_tensors, "shape": list(self.shape), "dtype": int(self.dtype),
-                "placement": int(self.placement)}
+        out: dict[str, int | list[int]] = {"n": self.num_tensors, "shape": list(self.shape),
+                                           "dtype": int(self.dtype), "placement": int(self.placement)}
+        if self.block_stride is not None:
+            out["block_stride"] = self.block_stride
+        if self.head_axis is not None:
+            out["head_axis"] = self.head_axis
+        return out
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> CacheDesc:   # Any: a peer's JSON, checked here
-        return cls(d["n"], tuple(d["shape"]), DataType(d["dtype"]), Placement(d["placement"]))
+        return cls(d["n"], tuple(d["shape"]), DataType(d["dtype"]), Placement(d["placement"]),
+                   block_stride=d.get("block_stride"), head_axis=d.get("head_axis"))
 
 
 class Cache:
@@ -298,10 +328,13 @@ class BlocksCacheKey:
 @dataclass(frozen=True, slots=True)
 class KvCacheExtParam:
     """Layer ranges: an inclusive ``(first, last)`` tuple (``(-1, -1)`` = all layers) or a
-    half-open ``range`` with step 1. A layer is ``tensor_num_per_layer`` consecutive tensors."""
+    half-open ``range`` with step 1. A layer is ``tensor_num_per_layer`` consecutive tensors.
+    Head ranges (block transfers, caches with a ``head_axis``) are written the same way."""
     src_layer_range: tuple[int, int] | range = (-1, -1)
     dst_layer_range: tuple[int, int] | range = (-1, -1)
     tensor_num_per_layer: int = 2
+    src_head_range: tuple[int, int] | range = (-1, -1)
+    dst_head_range: tuple[int, int] | range = (-1, -1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,98 +342,6 @@ class ClusterInfo:
     """A peer to link: its cluster id and its control address ``"host:port"``."""
     remote_cluster_id: int
     address: str = ""
-
-
-def _env_secret() -> bytes | None:
-    v = os.environ.get("KVENGINE_SECRET")
-    return v.encode() if v else None
-
-
-@dataclass(slots=True)
-class EngineOptions:
-    """Engine settings. Times are in seconds.
-
-    sync_kv_timeout: default deadline of a transfer (LLM-DataDist's 1000 ms).
-    link_timeout: default deadline of link/unlink calls.
-    secret: shared secret for authenticated links (default: ``$KVENGINE_SECRET``).
-    insecure: without a secret, an engine links only with engines on its own host (the
-      peer's address is 127.0.0.1, ::1 or the connection's own local address); ``True``
-      links with anyone who reaches the port, unauthenticated: any such host can then
-      read and write every registered cache. Default False (docs/security.md).
-    transport: ``"auto"`` (local in one process, shm on one host, tcp across hosts),
-      ``"local"``, ``"shm"``, ``"tcp"`` or ``"ucx"`` (forced; both ends must agree or say
-      auto). ``"ucx"``: one-sided puts and gets through UCX (``pip install "kvengine[ucx]"``;
-      ``UCX_TLS`` and the other ``UCX_*`` settings pass through; docs/tuning.md); "auto"
-      never picks it.
-    movers: native copy threads.
-    inline_threshold: transfers of at most this many bytes are copied on the calling
-      thread (a cross-core thread wake-up costs more than the copy).
-    chunk_bytes: the unit a mover copies before it checks for an abort (fence granularity),
-      and the payload of one TCP data frame.
-    tcp_streams: TCP data connections per link (large transfers are striped over them).
-    tcp_window_bytes: per TCP link, push bytes sent but not yet consumed by the receiver
-      (it CREDITs every data frame it took off the socket); 0: no limit. Paces large
-      pushes in the I/O thread, without a Python round trip (default 4 MiB, see
-      docs/tuning.md).
-    heartbeat_interval / heartbeat_timeout: a peer silent for heartbeat_timeout is lost
-      (``LLM_LINK_FAILED``); pings go out every heartbeat_interval.
-    scheduling: ``"edf"`` (priority, then earliest deadline first) or ``"fifo"`` (arrival order).
-    max_inflight_bytes: per link, bytes handed to the native core at once; the rest waits
-      in the link's queue, in scheduling order (default None: no limit; the core's queues
-      keep the scheduling order chunk by chunk, docs/tuning.md).
-    piece_bytes: transfers are handed over in pieces of at most this many bytes
-      (default None: whole).
-    max_queued: transfers queued or in flight at once; more fail ``LLM_OUT_OF_MEMORY``.
-    max_notifications: received notifications kept until read (oldest dropped beyond).
-    """
-    sync_kv_timeout: float = 1.0
-    link_timeout: float = 3.0
-    secret: bytes | None = field(default_factory=_env_secret)
-    transport: str = "auto"
-    movers: int = 2
-    inline_threshold: int = 256 * 1024
-    chunk_bytes: int = 1 << 20
-    tcp_streams: int = 4
-    tcp_window_bytes: int = 4 << 20
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 2.0
-    scheduling: str = "edf"
-    max_inflight_bytes: int | None = None
-    piece_bytes: int | None = None
-    max_queued: int = 1 << 16
-    max_notifications: int = 1 << 16
-    insecure: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("sync_kv_timeout", "link_timeout", "heartbeat_interval", "heartbeat_timeout"):
-            v = getattr(self, name)
-            if v is None:   # an option has no default to fall back on
-                raise param_invalid(f"EngineOptions.{name} must be a positive, finite number of seconds")
-            check_timeout(v, 0.0, f"EngineOptions.{name}")
-        if self.transport not in ("auto", "local", "shm", "tcp", "ucx"):
-            raise param_invalid("EngineOptions.transport must be 'auto', 'local', 'shm', 'tcp' or 'ucx', "
-                                f"got {self.transport!r}")
-        _check_int("EngineOptions.tcp_streams", self.tcp_streams, 1, 16)
-        if isinstance(self.tcp_window_bytes, bool) or self.tcp_window_bytes != 0:
-            _check_int("EngineOptions.tcp_window_bytes", self.tcp_window_bytes, 64 << 10, 1 << 40)
-        if self.scheduling not in ("edf", "fifo"):
-            raise param_invalid(f"EngineOptions.scheduling must be 'edf' or 'fifo', got {self.scheduling!r}")
-        if self.max_inflight_bytes is not None:
-            _check_int("EngineOptions.max_inflight_bytes", self.max_inflight_bytes, 4096, 1 << 40)
-        if self.piece_bytes is not None:
-            _check_int("EngineOptions.piece_bytes", self.piece_bytes, 4096, 1 << 40)
-        _check_int("EngineOptions.max_queued", self.max_queued, 1, 1 << 24)
-        _check_int("EngineOptions.max_notifications", self.max_notifications, 1, 1 << 24)
-        if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise param_invalid("EngineOptions.heartbeat_timeout must exceed heartbeat_interval")
-        _check_int("EngineOptions.movers", self.movers, 1, 64)
-        _check_int("EngineOptions.inline_threshold", self.inline_threshold, 0, 1 << 30)
-        # at most the TCP receiver's frame limit (64 MiB): a chunk is one data frame
-        _check_int("EngineOptions.chunk_bytes", self.chunk_bytes, 4096, 64 << 20)
-        if self.secret is not None and not isinstance(self.secret, (bytes, bytearray)):
-            raise param_invalid("EngineOptions.secret must be bytes")
-        if not isinstance(self.insecure, bool):
-            raise param_invalid(f"EngineOptions.insecure must be a bool, got {self.insecure!r}")
 
 
 class SupportsDLPack(Protocol):
@@ -411,18 +352,3 @@ class SupportsDLPack(Protocol):
 # A block table: ints, a 1-D numpy integer array, or a 1-D integer CPU tensor (plan.block_ids)
 BlockTable = Union[Sequence[int], "NDArray[np.integer[Any]]", SupportsDLPack]
 
-
-def as_int_list(name: str, seq: Sequence[int]) -> list[int]:
-    """Validate a list of non-negative ints (block ids)."""
-    if isinstance(seq, np.ndarray):
-        if seq.ndim != 1 or seq.dtype.kind not in "iu":
-            raise param_invalid(f"{name} must be a 1-D integer array")
-        return seq.tolist()
-    try:
-        out = list(seq)
-    except TypeError:
-        raise param_invalid(f"{name} must be a sequence of ints") from None
-    for v in out:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise param_invalid(f"{name} must contain only ints, got {v!r}")
-    return [int(v) for v in out]

@@ -61,6 +61,39 @@ def test_bench_latency_reports_percentiles(tmp_path):
     check_png(prefix, out)
 
 
+def _ucx_built() -> bool:
+    from kvengine.native import _native
+    return bool(_native.UCX)
+
+
+@pytest.mark.skipif(not _ucx_built(), reason="kvengine built without UCX: pip install 'kvengine[ucx]', then rebuild")
+def test_bench_ucx_throughput_and_latency_beside_kvengine_tcp_and_the_floor(tmp_path):
+    """--transport ucx: kvengine over UCX and over tcp in the same run (both byte-checked),
+    ucx_perftest as the floor when the libucx wheel ships it, the peers named even when
+    not run; latency prints the floor and the goal line."""
+    from kvengine.bench.ucxpeers import perftest_binary
+    floor = perftest_binary()[0] is not None
+    prefix = tmp_path / "tp-ucx"
+    out = bench("throughput", "--transport", "ucx", "--ucx-tls", "tcp", "--quick", "--sizes", "2x32K,4x256K",
+                "--reps", "2", "--peers", "none", "--out", str(prefix))
+    assert "UCX_TLS=tcp" in out and "x kvengine tcp" in out and "UCXX" in out
+    r = json.loads((tmp_path / "tp-ucx.json").read_text())
+    assert r["transport"] == "ucx" and r["ucx_tls"] == "tcp"
+    assert r["verify"]["kvengine"] == r["verify"]["kvengine tcp"] == [True, True]
+    want = ["kvengine tcp"] + (["ucx_perftest"] if floor else [])
+    for s in r["sizes"]:
+        assert sorted(s["kv_over"]) == sorted(want) and all(v > 0 for v in s["kv_over"].values())
+    check_png(prefix, out)
+    prefix = tmp_path / "lat-ucx"
+    out = bench("latency", "--transport", "ucx", "--ucx-tls", "tcp", "--quick", "--n", "300", "--peers", "none",
+                "--out", str(prefix))
+    assert "floor: ucx_perftest" in out and "goal: kvengine" in out
+    r = json.loads((tmp_path / "lat-ucx.json").read_text())
+    assert r["results"]["kvengine"]["n"] == 300 and set(r["kv_over"]) == {"kvengine tcp"}
+    assert ("p50_us" in r["floor"]) == floor
+    check_png(prefix, out)
+
+
 def test_bench_soak_samples_at_rest_and_says_flat(tmp_path):
     """A short soak (4 cycles of 1 s): the rest samples, the verdict, the notification
     accounting (each successful notified push received and consumed once)."""

@@ -502,7 +502,7 @@ async def test_every_malformed_hello_gets_a_reject_or_a_close():
 
 async def test_the_caches_a_peer_announces_are_bounded(caplog):
     caplog.set_level("INFO", logger="kvengine")
-    d = await engine(2)
+    d = await engine(2, link_timeout=60.0)   # 65537 messages: seconds on a loaded host
     s = await H.handshake(d.address, 9, SECRET, transport="tcp", pid=os.getpid(), token="0" * 32)
     try:
         await s.read_table()

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-from kvengine import status, types  # noqa: E402  (pure Python: no native build needed)
+from kvengine import options, status, types  # noqa: E402  (pure Python: no native build needed)
 DataType, CacheDesc, Placement, Role = types.DataType, types.CacheDesc, types.Placement, types.Role
-EngineOptions = types.EngineOptions
+EngineOptions = options.EngineOptions
 ParamInvalid = status.LLMParamInvalidError
 
 # LLM-DataDist's DataType values are GE ids (LLM-DataDist API reference, "DataType";

@@ -5,7 +5,7 @@
  * the worker (endpoint creation) are commands the thread runs while the caller
  * waits; jobs reach it through an inbox, like kv_tcp.c.
  *
- * Nothing is one-sided (docs/decisions.md #25): the UCP context has no RMA
+ * Nothing is one-sided (docs/decisions.md #27): the UCP context has no RMA
  * feature and no rkey is ever packed for a peer. A push is one active message
  * (ucp_am_send_nbx, UCP_AM_SEND_FLAG_RNDV from UCX_RNDV_MIN bytes) per chunk,
  * each with a kv_ucx_hdr naming the TARGET's region, offset and length; the

@@ -27,7 +27,8 @@ import torch
 import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-__all__ = ["ModelSpec", "build_model", "kv_cache_desc", "layer_kv", "new_dynamic_cache",
+__all__ = ["ModelSpec", "build_model", "kv_cache_desc", "paged_cache_desc", "write_blocks", "gather_blocks",
+           "cache_from_blocks", "layer_kv", "new_dynamic_cache",
            "cache_from_rows", "forward", "greedy_continue", "reference_generate", "weights_digest"]
 
 
@@ -159,3 +160,52 @@ def reference_generate(model: LlamaForCausalLM, prompt: Sequence[int], max_new_t
 
 def versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+# ------------------------------------------------------------------ paged KV
+
+def paged_cache_desc(kv, spec: ModelSpec, num_blocks: int, block_size: int, kv_heads: int | None = None):
+    """The kvengine ``CacheDesc`` of a block pool (``--layout paged``)::
+
+        num_tensors = 2 * num_layers        K0, V0, K1, V1, ...
+        shape       = (num_blocks, kv_heads, block_size, head_dim)     float32
+
+    Dim 0 is the block id (what block tables name). Inside a block the heads are
+    outermost, so heads [h0, h1) of a block are one contiguous range: a pool of
+    ``kv_heads / R`` heads per block is, byte for byte, the same memory cut into
+    ``R`` times as many blocks (see ``paged.head_split_view``). Block ``b`` of a
+    request holds its positions ``[b * block_size, (b + 1) * block_size)``; gathered
+    and transposed, the blocks are the DynamicCache's ``(1, kv_heads, seq, head_dim)``.
+    """
+    heads = spec.num_kv_heads if kv_heads is None else kv_heads
+    return kv.CacheDesc(num_tensors=2 * spec.num_layers, shape=(num_blocks, heads, block_size, spec.head_dim),
+                        dtype=np.float32)
+
+
+def write_blocks(pool_k: torch.Tensor, pool_v: torch.Tensor, table: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor) -> None:
+    """Copy one layer's (1, kv_heads, n, head_dim) keys/values into the pool blocks ``table``
+    (block j of the table takes positions [j * block_size, (j + 1) * block_size))."""
+    nb, bs = table.numel(), pool_k.shape[2]
+    n = k.shape[2]
+    for pool, x in ((pool_k, k), (pool_v, v)):
+        pad = x.new_zeros(x.shape[1], nb * bs, x.shape[3])
+        pad[:, :n] = x[0]
+        pool[table] = pad.view(x.shape[1], nb, bs, x.shape[3]).transpose(0, 1)
+
+
+def gather_blocks(pool: torch.Tensor, table: Sequence[int], length: int) -> torch.Tensor:
+    """Positions [0, length) of a request's blocks as (1, kv_heads, length, head_dim) (a copy)."""
+    g = pool[torch.as_tensor(list(table), dtype=torch.long)]          # (nb, heads, bs, dim)
+    nb, heads, bs, dim = g.shape
+    return g.transpose(0, 1).reshape(heads, nb * bs, dim)[:, :length].unsqueeze(0).contiguous()
+
+
+def cache_from_blocks(tensors: Sequence[np.ndarray], table: Sequence[int], length: int) -> DynamicCache:
+    """A DynamicCache holding positions [0, length) of the blocks ``table`` of a pool (copied)."""
+    cache = new_dynamic_cache()
+    for i in range(len(tensors) // 2):
+        k = gather_blocks(torch.from_numpy(tensors[2 * i]), table, length)
+        v = gather_blocks(torch.from_numpy(tensors[2 * i + 1]), table, length)
+        cache.update(k, v, i)
+    return cache

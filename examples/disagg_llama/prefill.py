@@ -22,7 +22,7 @@ import torch
 
 import kvengine as kv
 
-from model import forward, layer_kv, new_dynamic_cache
+from model import forward, layer_kv, new_dynamic_cache, write_blocks
 
 __all__ = ["PrefillResult", "Prefiller"]
 
@@ -60,17 +60,22 @@ class PrefillResult:
 
 
 class Prefiller:
-    """Owns the model, the kvengine source cache and the forward thread."""
+    """Owns the model, the kvengine source cache and the forward thread.
 
-    def __init__(self, engine: kv.KvEngine, model, cache: kv.Cache) -> None:
+    ``cache`` is the source: rows (``run``) or a block pool (``run_paged``,
+    ``model.paged_cache_desc``)."""
+
+    def __init__(self, engine: kv.KvEngine, model, cache: kv.Cache, max_seq: int | None = None) -> None:
         self.engine = engine
         self.model = model
         self.cache = cache                          # kvengine source cache (K0, V0, K1, V1, ...)
         self.tensors = [torch.from_numpy(t) for t in cache.tensors]
         self.layers = list(model.model.layers)
         assert cache.desc.num_tensors == 2 * len(self.layers)
-        self.max_seq = cache.desc.shape[2]
+        self.max_seq = cache.desc.shape[2] if max_seq is None else max_seq
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill-forward")
+        # one forward at a time: the hooks are on the shared model's layers
+        self._forward_lock = asyncio.Lock()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -87,36 +92,67 @@ class Prefiller:
         (the baseline without overlap).
         """
         n = len(prompt)
+
+        # notify: the decode side waits for exactly this payload; it arrives once every
+        # layer landed. It is fixed when the stream opens, before the forward has
+        # computed the first token, so the first token travels with the decode request
+        # instead (see on_forward_done and run.py).
+        def open_streams() -> list[kv.LayerStream]:
+            return [self.engine.layer_stream(self.cache, [dst], src_batch_index=row, tensor_num_per_layer=2,
+                                             timeout=timeout, notify=request_id.encode())]
+
+        def copy_layer(i: int, k: torch.Tensor, v: torch.Tensor) -> None:   # (1, kv_heads, n, head_dim)
+            self.tensors[2 * i][row, :, :n].copy_(k[0])
+            self.tensors[2 * i + 1][row, :, :n].copy_(v[0])
+
+        return await self._run(request_id, prompt, open_streams, copy_layer, on_forward_done, layerwise)
+
+    async def run_paged(self, request_id: str, prompt: Sequence[int], table: torch.Tensor,
+                        open_streams: Callable[[], list[kv.LayerStream]],
+                        on_forward_done: Callable[[int], None] | None = None, layerwise: bool = True
+                        ) -> PrefillResult:
+        """Prefill ``prompt`` into the pool blocks ``table`` (an int64 tensor: the request's
+        block table here) and push them with the layer streams ``open_streams()`` opens
+        (block destinations: one stream, or one per decode rank for a head split)."""
+        def copy_layer(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            write_blocks(self.tensors[2 * i], self.tensors[2 * i + 1], table, k, v)
+        return await self._run(request_id, prompt, open_streams, copy_layer, on_forward_done, layerwise)
+
+    async def _run(self, request_id: str, prompt: Sequence[int], open_streams: Callable[[], list[kv.LayerStream]],
+                   copy_layer: Callable[[int, torch.Tensor, torch.Tensor], None],
+                   on_forward_done: Callable[[int], None] | None, layerwise: bool) -> PrefillResult:
+        n = len(prompt)
         if not 0 < n <= self.max_seq:
             raise ValueError(f"prompt length {n} not in [1, {self.max_seq}]")
         loop = asyncio.get_running_loop()
         input_ids = torch.tensor([list(prompt)])
         dyn = new_dynamic_cache()
         first_ready: list[float] = []
+        streams = open_streams()
 
-        # notify: the decode side waits for exactly this payload; it arrives once every
-        # layer landed. It is fixed when the stream opens, before the forward has
-        # computed the first token, so the first token travels with the decode request
-        # instead (see on_forward_done and run.py).
-        stream = self.engine.layer_stream(self.cache, [dst], src_batch_index=row, tensor_num_per_layer=2,
-                                          timeout=timeout, notify=request_id.encode())
-        waiter = asyncio.ensure_future(_timed(stream.wait()))        # -> (statuses, when)
-        layer0 = asyncio.ensure_future(_timed(stream.wait_layer(0)))
+        async def wait_all() -> list:
+            return [st for s in streams for st in await s.wait()]
 
-        def copy_layer(i: int) -> None:
-            k, v = layer_kv(dyn, i)                 # (1, kv_heads, n, head_dim)
-            self.tensors[2 * i][row, :, :n].copy_(k[0])
-            self.tensors[2 * i + 1][row, :, :n].copy_(v[0])
+        async def wait_layer0() -> list:
+            return [st for s in streams for st in await s.wait_layer(0)]
+        waiter = asyncio.ensure_future(_timed(wait_all()))           # -> (statuses, when)
+        layer0 = asyncio.ensure_future(_timed(wait_layer0()))
+
+        def ready(i: int) -> None:
+            for s in streams:
+                s.layer_ready(i)                    # thread-safe: its push starts now
 
         def hook(i: int):
             def after_layer(_module, _args, _output) -> None:
-                copy_layer(i)
+                k, v = layer_kv(dyn, i)             # (1, kv_heads, n, head_dim)
+                copy_layer(i, k, v)
                 if layerwise:
                     if not first_ready:
                         first_ready.append(time.monotonic())
-                    stream.layer_ready(i)           # thread-safe: its push starts now
+                    ready(i)
             return after_layer
 
+        await self._forward_lock.acquire()
         handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
         try:
             def run_forward() -> tuple[float, float, int]:
@@ -126,17 +162,19 @@ class Prefiller:
                 if not layerwise:                   # baseline: push everything now
                     first_ready.append(t1)
                     for i in range(len(self.layers)):
-                        stream.layer_ready(i)
+                        ready(i)
                 return t0, t1, int(logits.argmax())
             t_start, t_end, first_token = await loop.run_in_executor(self._pool, run_forward)
         except BaseException:
-            stream.cancel()
+            for s in streams:
+                s.cancel()
             waiter.cancel()
             layer0.cancel()                         # wait_layer(0) never resolves if 0 was never marked
             raise
         finally:
             for h in handles:
                 h.remove()
+            self._forward_lock.release()
         if on_forward_done is not None:
             on_forward_done(first_token)
         statuses, t_done = await waiter

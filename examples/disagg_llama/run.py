@@ -3,6 +3,8 @@ a child process, the KV cache moved layer by layer through kvengine.
 
     python examples/disagg_llama/run.py --transport shm
     python examples/disagg_llama/run.py --transport tcp --layers 8 --hidden 512 --max-seq 2048 --check
+    python examples/disagg_llama/run.py --layout paged --check             (block pools, block tables)
+    python examples/disagg_llama/run.py --layout paged --tp 2 --check      (two decode ranks, half the heads each)
 
 Per request: the prefill worker (this process) runs the prompt through the model
 in a worker thread; a forward hook on each decoder layer copies that layer's K/V
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import random
@@ -39,8 +42,11 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import kvengine as kv  # noqa: E402
-from model import ModelSpec, build_model, kv_cache_desc, reference_generate, versions, weights_digest  # noqa: E402
+from blocks import BlockAllocator, blocks_needed, head_split_view, push_heads  # noqa: E402
+from model import (ModelSpec, build_model, kv_cache_desc, paged_cache_desc, reference_generate,  # noqa: E402
+                   versions, weights_digest)
 from prefill import Prefiller  # noqa: E402
+from tp import combine  # noqa: E402
 
 PREFILL_ID, DECODE_ID = 1, 2
 
@@ -53,13 +59,15 @@ class DecodeProcess:
         self.hello = hello
         self.address: str = hello["address"]
         self.cache_id: int = hello["cache_id"]
+        self.cluster_id: int = DECODE_ID
 
     @classmethod
     async def start(cls, spec: ModelSpec, transport: str, rows: int, max_seq: int, secret: bytes,
-                    torch_threads: int = 0, uvloop: bool = False, timeout: float = 60.0) -> "DecodeProcess":
-        argv = [sys.executable, os.path.join(HERE, "decode_worker.py"), "--cluster-id", str(DECODE_ID),
+                    torch_threads: int = 0, uvloop: bool = False, timeout: float = 60.0,
+                    cluster_id: int = DECODE_ID, extra: Sequence[str] = ()) -> "DecodeProcess":
+        argv = [sys.executable, os.path.join(HERE, "decode_worker.py"), "--cluster-id", str(cluster_id),
                 "--transport", transport, "--spec", spec.to_json(), "--rows", str(rows),
-                "--max-seq", str(max_seq), "--torch-threads", str(torch_threads)]
+                "--max-seq", str(max_seq), "--torch-threads", str(torch_threads), *extra]
         if uvloop:
             argv.append("--uvloop")
         env = dict(os.environ, KVENGINE_SECRET=secret.decode())
@@ -69,7 +77,9 @@ class DecodeProcess:
             line = await asyncio.wait_for(proc.stdout.readline(), timeout)
             if not line:
                 raise RuntimeError(f"decode worker exited ({await proc.wait()}) before saying hello")
-            return cls(proc, json.loads(line))
+            me = cls(proc, json.loads(line))
+            me.cluster_id = cluster_id
+            return me
         except BaseException:
             if proc.returncode is None:
                 proc.kill()
@@ -185,6 +195,177 @@ async def _one(prefiller: Prefiller, decode: DecodeProcess, rid: str, mode: str,
             "decode_ms": (reply["t_decode_end"] - reply["t_decode_start"]) * 1e3}
 
 
+# ------------------------------------------------------------------ --layout paged
+
+class DecodeRanks:
+    """The decode side of a paged session: one decode worker, or ``tp`` of them (a TP
+    group, each holding ``kv_heads / tp`` heads). A reader per worker routes its
+    replies to the request waiting for them and plays the all-reduce: once every rank
+    sent its partial for (request, step), every rank gets their sum."""
+
+    def __init__(self, procs: Sequence[DecodeProcess]) -> None:
+        self.procs = list(procs)
+        self._replies: dict[str, list[asyncio.Future]] = {}
+        self._partials: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+        self.all_reduces = 0
+        self._readers = [asyncio.ensure_future(self._read(r)) for r in range(len(self.procs))]
+
+    def expect(self, rid: str) -> list[asyncio.Future]:
+        loop = asyncio.get_running_loop()
+        futs = self._replies[rid] = [loop.create_future() for _ in self.procs]
+        return futs
+
+    async def _read(self, r: int) -> None:
+        proc = self.procs[r].proc
+        while True:
+            line = await proc.stdout.readline()
+            if not line:
+                err = RuntimeError(f"decode rank {r} exited ({await proc.wait()})")
+                for futs in self._replies.values():
+                    if not futs[r].done():
+                        futs[r].set_exception(err)
+                return
+            m = json.loads(line)
+            if m.get("op") == "partial":
+                key = (m["id"], m["seq"])
+                got = self._partials.setdefault(key, {})
+                got[r] = torch.frombuffer(bytearray(base64.b64decode(m["data"])), dtype=torch.float32)
+                if len(got) == len(self.procs):
+                    del self._partials[key]
+                    total = combine([got[i] for i in range(len(self.procs))])
+                    data = base64.b64encode(total.numpy().tobytes()).decode()
+                    self.all_reduces += 1
+                    for p in self.procs:
+                        p.send({"op": "sum", "id": m["id"], "seq": m["seq"], "data": data})
+            elif m.get("id") in self._replies and not self._replies[m["id"]][r].done():
+                self._replies[m["id"]][r].set_result(m)
+
+    async def close(self) -> list[int]:
+        codes = [await p.close() for p in self.procs]
+        for t in self._readers:
+            t.cancel()
+        return codes
+
+
+async def run_paged_session(prompts: Sequence[Sequence[int]], max_new_tokens: int, transport: str = "shm",
+                            spec: ModelSpec = ModelSpec(), num_blocks: int = 128, block_size: int = 16,
+                            tp: int = 1, modes: Sequence[str] = ("layerwise",), warmup: bool = True,
+                            timeout: float = 10.0, torch_threads: int = 0, model=None, log=print) -> dict:
+    """``run_session`` with block pools: each side keeps a pool of ``num_blocks`` blocks of
+    ``block_size`` tokens and a block allocator; requests go in pairs whose blocks are
+    interleaved in both pools (random, non-monotone tables); the prefill pushes each
+    request's blocks layer by layer (``layer_stream`` with its block tables, torch
+    tensors). ``tp=2``: two decode ranks, each holding half the KV heads (``push_heads``),
+    their attention outputs combined per layer (``tp.py``)."""
+    secret = secrets.token_hex(16).encode()
+    loop = asyncio.get_running_loop()
+    max_seq = num_blocks * block_size // 2          # two requests share the pool
+    extra = ["--layout", "paged", "--num-blocks", str(num_blocks), "--block-size", str(block_size),
+             "--tp-size", str(tp)]
+    starts = [DecodeProcess.start(spec, transport, 1, 1, secret, torch_threads=torch_threads,
+                                  cluster_id=DECODE_ID + r, extra=extra + ["--tp-rank", str(r)])
+              for r in range(tp)]
+    workers = asyncio.ensure_future(asyncio.gather(*starts))
+    try:
+        if model is None:
+            model = await loop.run_in_executor(None, build_model, spec)
+        procs = await workers
+    except BaseException:
+        workers.cancel()
+        raise
+    ranks = DecodeRanks(procs)
+    try:
+        for p in procs:
+            if p.hello["weights"] != weights_digest(model):
+                raise RuntimeError(f"decode rank {p.hello['tp_rank']} built different weights")
+        opts = kv.EngineOptions(transport=transport, secret=secret)
+        async with kv.KvEngine(PREFILL_ID, kv.Role.PROMPT, "127.0.0.1:0", opts) as engine:
+            st, per = await engine.link_clusters([kv.ClusterInfo(p.cluster_id, p.address) for p in procs])
+            if st != kv.LLMStatusCode.LLM_SUCCESS:
+                raise RuntimeError(f"link failed: {st.name} {per}")
+            for p in procs:
+                await engine.wait_remote_cache(p.cluster_id, p.cache_id, timeout=10)
+            link_transport = engine.stats()["links"][DECODE_ID]["transport"]
+            src = engine.allocate_cache(paged_cache_desc(kv, spec, num_blocks, block_size))
+            view = head_split_view(engine, src, tp) if tp > 1 else None
+            prefiller = Prefiller(engine, model, src, max_seq=max_seq)
+            here, there = BlockAllocator(num_blocks, seed=11), BlockAllocator(num_blocks, seed=12)
+            keys = [kv.BlocksCacheKey(p.cluster_id, p.cache_id) for p in procs]
+            log(f"[{transport}] paged: pools of {num_blocks} blocks x {src.desc.shape[1:]} float32 "
+                f"({src.desc.row_bytes} B per block per tensor); decode: {tp} rank(s), "
+                f"{[p.hello['shape'] for p in procs]}")
+            try:
+                jobs = [(f"warmup-{m}", m, 0) for m in modes] if warmup else []
+                jobs += [(f"req-{i}-{m}", m, i) for i in range(len(prompts)) for m in modes]
+                results = []
+                for k in range(0, len(jobs), 2):          # two requests at a time, blocks interleaved
+                    pair = jobs[k:k + 2]
+                    sizes = [blocks_needed(len(prompts[i]), block_size) for _, _, i in pair]
+                    srcs, dsts = here.alloc_interleaved(sizes), there.alloc_interleaved(sizes)
+                    try:
+                        rs = await asyncio.gather(*[
+                            _one_paged(prefiller, ranks, keys, view, rid, mode, prompts[i], sb, db,
+                                       max_new_tokens, timeout)
+                            for (rid, mode, i), sb, db in zip(pair, srcs, dsts)])
+                    finally:
+                        for sb, db in zip(srcs, dsts):
+                            here.release(sb)
+                            there.release(db)
+                    for (rid, _, i), r in zip(pair, rs):
+                        results.append(dict(r, prompt_index=i, warmup=rid.startswith("warmup"),
+                                            pair=[x[0] for x in pair]))
+            finally:
+                prefiller.close()
+    finally:
+        codes = await ranks.close()
+    if any(codes):
+        raise RuntimeError(f"decode worker exit status {codes}")
+    return {"transport": transport, "layout": "paged", "tp": tp, "link_transport": link_transport,
+            "spec": json.loads(spec.to_json()), "num_blocks": num_blocks, "block_size": block_size,
+            "rank_pool_shapes": [p.hello["shape"] for p in procs], "all_reduces": ranks.all_reduces,
+            "versions": versions(), "requests": results, "summary": summarize(results)}
+
+
+async def _one_paged(prefiller: Prefiller, ranks: DecodeRanks, keys: Sequence[kv.BlocksCacheKey], view,
+                     rid: str, mode: str, prompt: Sequence[int], src_table: torch.Tensor, dst_table: torch.Tensor,
+                     max_new_tokens: int, timeout: float) -> dict:
+    """One request: prefill into ``src_table``, push to ``dst_table`` on every decode rank."""
+    engine = prefiller.engine
+    replies = ranks.expect(rid)
+
+    def open_streams() -> list[kv.LayerStream]:
+        if view is None:       # one decode worker holding every head: one stream, the block tables as tensors
+            return [engine.layer_stream(prefiller.cache, list(keys), tensor_num_per_layer=2, timeout=timeout,
+                                        notify=rid.encode(), src_blocks=src_table, dst_blocks=dst_table)]
+        return push_heads(engine, view, src_table, keys, [dst_table] * len(keys), timeout, rid.encode())
+
+    def hand_over(first_token: int) -> None:
+        for p in ranks.procs:
+            p.send({"op": "decode", "id": rid, "blocks": dst_table.tolist(), "prompt_len": len(prompt),
+                    "first_token": first_token, "max_new_tokens": max_new_tokens})
+
+    r = await prefiller.run_paged(rid, prompt, src_table, open_streams, on_forward_done=hand_over,
+                                  layerwise=(mode == "layerwise"))
+    if any(s != kv.LLMStatusCode.LLM_SUCCESS for s in r.statuses):
+        raise RuntimeError(f"{rid}: KV push failed: {[s.name for s in r.statuses]}")
+    got = [await asyncio.wait_for(f, 60) for f in replies]
+    for g in got:
+        if "error" in g:
+            raise RuntimeError(f"{rid}: decode worker: {g}")
+    if any(g["tokens"] != got[0]["tokens"] for g in got):
+        raise RuntimeError(f"{rid}: the decode ranks disagree: {[g['tokens'] for g in got]}")
+    reply = got[0]
+    desc = prefiller.cache.desc
+    return {"id": rid, "mode": mode, "prompt_len": len(prompt), "src_blocks": src_table.tolist(),
+            "dst_blocks": dst_table.tolist(), "tokens": reply["tokens"],
+            "kv_bytes": desc.row_bytes * desc.num_tensors * len(src_table),
+            "forward_ms": r.forward_s * 1e3, "transfer_ms": r.transfer_total_s * 1e3,
+            "exposed_ms": r.exposed_s * 1e3, "done_after_forward_ms": r.done_after_forward_s * 1e3,
+            "layer0_landed_before_forward_end": r.t_layer0_done < r.t_forward_end,
+            "kv_at_decode_ms": (max(g["t_notified"] for g in got) - r.t_forward_end) * 1e3,
+            "decode_ms": (max(g["t_decode_end"] for g in got) - reply["t_decode_start"]) * 1e3}
+
+
 def summarize(results: list[dict]) -> dict:
     out = {}
     for mode in sorted({r["mode"] for r in results}):
@@ -230,6 +411,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=4, help="request slots in the KV cache")
     ap.add_argument("--mode", default="layerwise", choices=["layerwise", "after", "both"],
                     help="push each layer as it is computed, or all after the forward (baseline), or both")
+    ap.add_argument("--layout", default="rows", choices=["rows", "paged"],
+                    help="rows: one KV row per request; paged: block pools, block tables, two requests' blocks "
+                         "interleaved (blocks.py)")
+    ap.add_argument("--block-size", type=int, default=16, help="paged: tokens per block")
+    ap.add_argument("--num-blocks", type=int, default=0, help="paged: blocks per pool (0: two longest prompts' worth)")
+    ap.add_argument("--tp", type=int, default=1, help="paged: decode ranks, each holding kv_heads / tp heads (TP "
+                                                      "emulated; outputs combined per layer)")
     ap.add_argument("--check", action="store_true", help="compare with single-process model.generate")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     ap.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
@@ -248,7 +436,15 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({spec.num_kv_heads} kv), random weights (seed {spec.seed}); torch {v['torch']}, "
           f"transformers {v['transformers']}")
 
+    if args.tp > 1 and args.layout != "paged":
+        ap.error("--tp needs --layout paged")
+
     async def go() -> dict:
+        if args.layout == "paged":
+            per = max(-(-len(p) // args.block_size) for p in prompts)
+            return await run_paged_session(prompts, args.new_tokens, args.transport, spec,
+                                           args.num_blocks or max(8, 4 * per), args.block_size, args.tp, modes,
+                                           torch_threads=args.torch_threads, model=model)
         return await run_session(prompts, args.new_tokens, args.transport, spec, args.rows, args.max_seq,
                                  modes, torch_threads=args.torch_threads, model=model)
     if args.uvloop:

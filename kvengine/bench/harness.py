@@ -25,7 +25,7 @@ class Closable(Protocol):
     """A peer-engine pair or a baseline: closing it joins its processes (blocking)."""
     def close(self) -> None: ...
 
-TRANSPORTS = ("shm", "tcp")
+TRANSPORTS = ("shm", "tcp", "ucx")
 
 
 class KvSide:

@@ -2,6 +2,8 @@
 
     kvengine bench latency --transport shm [--quick] [--json PATH] [--out PREFIX]
     kvengine bench latency --transport tcp
+    kvengine bench latency --transport ucx --ucx-tls tcp|sm|cma   (kvengine/bench/ucxbench.py)
+    kvengine bench latency --layout paged --transport shm|tcp    (kvengine/bench/paged_latency.py)
 
 One layer of a 32-layer model-shaped cache (K + V: 2 x 32 KiB = 64 KiB, cycling
 over the layers) pushed from a prefill engine in this process into a decode
@@ -181,7 +183,8 @@ async def run(args: argparse.Namespace) -> Report:
 def report(r: Report) -> list[str]:
     T = r["transport"]
     res, cols = r["results"], r["columns"]
-    lines = [f"kvengine bench latency --transport {T}: one-layer push (K + V = 2 x 32 KiB = 64 KiB), awaited one "
+    tls = f" (UCX_TLS={r['ucx_tls']})" if "ucx_tls" in r else ""
+    lines = [f"kvengine bench latency --transport {T}{tls}: one-layer push (K + V = 2 x 32 KiB = 64 KiB), awaited one "
              f"at a time, {res[KV]['n']} samples per column in {ROUNDS} interleaved rounds ({r['loop']} here); "
              f"'x kv' = that column's percentile / kvengine's (> 1: kvengine faster)", ""]
     what = {KV: "push_kv_cache into another process",
@@ -213,7 +216,7 @@ def plot(r: Report, path: str) -> None:
     import matplotlib.ticker
     T = r["transport"]
     color = {KV: "tab:blue", KV_SYNC: "tab:purple", MEMCPY: "grey", RAW: "grey", STREAMS: "tab:brown", P.NIXL: "tab:green",
-             P.MOONCAKE: "tab:orange"}
+             P.MOONCAKE: "tab:orange", "kvengine tcp": "tab:purple", "UCXX": "tab:red"}
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     ax = axes[0]
     for c in r["columns"]:
@@ -251,9 +254,17 @@ def plot(r: Report, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    layout = argparse.ArgumentParser(add_help=False)
+    layout.add_argument("--layout", choices=["rows", "paged"], default="rows")
+    if layout.parse_known_args(sys.argv[1:] if argv is None else argv)[0].layout == "paged":
+        from . import paged_latency   # one layer of a 64-block request beside the same bytes contiguous
+        return paged_latency.main(argv)
     ap = argparse.ArgumentParser(prog="kvengine bench latency", description=__doc__.split("\n")[0],
                                  epilog="Peers: pip install -e '.[peers]' or benchmarks/install_peers.sh; see docs/benchmarks.md.")
     add_common_args(ap, "latency")
+    ap.add_argument("--layout", choices=["rows", "paged"], default="rows",
+                    help="paged: one layer of a 64-block request, push_kv_blocks vs contiguous "
+                         "(kvengine/bench/paged_latency.py)")
     ap.add_argument("--api", choices=["async", "sync"], default="async",
                     help="sync: add a column pushing through kvengine.sync from a worker thread")
     ap.add_argument("--n", type=int, default=None, help="samples per column (default 50000, --quick 3000)")
@@ -265,11 +276,18 @@ def main(argv: list[str] | None = None) -> int:
     if busy:
         print("warning: the machine is not idle; figures will be depressed and noisier:\n  " + "\n  ".join(busy))
     t0 = time.perf_counter()
-    r = runner(run(args))
+    if args.transport == "ucx":
+        from . import ucxbench
+        r = runner(ucxbench.run_latency(args))
+    else:
+        r = runner(run(args))
     r["meta"] = meta(argv)
     r["meta"]["wall_s"] = time.perf_counter() - t0
     print()
     lines = report(r)
+    if r["transport"] == "ucx":
+        from .ucxbench import latency_lines
+        lines += latency_lines(r)
     print("\n".join(lines))
     print(f"total {fmt_seconds(r['meta']['wall_s'])}")
     r["report"] = lines

@@ -236,9 +236,13 @@ def _worker(conn: Connection, engine: str, role: str, size: int, seed: int, env:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-    side: _NixlSide | _MooncakeSide
+    side: _Side[Any]
     try:
-        side = _NixlSide(role, size, seed) if engine == NIXL else _MooncakeSide(role, size, seed)
+        if engine == "UCXX":   # kvengine/bench/ucxpeers.py
+            from .ucxpeers import UcxxSide
+            side = UcxxSide(role, size, seed)
+        else:
+            side = _NixlSide(role, size, seed) if engine == NIXL else _MooncakeSide(role, size, seed)
     except Exception as e:  # report: the column says why
         conn.send({"error": f"{type(e).__name__}: {e}"})
         return

@@ -2,6 +2,7 @@
 
     kvengine bench throughput --transport shm [--quick] [--json PATH] [--out PREFIX]
     kvengine bench throughput --transport tcp
+    kvengine bench throughput --transport ucx --ucx-tls tcp|sm|cma   (kvengine/bench/ucxbench.py)
     kvengine bench throughput --layout paged --transport shm|tcp   (block tables: kvengine/bench/paged.py)
 
 Row 0 of a model-shaped cache (one (1, row) tensor per K and V of each layer)
@@ -58,7 +59,7 @@ KV = "kvengine"
 MEMCPY, MEMCPY2, RAW, STREAMS = "memcpy", "memcpy 2 threads", "raw socket", "uvloop streams"
 SIZES = [(2, 32 * KiB), (2, 512 * KiB), (64, 64 * KiB), (64, 256 * KiB), (64, 1 * MiB), (64, 4 * MiB)]
 QUICK_SIZES = [(2, 32 * KiB), (64, 256 * KiB), (64, 4 * MiB)]
-GOALS = {"shm": {P.NIXL: 1.5}, "tcp": {P.NIXL: 1.0, P.MOONCAKE: 1.5}}
+GOALS = {"shm": {P.NIXL: 1.5}, "tcp": {P.NIXL: 1.0, P.MOONCAKE: 1.5}, "ucx": {P.NIXL: 1.0}}
 BURST_BYTES = 16 * MiB            # small sizes: transfers per measurement = BURST_BYTES / size (<= 200)
 
 
@@ -250,7 +251,8 @@ def report(r: Report, reps: int) -> list[str]:
     cols = r["columns"]
     others = [c for c in cols if c != KV]
     absent = [n for n in P.ENGINES if n not in cols]
-    lines = [f"kvengine bench throughput --transport {T}: push of row 0 of a model-shaped cache into a decode "
+    tls = f" (UCX_TLS={r['ucx_tls']})" if "ucx_tls" in r else ""
+    lines = [f"kvengine bench throughput --transport {T}{tls}: push of row 0 of a model-shaped cache into a decode "
              f"engine in another process ({r['loop']} here), median GB/s (1e9 B/s) of {reps} interleaved "
              f"repetitions; 'x col' = kvengine / that column, the median over repetitions of the same "
              f"repetition's ratio (> 1: kvengine faster)", ""]
@@ -300,7 +302,9 @@ def plot(r: Report, path: str) -> None:
     style: dict[str, dict[str, Any]] = {KV: dict(color="tab:blue", lw=2.4, marker="o"), MEMCPY: dict(color="grey", ls=":", marker="s"),
              MEMCPY2: dict(color="black", ls=":", marker="x"),
              RAW: dict(color="grey", ls="--", marker="s"), STREAMS: dict(color="tab:brown", ls=":", marker="^"),
-             P.NIXL: dict(color="tab:green", marker="D"), P.MOONCAKE: dict(color="tab:orange", marker="v")}
+             P.NIXL: dict(color="tab:green", marker="D"), P.MOONCAKE: dict(color="tab:orange", marker="v"),
+             "kvengine tcp": dict(color="tab:purple", ls="--", marker="o"), "UCXX": dict(color="tab:red", marker="^"),
+             "ucx_perftest": dict(color="black", ls=":", marker="x")}
     for c in cols:
         y = [s["results"][c]["GBps"] for s in sizes]
         lo = [s["results"][c]["min_GBps"] for s in sizes]
@@ -338,7 +342,9 @@ def parse_sizes(s: str) -> list[tuple[int, int]]:
 
 def add_common_args(ap: argparse.ArgumentParser, what: str) -> None:
     ap.add_argument("--transport", choices=TRANSPORTS, default="shm",
-                    help="shm: same host (memfd mapped by the peer); tcp: forced TCP on loopback")
+                    help="shm: same host (memfd mapped by the peer); tcp: forced TCP on loopback; ucx: "
+                         "transport='ucx' beside kvengine tcp, NIXL, UCXX, ucx_perftest (bench/ucxbench.py)")
+    ap.add_argument("--ucx-tls", default="tcp", help="ucx: UCX_TLS, tcp, sm (sm,self), cma (cma,tcp,self) or as written")
     ap.add_argument("--quick", action="store_true", help="fewer sizes, repetitions and samples")
     ap.add_argument("--json", default=None, metavar="PATH", help="where to write the JSON (default PREFIX.json)")
     ap.add_argument("--out", default=None, metavar="PREFIX",
@@ -351,20 +357,26 @@ def add_common_args(ap: argparse.ArgumentParser, what: str) -> None:
 
 
 def resolve_common(ap: argparse.ArgumentParser, args: argparse.Namespace, what: str) -> None:
-    args.out = args.out or os.path.join("kvengine-bench", f"{what}-{args.transport}")
+    if args.transport == "ucx" and "paged" in what:
+        ap.error("--layout paged: --transport shm or tcp")
+    tls = f"-{args.ucx_tls.replace(',', '+')}" if args.transport == "ucx" else ""
+    args.out = args.out or os.path.join("kvengine-bench", f"{what}-{args.transport}{tls}")
     args.json_path, args.png_path = out_paths(args.out, args.json)
     args.peer_log = args.out + "-peers.log"
     p = args.peers.lower()
     if p == "auto":
-        args.peers = list(P.ENGINES)
+        args.peers = [P.NIXL, "UCXX"] if args.transport == "ucx" else list(P.ENGINES)
     elif p == "none":
         args.peers = []
     else:
-        names = {"nixl": P.NIXL, "mooncake": P.MOONCAKE}
+        names = {"nixl": P.NIXL, "mooncake": P.MOONCAKE, "ucxx": "UCXX"}
         try:
             args.peers = [names[x.strip()] for x in p.split(",") if x.strip()]
         except KeyError:
-            ap.error("--peers: auto, none, or a comma-separated list of nixl, mooncake")
+            ap.error("--peers: auto, none, or a comma-separated list of nixl, mooncake (ucx: nixl, ucxx)")
+        if "UCXX" in args.peers and args.transport != "ucx":
+            ap.error("--peers ucxx: with --transport ucx only")
+    args.ucx_peers = [n for n in args.peers if n in (P.NIXL, "UCXX")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,11 +391,19 @@ def main(argv: list[str] | None = None) -> int:
                          "tables of a vLLM-shaped cache (kvengine/bench/paged.py)")
     ap.add_argument("--tables", default=None, help="paged: table sizes in blocks (default 16,256,1024; --quick 16,256)")
     ap.add_argument("--pool", type=int, default=None, help="paged: blocks per tensor (default: the largest table)")
+    ap.add_argument("--head-split", type=int, default=1, metavar="N",
+                    help="paged: push each block's KV heads split over N TP=N decode ranks' caches, beside the "
+                         "same bytes contiguous (kvengine/bench/headsplit.py)")
     args = ap.parse_args(argv)
     paged = args.layout == "paged"
-    resolve_common(ap, args, "throughput-paged" if paged else "throughput")
+    if args.head_split != 1 and (not paged or args.head_split < 2):
+        ap.error("--head-split N: N >= 2, with --layout paged")
+    resolve_common(ap, args, "throughput-headsplit" if args.head_split > 1 else
+                   "throughput-paged" if paged else "throughput")
     if paged:
         from . import paged as mod
+        if args.head_split > 1:
+            from . import headsplit as mod   # type: ignore[no-redef]   # the same entry points
         args.tables = [int(x) for x in args.tables.split(",")] if args.tables else \
             (mod.QUICK_TABLES if args.quick else mod.TABLES)
         args.pool = args.pool or max(args.tables)
@@ -393,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         return _main(args, argv, mod.run, mod.goals, mod.report, mod.plot)
     args.reps = args.reps or (5 if args.quick else 41)
     args.sizes = parse_sizes(args.sizes) if args.sizes else (QUICK_SIZES if args.quick else SIZES)
+    if args.transport == "ucx":
+        from .ucxbench import run_throughput
+        return _main(args, argv, run_throughput, goals, report, plot)
     return _main(args, argv, run, goals, report, plot)
 
 

@@ -1,0 +1,270 @@
+"""transport="ucx", the rest of issue 14's tests: layer streams and notifications over
+UCX, a SIGSTOPped peer (the status comes within the bound and nothing lands after
+it), pushes between two hosts of the netns test bed over UCX_TLS=tcp, transport
+"auto" choosing UCX across hosts when both ends have it (and tcp when one says
+no: EngineOptions.auto_ucx), and the basic push/pull over UCX_TLS=tcp,cma.
+
+Skipped when kvengine was built without UCX; the netns tests also skip without
+CAP_NET_ADMIN (the reason is printed, never counted as passed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import kvengine as kv
+from kvengine import LLMStatusCode as S
+from kvengine._peer import PeerProcess, fill_pattern, row_digests
+from kvengine.bench import netbed
+from kvengine.native import _native
+
+pytestmark = pytest.mark.skipif(
+    not _native.UCX, reason="kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild")
+
+# The basic push and pull of tests/test_cross_process.py, re-run over UCX_TLS=tcp,cma
+from test_cross_process import (  # noqa: E402,F401
+    decode, prefill, test_pull_and_pull_size, test_push_with_layer_ranges_byte_exact)
+
+SECRET = b"ucx-more-secret"
+TLS = {"tcp": "tcp", "sm": "sm,self"}
+
+
+@pytest.fixture
+def xtransport(monkeypatch):
+    """For the tests imported above: UCX over tcp with cma for same-host zero copy."""
+    monkeypatch.setenv("UCX_TLS", "tcp,cma")
+    return "ucx"
+
+
+@pytest.fixture(params=sorted(TLS))
+def tls(request, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", TLS[request.param])
+    return request.param
+
+
+def filled(engine: kv.KvEngine, desc: kv.CacheDesc, seed: int) -> kv.Cache:
+    cache = engine.allocate_cache(desc)
+    for i, t in enumerate(cache.tensors):
+        fill_pattern(t, seed, i)
+    return cache
+
+
+def opts(**kw) -> kv.EngineOptions:
+    return kv.EngineOptions(transport="ucx", secret=SECRET, **kw)
+
+
+# ------------------------------------------------------------------ layer streams, notifications
+
+async def test_layer_stream_over_ucx_is_byte_exact(tls):
+    """A layer stream into another process over UCX: every layer of row 1 lands in row 0
+    of the destination (the other row untouched), the notification comes once."""
+    desc = kv.CacheDesc(8, (2, 256, 128), np.float16)
+    peer = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET)
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts()).start()
+    try:
+        dst = (await peer.call("alloc", n=8, shape=[2, 256, 128], dtype="float16"))["cache_id"]
+        st, per = await p.link_clusters([kv.ClusterInfo(2, peer.address)])
+        assert st == S.LLM_SUCCESS, per
+        assert p.stats()["links"][2]["transport"] == "ucx"
+        await p.wait_remote_cache(2, dst)
+        src = filled(p, desc, seed=31)
+        stream = p.layer_stream(src, [kv.CacheIndex(2, dst, 0)], src_batch_index=1, tensor_num_per_layer=2,
+                                timeout=10, notify=b"req-ucx")
+        for layer in (3, 0, 2, 1):          # any order, as layers finish
+            stream.layer_ready(layer)
+        assert await stream.wait() == [S.LLM_SUCCESS]
+        got = (await peer.call("digest", cache_id=dst))["rows"]
+        zero = row_digests([np.zeros(desc.shape, np.float16)])[0][1]
+        assert got == [[r[1], zero] for r in row_digests(src.tensors)]
+        notes = await peer.call("take_notes")
+        assert notes["payloads"] == {b"req-ucx".hex(): 1}, notes
+    finally:
+        await p.close()
+        await peer.close()
+
+
+async def test_notifications_over_ucx_once_and_after_the_bytes(tls):
+    """Each push's notification is delivered once, and when it is, every byte of that push
+    is in the destination (64 MiB pushes: the puts are still flowing when the message
+    could overtake them)."""
+    desc = kv.CacheDesc(4, (1, 16 << 20), np.uint8)
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts()).start()
+    d = await kv.KvEngine(2, kv.Role.DECODER, "127.0.0.1:0", opts()).start()
+    try:
+        dst = d.allocate_cache(desc)
+        st, per = await p.link_clusters([kv.ClusterInfo(2, d.address)])
+        assert st == S.LLM_SUCCESS, per
+        await p.wait_remote_cache(2, dst.cache_id)
+        for k in range(3):
+            src = filled(p, desc, seed=40 + k)
+            t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), timeout=30,
+                                       notify=f"note-{k}".encode())
+            note = await d.wait_notification(f"note-{k}".encode(), timeout=30)
+            assert note.cluster_id == 1
+            # checked at delivery, before any other await: the bytes were there first
+            assert all(np.array_equal(a, b) for a, b in zip(dst.tensors, src.tensors)), k
+            assert await t == S.LLM_SUCCESS
+        with pytest.raises(kv.LLMTimeoutError):   # delivered once: nothing is left to deliver
+            await d.wait_notification(None, timeout=0.3)
+    finally:
+        await p.close()
+        await d.close()
+
+
+# ------------------------------------------------------------------ a stopped peer
+
+HB = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "link_timeout": 2.0}
+DEADLINE = 1.0
+STATUS_BOUND = DEADLINE + HB["heartbeat_timeout"] + HB["heartbeat_interval"] + 1.0   # as tests/test_fencing.py
+WINDOW = 2.0                     # observation window after the stopped peer resumes
+
+
+@pytest.mark.xfail(strict=True, reason="kv_ucx.c's puts (at 9504edc): over UCX_TLS=tcp the flush completes "
+                   "once the bytes are in the local socket, so the push resolves LLM_TIMEOUT while the stopped "
+                   "peer still has MiBs to apply, and applies them when resumed (measured: 4.2-4.7 MB after the "
+                   "status). strict: XPASS (a failure here) once the pushes are fenced; then drop the mark")
+async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypatch):
+    """A 256 MiB push into a SIGSTOPped peer over UCX_TLS=tcp resolves LLM_TIMEOUT or
+    LLM_LINK_FAILED within deadline + heartbeat_timeout (+ slack), and once the peer
+    resumes, its destination does not change any more."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    row = kv.CacheDesc(2, (1, 128 << 20), np.uint8)
+    peer = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET, options=dict(HB))
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts(**HB)).start()
+    loop = asyncio.get_running_loop()
+    try:
+        dst = (await peer.call("alloc", n=2, shape=[1, 128 << 20], dtype="uint8", fill=7))["cache_id"]
+        st, per = await p.link_clusters([kv.ClusterInfo(2, peer.address)])
+        assert st == S.LLM_SUCCESS, per
+        await p.wait_remote_cache(2, dst, timeout=5)
+        info = await peer.call("addrs", cache_id=dst)
+        addrs, size = info["addrs"], info["size"]
+        before = netbed.read_remote(peer.pid, addrs[:1], 1 << 20)[0].copy()
+        src = filled(p, row, seed=8)
+        t0 = loop.time()
+        t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=DEADLINE)
+        end = time.monotonic() + 5     # spin (no await: the I/O threads move the bytes) until some landed
+        while np.array_equal(netbed.read_remote(peer.pid, addrs[:1], 1 << 20)[0], before):
+            assert time.monotonic() < end, "nothing landed within 5 s"
+            time.sleep(0.0005)
+        os.kill(peer.pid, signal.SIGSTOP)
+        assert not t.done(), f"the push finished before its peer was stopped: {t.status!r}"
+        status = await asyncio.wait_for(t._wait(), STATUS_BOUND + 5)
+        elapsed = loop.time() - t0
+        at_status = netbed.read_remote(peer.pid, addrs, size)
+        assert status in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), status.name
+        assert elapsed <= STATUS_BOUND, f"the status took {elapsed:.2f} s (bound {STATUS_BOUND:.2f} s)"
+        assert p.stats()["native"]["jobs_live"] == 0
+        os.kill(peer.pid, signal.SIGCONT)
+        t1 = loop.time()
+        reply = await peer.call("wait_link_down", cluster_id=1, timeout=HB["heartbeat_timeout"] + 5)
+        assert reply["down"], "the resumed peer still has its link to us"
+        left = WINDOW - (loop.time() - t1)
+        if left > 0:
+            await asyncio.sleep(left)   # the observation window itself, not a synchronisation
+        after = netbed.read_remote(peer.pid, addrs, size)
+        n = sum(int(np.count_nonzero(a != b)) for a, b in zip(at_status, after))
+        assert n == 0, f"{n} bytes landed in the destination after the push's status {status.name}"
+    finally:
+        if peer.proc.returncode is None:
+            os.kill(peer.pid, signal.SIGCONT)
+        await p.close()
+        await peer.close()
+
+
+# ------------------------------------------------------------------ across hosts (netns test bed)
+
+@pytest.fixture
+def bed2(monkeypatch):
+    """Two hosts in network namespaces; UCX over tcp (the only UCX transport between them)."""
+    reason = netbed.can_create_namespaces()
+    if reason is not None:
+        pytest.skip(reason)
+    netbed.sweep()
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    bed = netbed.NetBed(2).setup()
+    try:
+        yield bed
+    finally:
+        bed.close()
+
+
+async def _push_and_check(p, a) -> None:
+    src = (await p.call("alloc", n=2, shape=[2, 4 << 20], dtype="uint8", fill=3))["cache_id"]
+    dst = (await a.call("alloc", n=2, shape=[2, 4 << 20], dtype="uint8"))["cache_id"]
+    r = await p.call("series", cache_id=src, targets=[[a.cluster_id, dst]], n=2, rows=2, deadline=10)
+    assert r["status"] == {str(a.cluster_id): {"LLM_SUCCESS": 2}}, r
+    assert (await a.call("digest", cache_id=dst))["rows"] == (await p.call("digest", cache_id=src))["rows"]
+
+
+async def test_auto_picks_ucx_across_hosts_when_both_have_it(bed2):
+    """auto + auto across hosts, both built with UCX and allowing it (auto_ucx=True: no
+    RDMA device here): ucx, and the push lands byte-exact; the decode end with
+    auto_ucx=False: tcp; the prefill end with auto_ucx=False: tcp; the default (None)
+    on a host without an RDMA device: tcp."""
+    from kvengine.handshake import rdma_devices
+    yes, no = dict(HB, link_timeout=10.0, auto_ucx=True), dict(HB, link_timeout=10.0, auto_ucx=False)
+    try:
+        p, p_no, a, b_no, c_default = await asyncio.gather(
+            bed2.spawn(0, 1, role="PROMPT", secret=SECRET, options=yes),
+            bed2.spawn(0, 4, role="PROMPT", secret=SECRET, options=no),
+            bed2.spawn(1, 2, secret=SECRET, options=yes),
+            bed2.spawn(1, 3, secret=SECRET, options=no),
+            bed2.spawn(1, 5, secret=SECRET, options=dict(HB, link_timeout=10.0)))
+        for x in (a, b_no, c_default):
+            assert (await p.call("link", cluster_id=x.cluster_id, address=x.address))["status"] == 0
+        assert (await p_no.call("link", cluster_id=a.cluster_id, address=a.address))["status"] == 0
+        links = (await p.call("stats"))["stats"]["links"]
+        assert links["2"]["transport"] == "ucx", links
+        assert links["3"]["transport"] == "tcp", links
+        assert links["5"]["transport"] == ("ucx" if rdma_devices() else "tcp"), links
+        assert (await p_no.call("stats"))["stats"]["links"]["2"]["transport"] == "tcp"
+        await _push_and_check(p, a)
+        await _push_and_check(p, b_no)
+    finally:
+        await bed2.aclose()
+
+
+async def test_forced_ucx_push_across_hosts(bed2):
+    """transport="ucx" on both hosts over UCX_TLS=tcp: pushes land byte-exact."""
+    try:
+        p, a = await asyncio.gather(bed2.spawn(0, 1, role="PROMPT", secret=SECRET, transport="ucx", options=HB),
+                                    bed2.spawn(1, 2, secret=SECRET, transport="ucx", options=HB))
+        assert (await p.call("link", cluster_id=2, address=a.address))["status"] == 0
+        assert (await p.call("stats"))["stats"]["links"]["2"]["transport"] == "ucx"
+        await _push_and_check(p, a)
+    finally:
+        await bed2.aclose()
+
+
+# ------------------------------------------------------------------ the option and the hello field
+
+def test_auto_ucx_option_and_env(monkeypatch):
+    from kvengine.handshake import rdma_devices, ucx_for_auto
+    monkeypatch.delenv("KVENGINE_AUTO_UCX", raising=False)
+    assert kv.EngineOptions().auto_ucx is None
+    assert ucx_for_auto(kv.EngineOptions()) == bool(rdma_devices())   # default: with an RDMA device
+    assert ucx_for_auto(kv.EngineOptions(auto_ucx=True)) is True
+    monkeypatch.setenv("KVENGINE_AUTO_UCX", "0")
+    assert kv.EngineOptions().auto_ucx is False and not ucx_for_auto(kv.EngineOptions())
+    monkeypatch.setenv("KVENGINE_AUTO_UCX", "on")
+    assert kv.EngineOptions().auto_ucx is True
+    assert kv.EngineOptions(auto_ucx=False).auto_ucx is False
+    with pytest.raises(kv.LLMParamInvalidError):
+        kv.EngineOptions(auto_ucx="yes")  # type: ignore[arg-type]
+    monkeypatch.setattr(_native, "UCX", False)   # a build without UCX never offers it
+    assert ucx_for_auto(kv.EngineOptions(auto_ucx=True)) is False
+
+
+def test_hello_ucx_field_is_optional_and_checked():
+    from kvengine.handshake import hello_problem
+    h = {"t": "hello", "v": 3, "cluster": 1, "role": 0, "host": "h", "process": "p", "transport": "auto",
+         "streams": 4, "auth": False, "nonce": "0" * 32, "inc": "0" * 16}
+    assert hello_problem(h) is None                      # an engine from before the field
+    assert hello_problem(dict(h, ucx=True)) is None
+    assert hello_problem(dict(h, ucx="yes")) == "malformed hello: bad 'ucx'"
