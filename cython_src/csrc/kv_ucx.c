@@ -584,6 +584,8 @@ static void push_sent(void *request, ucs_status_t status, void *user_data) {
             j->job.record.status = KV_LLM_LINK_FAILED;
         sig = job_maybe_done(u, j);
     }
+    if (op->region)
+        kv__region_unref(u->core, op->region);
     cb_unlock(u, own, sig);
     free(op);
     ucp_request_free(request);
@@ -1231,6 +1233,10 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
             } else if (req == NULL) {
                 free(op);
             } else {
+                /* the source (and its memh) stays registered until UCX is done with the
+                 * request, also if its job completes first (detached at a link failure) */
+                op->region = local_region;
+                kv__region_ref(c, local_region);
                 j->ops_pending++;
                 l->inflight += n;
                 op->lnext = l->sends;
