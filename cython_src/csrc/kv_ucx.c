@@ -637,6 +637,9 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
         next = j->next;
         if (j->job.record.status == KV_LLM_SUCCESS)
             j->job.record.status = status;
+        if (!j->is_pull && j->job.state == KV_JS_ABORTING && j->posted && !j->acked && j->abort_state != 3)
+            j->job.record.status = KV_LLM_LINK_FAILED; /* an abort the target never acknowledged: not a
+                                                          timeout or cancel on a usable link, tcp's rule */
         if (j->job.queued)
             kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
         j->job.state = KV_JS_FENCING;
