@@ -1,5 +1,9 @@
 """Builds the one extension, kvengine._native. Metadata lives in pyproject.toml.
 
+cython_src/_native.pyx includes cython_src/_fast.pxi (the loop thread's fast path and
+the accounting's counters: one extension, so it calls the C core directly; cythonize
+rebuilds when either changes).
+
 KVENGINE_DEBUG=1 builds -O0 -g; KVENGINE_SANITIZE=1 adds ASan/UBSan.
 
 The UCX transport (cython_src/csrc/kv_ucx.c, ``transport="ucx"``) is built when

@@ -24,6 +24,7 @@ REGION_UCX = kvc.KV_REGION_UCX
 UCX = kvc.kv_ucx_available() != 0   # built with the UCX transport
 UCX_TOKEN = kvc.KV_UCX_TOKEN
 SEG_WORDS = kvc.KV_SEG_WORDS
+SEG2_WORDS = kvc.KV_SEG2_WORDS
 F_UNMAP = kvc.KV_REGION_F_UNMAP
 F_EXPORT = kvc.KV_REGION_F_EXPORT
 F_NOTIFY = kvc.KV_REGION_F_NOTIFY
@@ -110,20 +111,23 @@ cdef class Core:
         return kvc.kv_region_pidfd(self.c, region_id, pidfd, key)
 
     def submit(self, uint64_t job_id, const uint64_t[::1] segs, uint64_t inline_max, uint64_t rank=0,
-               uint32_t lease=0):
+               uint32_t lease=0, unsigned words=kvc.KV_SEG_WORDS):
         """Start a job (TCP links send lower ``rank`` first; movers claim no chunk once ``lease``,
-        from lease_add, has run out). Returns ``(status, done_inline, nbytes)``."""
+        from lease_add, has run out). ``words``: SEG_WORDS (1-D segments) or SEG2_WORDS (2-D:
+        row_bytes, rows, src_stride, dst_stride after the offsets). Returns ``(status, done_inline,
+        nbytes)``."""
         if self.c == NULL:
             return kvc.KV_LLM_ENGINE_FINALIZED, False, 0
-        cdef size_t nsegs = segs.shape[0] // kvc.KV_SEG_WORDS
         cdef int done = 0
         cdef uint64_t nbytes = 0
         cdef uint32_t st
-        if segs.shape[0] == 0 or segs.shape[0] % kvc.KV_SEG_WORDS:
+        if (words != <unsigned>kvc.KV_SEG_WORDS and words != <unsigned>kvc.KV_SEG2_WORDS) or \
+                segs.shape[0] == 0 or segs.shape[0] % words:
             return kvc.KV_LLM_PARAM_INVALID, True, 0
+        cdef size_t nsegs = segs.shape[0] // words
         with nogil:  # may copy up to inline_max bytes on this thread
-            st = kvc.kv_core_submit_leased(self.c, job_id, &segs[0], nsegs, inline_max, rank, lease, &done,
-                                           &nbytes)
+            st = kvc.kv_core_submit_job(self.c, job_id, &segs[0], nsegs, words, inline_max, rank, lease,
+                                        &done, &nbytes)
         return st, done != 0, nbytes
 
     def lease_add(self, uint64_t until_ns):
@@ -291,3 +295,6 @@ cdef class Core:
             "ucx_bytes_sent": s.ucx_bytes_sent, "ucx_bytes_received": s.ucx_bytes_received,
             "ucx_lease_grants": s.ucx_lease_grants,
         }
+
+
+include "_fast.pxi"   # the loop thread's hot path of small transfers, and the accounting's counters

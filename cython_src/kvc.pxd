@@ -7,6 +7,7 @@ cdef extern from "kv_core.h" nogil:
     int KV_REGION_TCP
     int KV_REGION_UCX
     int KV_SEG_WORDS
+    int KV_SEG2_WORDS
     unsigned int KV_LLM_PARAM_INVALID  # kv_status.h, checked against status.py by tests/test_status.py
     unsigned int KV_LLM_ENGINE_FINALIZED
     unsigned int KV_LLM_FEATURE_NOT_ENABLED
@@ -80,6 +81,9 @@ cdef extern from "kv_core.h" nogil:
     uint32_t kv_core_submit_leased(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                                    uint64_t inline_max, uint64_t rank, uint32_t lease_id, int *done,
                                    uint64_t *nbytes)
+    uint32_t kv_core_submit_job(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
+                                unsigned words, uint64_t inline_max, uint64_t rank, uint32_t lease_id,
+                                int *done, uint64_t *nbytes)
     uint32_t kv_tcp_listen(kv_core *core, const char *ip, uint16_t port, uint16_t *bound_port)
     uint32_t kv_tcp_link_add(kv_core *core, uint32_t link_id, const unsigned char *token, int nstreams,
                              uint64_t window, uint64_t lease_ns, uint64_t fence_ns, uint64_t margin_ns)

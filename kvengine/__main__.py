@@ -1,4 +1,4 @@
-"""``kvengine`` command line: ``kvengine demo``, ``kvengine bench throughput|latency|load|cluster|soak``
+"""``kvengine`` command line: ``kvengine demo``, ``kvengine bench throughput|latency|loopcost|load|cluster|soak``
 (also ``python -m kvengine ...``)."""
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ _BENCH = {
                    "(--transport ucx: beside kvengine tcp, NIXL, UCXX, ucx_perftest)"),
     "latency": ("kvengine.bench.latency", "one-layer (64 KiB) push p50/p99/p999 beside the same; "
                 "--layout paged: one layer of a 64-block request beside the same bytes contiguous"),
+    "loopcost": ("kvengine.bench.loopcost", "the loop thread's CPU per one-layer push, and its pieces"),
     "load": ("kvengine.bench.load", "EDF vs FIFO scheduling under mixed load over tcp"),
     "cluster": ("kvengine.bench.cluster", "4 x 4 hosts in network namespaces (root), optionally with a fault"),
     "soak": ("kvengine.bench.soak", "mixed load for N minutes: RSS, fds, threads, live counters stay flat"),
@@ -136,14 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--uvloop", action="store_true",
                    help="run on uvloop instead of asyncio's default loop (default: %(default)s)")
     b = sub.add_parser("bench", add_help=False,
-                       help="benchmarks: kvengine bench throughput|latency|load|cluster|soak [--quick] ... (--help after one)",
-                       description="kvengine bench throughput|latency|load|cluster|soak [options]; each takes --help")
+                       help="benchmarks: kvengine bench throughput|latency|loopcost|load|cluster|soak [--quick] ... (--help after one)",
+                       description="kvengine bench throughput|latency|loopcost|load|cluster|soak [options]; each takes --help")
     b.add_argument("what", choices=list(_BENCH),
                    help="; ".join(f"{k}: {v[1]}" for k, v in _BENCH.items()))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     raw = sys.argv[1:] if argv is None else list(argv)
     if raw[:1] == ["bench"] and (len(raw) == 1 or raw[1] in ("-h", "--help")):
-        print("usage: kvengine bench {throughput,latency,load,cluster,soak} [options]   (each takes --help)\n")
+        print("usage: kvengine bench {throughput,latency,loopcost,load,cluster,soak} [options]   (each takes --help)\n")
         for k, (_, what) in _BENCH.items():
             print(f"  {k:11s} {what}")
         return 0 if len(raw) > 1 else 2

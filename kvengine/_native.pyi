@@ -6,7 +6,7 @@ functions, constants and ``Core`` methods, with the same parameters.
 """
 
 import array
-from typing import Final
+from typing import Any, Callable, Final, Iterator
 
 import numpy as np
 from numpy.typing import NDArray
@@ -20,6 +20,9 @@ UCX: Final[bool]
 UCX_TOKEN: Final[int]
 # uint64 words per segment in ``Core.submit(segs=...)``
 SEG_WORDS: Final[int]
+# uint64 words per 2-D segment (``Core.submit(..., words=SEG2_WORDS)``): src_region, src_offset,
+# dst_region, dst_offset, row_bytes, rows, src_stride, dst_stride
+SEG2_WORDS: Final[int]
 # region flags
 F_UNMAP: Final[int]
 F_EXPORT: Final[int]
@@ -51,10 +54,10 @@ class Core:
     def region_remove(self, region_id: int) -> int: ...
     def region_pidfd(self, region_id: int, pidfd: int, key: int = 0) -> int: ...
     def submit(self, job_id: int, segs: array.array[int] | NDArray[np.uint64] | memoryview, inline_max: int,
-               rank: int = 0, lease: int = 0) -> tuple[int, bool, int]:
+               rank: int = 0, lease: int = 0, words: int = 5) -> tuple[int, bool, int]:
         """Start a job: returns ``(status, done_inline, nbytes)``. ``segs``: a C-contiguous buffer
         of uint64 (``array.array("Q")``, a numpy uint64 array, or a memoryview of one),
-        SEG_WORDS words per segment."""
+        ``words`` (SEG_WORDS, or SEG2_WORDS for 2-D segments) words per segment."""
     def lease_add(self, until_ns: int) -> tuple[int, int]:
         """Returns ``(status, lease_id)``."""
     def lease_renew(self, lease_id: int, until_ns: int) -> int: ...
@@ -77,3 +80,50 @@ class Core:
     def ucx_test_send(self, link_id: int, header: bytes, data: bytes = b"", rndv: bool = False) -> int: ...
     def ucx_link_close(self, link_id: int, status: int) -> int: ...
     def stats(self) -> dict[str, int]: ...
+
+# --- the loop thread's hot path and the accounting's counters (cython_src/_fast.pxi) ---
+
+class Histogram:
+    """Latency histogram with log buckets (ratio 2**0.25, from 1 us to ~1.2 h), in C."""
+
+    n: Final[int]
+    total: Final[float]
+    def record(self, seconds: float) -> None: ...
+    @property
+    def counts(self) -> list[int]: ...
+    def upper(self, i: int) -> float: ...
+    def quantile(self, q: float) -> float: ...
+    def summary(self) -> dict[str, float]: ...
+
+class Counts:
+    """Counters and histograms of finished transfers (all, or one peer's)."""
+
+    queue: Final[Histogram]
+    transfer: Final[Histogram]
+    total: Final[Histogram]
+    hists: Final[dict[str, Histogram]]
+    def add(self, name: str, nbytes: int) -> None: ...
+    def times(self, queue_s: float, transfer_s: float, total_s: float) -> None: ...
+    def _bench(self, n: int, seconds: float) -> None: ...
+    @property
+    def transfers(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def by_status(self) -> dict[str, int]: ...
+    def summary(self) -> dict[str, object]: ...
+
+class FastPath:
+    """An engine's native hot path of awaited inline pushes and pulls."""
+
+    taken: Final[int]
+    def __init__(self, loop: object, core: Core, options: object, jobs: Iterator[int],
+                 caches: dict[int, Any], links: dict[Any, Any], memo: dict[Any, Any], whole: Counts,
+                 peer: Callable[[tuple[int, str]], Counts], failed: Callable[..., Any],
+                 t_cache: type, t_index: type, t_ext: type) -> None: ...
+    def push(self, cache: object, where: object, src_batch_index: object, size: object, ext_param: object,
+             timeout: object, priority: object, notify: object) -> Any:
+        """None: not the fast path's; 0: done (success); else the finished failed Transfer."""
+    def pull(self, where: object, cache: object, batch_index: object, size: object, ext_param: object,
+             timeout: object, priority: object) -> Any: ...
+    def forget(self) -> None: ...

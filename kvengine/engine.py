@@ -27,13 +27,13 @@ from typing import Any, AsyncIterator, Sequence
 from . import control, plan
 from .layers import LayerStream
 from .notify import Notification
+from .options import EngineOptions
 from .parts import Parts
 from .registry import check_desc
 from .stats import Accounting
 from .status import LLMError, LLMStatusCode as S, LinkResult, error_for, overall
 from .targets import Segments
 from .transfer import Transfer
-from .options import EngineOptions
 from .types import (BlockTable, BlocksCacheKey, Cache, CacheDesc, CacheIndex, CacheKey, ClusterInfo,
                     KvCacheExtParam, Role, check_timeout, param_invalid)
 
@@ -350,19 +350,24 @@ class KvEngine:
                             timeout: float | None = None, priority: int = 0,
                             notify: bytes | None = None) -> S:
         """PushKvCache: ``LLM_SUCCESS`` or raise the :class:`LLMError` subclass of the status.
-
         ``priority`` (-1000..1000, higher first) and the deadline order the link's queue;
-        ``notify`` bytes reach the destination engine after the last byte landed.
-        """
-        return await self.submit_push_kv_cache(cache, dst_index, src_batch_index, size, ext_param,
-                                               timeout, priority, notify)._result()
+        ``notify`` bytes reach the destination engine after the last byte landed."""
+        r = None if self._closed or self._p is None else \
+            self._p.fast.push(cache, dst_index, src_batch_index, size, ext_param, timeout, priority, notify)
+        if r is None:   # not the common case the native fast path runs whole (kvengine/parts.py)
+            r = self.submit_push_kv_cache(cache, dst_index, src_batch_index, size, ext_param, timeout,
+                                          priority, notify)
+        return S.LLM_SUCCESS if r == 0 else await r._result()
 
     async def pull_kv_cache(self, src_index: CacheIndex | CacheKey, cache: Cache, batch_index: int = 0,
                             size: int = -1, ext_param: KvCacheExtParam | None = None,
                             timeout: float | None = None, priority: int = 0) -> S:
         """PullKvCache: ``LLM_SUCCESS`` or raise the :class:`LLMError` subclass of the status."""
-        return await self.submit_pull_kv_cache(src_index, cache, batch_index, size, ext_param,
-                                               timeout, priority)._result()
+        r = None if self._closed or self._p is None else \
+            self._p.fast.pull(src_index, cache, batch_index, size, ext_param, timeout, priority)
+        if r is None:
+            r = self.submit_pull_kv_cache(src_index, cache, batch_index, size, ext_param, timeout, priority)
+        return S.LLM_SUCCESS if r == 0 else await r._result()
 
     async def push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: BlockTable,
                              dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
@@ -410,8 +415,7 @@ class KvEngine:
         """The next notification whose payload equals ``match`` (any, if None).
 
         Returns one already received if there is one. Raises ``LLMTimeoutError``
-        after ``timeout`` seconds (default ``sync_kv_timeout``).
-        """
+        after ``timeout`` seconds (default ``sync_kv_timeout``)."""
         p = self._open()
         tmo = check_timeout(timeout, self.options.sync_kv_timeout)
         if match is not None and not isinstance(match, (bytes, bytearray)):

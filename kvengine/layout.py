@@ -31,7 +31,7 @@ from numpy.typing import NDArray
 from .types import CacheDesc, DataType, param_invalid
 
 __all__ = ["LAYOUTS", "kv_tensors", "describe", "as_strided_array", "check_tensor", "union_spans",
-           "block_geometry", "pack_blocks", "pack_rows", "expand_rows", "submit_form", "SEG1", "SEG2"]
+           "block_geometry", "pack_blocks", "pack_rows", "submit_form", "SEG1", "SEG2"]
 
 LAYOUTS = ("vllm", "flashinfer", "separate")
 SEG1, SEG2 = 5, 8   # words of a 1-D and of a 2-D (strided) segment
@@ -209,39 +209,9 @@ def pack_rows(pairs: list[tuple[int, int]], runs: tuple[NDArray[np.int64], ...],
     return out
 
 
-def expand_rows(packed8: NDArray[np.uint64]) -> NDArray[np.uint64]:
-    """SHIM until the native core takes 2-D segments (``_native.SEG2_WORDS``): an 8-word plan
-    as the 5-word plan of its rows (one segment per row, in order). Used by
-    plan.Planner.blocks only when ``getattr(_native, "SEG2_WORDS", None)`` is None; the
-    lead removes it with the native 2-D merge."""
-    s = packed8.reshape(-1, SEG2)
-    rows = s[:, 5].astype(np.int64)
-    if rows.size and int(rows.min()) == int(rows.max()):   # the usual case: one block's rows each
-        k = np.arange(int(rows[0]), dtype=U64)[None, :]
-        b = np.empty((s.shape[0], int(rows[0]), SEG1), U64)
-        b[:, :, 0] = s[:, 0:1]
-        np.add(s[:, 1:2], k * s[:, 6:7], out=b[:, :, 1])
-        b[:, :, 2] = s[:, 2:3]
-        np.add(s[:, 3:4], k * s[:, 7:8], out=b[:, :, 3])
-        b[:, :, 4] = s[:, 4:5]
-        return b.reshape(-1)
-    seg = np.repeat(np.arange(s.shape[0]), rows)
-    k = (np.arange(seg.size) - np.repeat(np.cumsum(rows) - rows, rows)).astype(U64)
-    out = np.empty((seg.size, SEG1), U64)
-    out[:, 0] = s[seg, 0]
-    out[:, 1] = s[seg, 1] + k * s[seg, 6]
-    out[:, 2] = s[seg, 2]
-    out[:, 3] = s[seg, 3] + k * s[seg, 7]
-    out[:, 4] = s[seg, 4]
-    return out.reshape(-1)
-
-
-def submit_form(segs: Any, seg2_words: int | None) -> tuple[Any, int]:
+def submit_form(segs: Any) -> tuple[Any, int]:
     """``(flat plan, words per segment)`` of a planned transfer for ``Core.submit``: a 2-D
-    ``(n, 8)`` plan flat with 8 words, or, while the core takes no 2-D segments
-    (``seg2_words`` None), its rows through the :func:`expand_rows` SHIM."""
+    ``(n, 8)`` plan flat with 8 words (the core takes 2-D segments, ``_native.SEG2_WORDS``)."""
     if isinstance(segs, np.ndarray) and segs.ndim == 2:
-        if seg2_words is None:
-            return expand_rows(segs), SEG1
         return segs.reshape(-1), segs.shape[1]
     return segs, SEG1

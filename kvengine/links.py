@@ -74,6 +74,11 @@ class LinkManager:
     def get(self, cluster_id: Any) -> Link | None:
         return self._links.get(cluster_id)
 
+    @property
+    def table(self) -> dict[int, Link]:
+        """cluster id -> link, for reading only (the native fast path looks links up in it)."""
+        return self._links
+
     def links(self) -> list[Link]:
         return list(self._links.values())
 

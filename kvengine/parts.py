@@ -29,7 +29,7 @@ from .status import LLMStatusCode as S, error_for
 from .tables import CacheTables
 from .targets import Targets
 from .options import EngineOptions
-from .types import Role
+from .types import Cache, CacheIndex, KvCacheExtParam, Role
 
 __all__ = ["Parts", "UCX_HINT"]
 
@@ -66,6 +66,12 @@ class Parts:
         self.dialer = Dialer(loop, options, cluster_id, role, host, token, self.incarnation, self.links)
         self.acceptor = Acceptor(loop, self.core, options, cluster_id, host, token, self.incarnation, self.links,
                                  self.tasks)
+        # the hot path of awaited inline pushes and pulls, in C (cython_src/_fast.pxi): it runs
+        # only what the planner memoized, and answers "not mine" to anything else
+        self.fast = _native.FastPath(loop, self.core, options, self.scheduler.jobs, self.registry.table,
+                                     self.links.table, self.planner.memo, self.accounting.all,
+                                     self.accounting.peer, self.scheduler.inline_done, Cache, CacheIndex,
+                                     KvCacheExtParam)
         self.registry.peers = self.links
         self.keys.peers = self.links
         self.scheduler.on_link_failed = lambda link: self.links.link_down(link, S.LLM_LINK_FAILED)

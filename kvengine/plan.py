@@ -350,15 +350,20 @@ class Planner:
     def __init__(self) -> None:
         self._memo: dict[tuple[Any, ...], tuple[array.array[int], int]] = {}
 
+    @property
+    def memo(self) -> dict[tuple[Any, ...], tuple[array.array[int], int]]:
+        """The memo, ``memo_key(key) -> (packed, bytes)``: read by the native fast path
+        (``_native.FastPath``), which runs only what the Planner has checked and memoized."""
+        return self._memo
+
     def segments(self, key: tuple[Any, ...] | None, make: Callable[[], list[Segment]],
                  src_regions: Sequence[tuple[int, int]],
                  dst_regions: Sequence[tuple[int, int]]) -> tuple[array.array[int], int]:
         """The packed plan of ``make()`` and its byte count. ``*_regions``: per tensor,
         ``(native region id, offset)``. ``key`` memoizes it (None: not memoized)."""
         if key is not None:
-            if not _plain_key(key):   # only exact ints hit the memo: True == 1, 0.0 == 0
-                key = None
-            else:
+            key = memo_key(key)   # None: not plain (True == 1, 0.0 == 0 must not hit the memo)
+            if key is not None:
                 hit = self._memo.get(key)
                 if hit is not None:
                     return hit
@@ -407,17 +412,29 @@ class Planner:
         return flat.reshape(-1), total
 
 
+_ALL = (-1, -1)
+
+
 def _plain_range(r: Any) -> bool:
     return type(r) is range or (type(r) is tuple and len(r) == 2 and type(r[0]) is int and type(r[1]) is int)
 
 
-def _plain_key(key: tuple[Any, ...]) -> bool:
-    """True if every part of a plan memo key has an exact type (so equal means identical)."""
+def memo_key(key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A plan memo key as the memo holds it, or None if it must not be memoized: every part
+    of an exact type (so equal means identical), the ext param as the plain tuple
+    ``(src_layer_range, dst_layer_range, tensor_num_per_layer)``, which hashes in C (the
+    native fast path, cython_src/_fast.pxi, builds the same tuple)."""
     *head, ext = key
-    if not all(type(v) is int or type(v) is str for v in head):
-        return False
+    for v in head:
+        if type(v) is not int and type(v) is not str:
+            return None
     if ext is None:
-        return True
-    return (type(ext) is KvCacheExtParam and type(ext.tensor_num_per_layer) is int
-            and all(_plain_range(r) for r in (ext.src_layer_range, ext.dst_layer_range,
-                                               ext.src_head_range, ext.dst_head_range)))
+        return key
+    if type(ext) is not KvCacheExtParam:
+        return None
+    s, d, n = ext.src_layer_range, ext.dst_layer_range, ext.tensor_num_per_layer
+    if type(n) is not int or not _plain_range(s) or not _plain_range(d):
+        return None
+    if ext.src_head_range != _ALL or ext.dst_head_range != _ALL:
+        return None   # rows refuse head ranges: plan_cache must see them every time
+    return (*head, (s, d, n))

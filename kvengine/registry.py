@@ -107,6 +107,11 @@ class CacheRegistry:
     def __contains__(self, cache_id: object) -> bool:
         return cache_id in self._caches
 
+    @property
+    def table(self) -> dict[int, LocalCache]:
+        """cache id -> state, for reading only (the native fast path looks caches up in it)."""
+        return self._caches
+
     def by_id(self, cache_id: int) -> LocalCache | None:
         return self._caches.get(cache_id)
 

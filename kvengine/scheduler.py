@@ -57,7 +57,6 @@ __all__ = ["Scheduler", "rank"]
 _seq = itertools.count()
 _NO_LIMIT = 1 << 62   # default budget and piece: the native queues keep the order
 _UNSTARTED = _native.DONE_UNSTARTED
-_SEG2 = getattr(_native, "SEG2_WORDS", None)   # None: no 2-D segments yet (layout.expand_rows, the shim)
 _RANK_DEADLINE = (1 << 52) - 1   # deadline in microseconds of the loop clock (142 years)
 
 
@@ -116,6 +115,22 @@ class Scheduler:
 
     # ------------------------------------------------------------ submission
 
+    @property
+    def jobs(self) -> "itertools.count[int]":
+        """The native job ids (the fast path draws from the same counter)."""
+        return self._jobs
+
+    def inline_done(self, link: "Link", what: What, lease: int, status: int, done: bool, nbytes: int,
+                    t0: float) -> Transfer:
+        """An inline job the native fast path ran did not succeed: its Transfer, finished
+        as :meth:`launch` finishes one (accounting, link-down, message)."""
+        t = Transfer(self, what)
+        t._lease, t._link = lease, link
+        t._t_queued = t._t_started = t0
+        assert done or status, "kv_core_submit copies a local job of at most inline_max bytes inline"
+        t._finish(status, nbytes)
+        return t
+
     def launch(self, link: "Link", refs: tuple[Counted, ...], segs: "Packed", total: int,
                timeout: float, priority: int, notify: bytes | None, what: "str | What", lease: int = 0) -> Transfer:
         """Start a transfer of the packed ``segs`` (``total`` bytes) on ``link``.
@@ -127,7 +142,7 @@ class Scheduler:
         t._lease = lease
         words: tuple[int, ...] = ()
         if isinstance(segs, np.ndarray) and segs.ndim == 2:   # 2-D segments (kvengine/layout.py)
-            segs, t._words = submit_form(segs, _SEG2)
+            segs, t._words = submit_form(segs)
             words = () if t._words == SEG1 else (t._words,)
         opts = self._options
         if total <= opts.inline_threshold and link.transport not in ("tcp", "ucx"):
@@ -149,34 +164,41 @@ class Scheduler:
         seq = next(_seq)
         t._key = (seq,) if opts.scheduling == "fifo" else (-priority, t.deadline, seq)
         t._rank = rank(t._key)
+        if not link.heap and not opts.max_inflight_bytes and not opts.piece_bytes and link.up:
+            segs, n = t._next_piece(_NO_LIMIT)   # nothing waits before it: no heap
+            self._hand_over(link, t, segs, n)
+            return t
         heapq.heappush(link.heap, (t._key, t))
         self._dispatch(link)
         return t
+
+    def _hand_over(self, link: "Link", t: Transfer, segs: "Packed", n: int) -> bool:
+        """Give the core one piece (``n`` bytes) of ``t``; False if it refused it (``t`` aborts)."""
+        job = next(self._jobs)
+        st, _, _ = self._core.submit(job, segs, 0, t._rank, t._lease, *(() if t._words == SEG1 else (t._words,)))
+        if not t._t_started:
+            t._t_started = perf_counter()
+        if st:
+            t._left = 0
+            t._abort(to_status(st))
+            return False
+        t._jobs[job] = n
+        self.pending[job] = t
+        link.inflight_bytes += n
+        return True
 
     def _dispatch(self, link: "Link") -> None:
         """Feed the core from the head of the link's queue while the budget allows."""
         heap = link.heap
         budget = self._options.max_inflight_bytes or _NO_LIMIT
         piece = self._options.piece_bytes or _NO_LIMIT
-        core, pending, jobs = self._core, self.pending, self._jobs
         while heap and link.inflight_bytes < budget and link.up:
             t = heap[0][1]
             if t._status is not None or t._left == 0:
                 heapq.heappop(heap)
                 continue
             segs, n = t._next_piece(piece)
-            job = next(jobs)
-            st, _, _ = core.submit(job, segs, 0, t._rank, t._lease, *(() if t._words == SEG1 else (t._words,)))
-            if not t._t_started:
-                t._t_started = perf_counter()
-            if st:
-                t._left = 0
-                t._abort(to_status(st))
-                continue
-            t._jobs[job] = n
-            pending[job] = t
-            link.inflight_bytes += n
-            if t._left == 0:
+            if self._hand_over(link, t, segs, n) and t._left == 0:
                 heapq.heappop(heap)
 
     def on_completions(self, done: list[tuple[int, int, int, int]]) -> None:

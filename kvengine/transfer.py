@@ -68,7 +68,7 @@ class Transfer:
     __slots__ = ("_owner", "_what", "_status", "_fut", "_timer", "_link", "_refs", "_timeout",
                  "_message", "nbytes", "_segs", "_cur", "_off", "_left", "_jobs", "_fail", "_key",
                  "_notify", "_t_queued", "_t_started", "_total", "_inq", "_callbacks", "priority", "deadline",
-                 "_rank", "_ran", "_lease", "_words", "__weakref__")
+                 "_rank", "_ran", "_lease", "_words", "_direct", "__weakref__")
 
     def __init__(self, owner: TransferOwner, what: "str | What") -> None:
         self._owner = owner
@@ -100,6 +100,7 @@ class Transfer:
         self._ran = False      # some piece went out (not aborted unstarted)
         self._lease = 0        # the link's mover lease (shm pushes), 0 for none
         self._words = _SEG     # words per segment of _segs: 5, or 8 (2-D, kvengine/layout.py)
+        self._direct: asyncio.Future[S] | None = None   # the raising API's own waiter (_result)
 
     @classmethod
     def failed(cls, owner: TransferOwner | None, what: str, status: int, message: str) -> "Transfer":
@@ -195,7 +196,12 @@ class Transfer:
     def _finish(self, status: int, nbytes: int, message: str = "") -> None:
         if self._status is not None:
             return
-        st = to_status(status)
+        if type(status) is S:   # the common cases without the general conversion
+            st = status
+        elif type(status) is int and status == 0:
+            st = S.LLM_SUCCESS
+        else:
+            st = to_status(status)
         self._status = st
         self.nbytes = nbytes
         self._message = message
@@ -214,6 +220,8 @@ class Transfer:
         self._owner.finished(self, st, link)
         if self._fut is not None and not self._fut.done():
             self._fut.set_result(st)
+        if self._direct is not None and not self._direct.done():
+            self._direct.set_result(st)
         callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             cb(st)
@@ -295,7 +303,13 @@ class Transfer:
     async def _result(self) -> S:
         if self._status is None:
             try:
-                await self._fenced()
+                if self._direct is None:
+                    # the first raising waiter awaits a future of its own, unshielded: a
+                    # cancellation cancels only that future (one loop pass less than shield)
+                    self._direct = self._owner.loop.create_future()
+                    await self._direct
+                else:
+                    await self._fenced()
             except asyncio.CancelledError:
                 self._abort(S.LLM_CANCELLED)
                 while self._status is None:  # the fence: bounded (heartbeat_timeout at most)

@@ -107,3 +107,16 @@ def test_bench_soak_samples_at_rest_and_says_flat(tmp_path):
     for s in r["samples"]:
         assert s["prefill_live"]["jobs_live"] == 0 and s["decode"]["fds"] > 0
     check_png(prefix, out)
+
+
+def test_bench_loopcost_reports_the_loop_threads_cost_and_its_pieces(tmp_path):
+    out = bench("loopcost", "--transport", "local,tcp", "--n", "400", "--rounds", "1",
+                "--json", str(tmp_path / "loopcost.json"))
+    assert "loop CPU us/push" in out and "CPU beyond the copy" in out
+    res = {r["transport"]: r for r in json.loads((tmp_path / "loopcost.json").read_text())["results"]}
+    local, tcp = res["local"], res["tcp"]
+    assert local["fast_taken"] >= 400                  # the inline pushes ran the native fast path
+    assert tcp["fast_taken"] == 0                      # tcp pushes are the scheduler's
+    assert 0 < local["fast_cpu_us"] <= local["fast_wall_us"] * 1.5 and local["python_cpu_us"] > 0
+    assert local["pieces_us"]["copy: Core.submit of the plan (C call + inline memmove)"] > 0
+    assert tcp["drains_per_push_fast"] > 0 and tcp["launch_us"] > 0 and tcp["drain_fast_us"] > 0

@@ -46,6 +46,10 @@
 #define KV_TOKEN_BYTES 32
 
 #define KV_SEG_WORDS 5 /* a segment: src_region, src_offset, dst_region, dst_offset, nbytes */
+/* A 2-D segment: src_region, src_offset, dst_region, dst_offset, row_bytes, rows,
+ * src_stride, dst_stride: row r is row_bytes at src_offset + r * src_stride,
+ * written at dst_offset + r * dst_stride. */
+#define KV_SEG2_WORDS 8
 
 typedef struct kv_core kv_core;
 
@@ -153,6 +157,18 @@ uint32_t kv_lease_remove(kv_core *core, uint32_t lease_id);
 uint32_t kv_core_submit_leased(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                                uint64_t inline_max, uint64_t rank, uint32_t lease_id, int *done,
                                uint64_t *nbytes);
+/* The general form (the three above are it with words = 5): `segs` holds
+ * `nsegs` segments of `words` words each, KV_SEG_WORDS (1-D) or KV_SEG2_WORDS
+ * (2-D: every segment of the job). A 2-D segment needs rows >= 1, row_bytes >=
+ * 1 and, when rows > 1, src_stride >= row_bytes and dst_stride >= row_bytes
+ * (rows never overlap), and every byte of every row inside its region
+ * (overflow-safe); else KV_LLM_PARAM_INVALID and nothing moves. Movers copy
+ * rows natively (chunks of up to chunk_bytes across rows; CMA with one
+ * iovec per row, many rows a call), TCP pushes carry them natively; a
+ * transport that does not declare 2-D support (UCX; TCP pulls) gets the
+ * job's segments expanded into one 1-D segment per row at submit. */
+uint32_t kv_core_submit_job(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs, unsigned words,
+                            uint64_t inline_max, uint64_t rank, uint32_t lease_id, int *done, uint64_t *nbytes);
 
 /* Abort a queued or running job: its completion carries `status` (unless it
  * already failed) and is posted once no mover writes for it any more.
@@ -162,7 +178,10 @@ uint32_t kv_core_submit_leased(kv_core *core, uint64_t job_id, const uint64_t *s
 uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status);
 
 /* ---- TCP data plane (kv_tcp.c). One epoll I/O thread per core, started by
- * the first call below. Frames: docs/protocol.md. */
+ * the first call below. Frames: docs/protocol.md. A push of at most 16
+ * segments and 256 KiB submitted onto an idle link is written by the
+ * submitting thread (one non-blocking sendmsg inside kv_core_submit*); the I/O
+ * thread finishes what the socket did not take and handles everything else. */
 
 /* Listen for data connections on ip:port (port 0 picks one). Once per core:
  * a second call returns KV_LLM_PARAM_INVALID. */

@@ -35,14 +35,29 @@ typedef struct {
     kv_event *freed_event; /* F_NOTIFY: posted (KV_EVENT_REGION_FREED) when it is released */
 } kv_region;
 
-/* One segment of a job, resolved at submit. */
+/* One segment of a job, resolved at submit: `rows` rows of `len` bytes, row r
+ * at src + r * src_stride and dst + r * dst_stride (1-D: rows 1). Claim
+ * cursors (kv_job.claim_offset) count bytes in row order: kv_seg_bytes() in all. */
 typedef struct {
-    uint64_t src, dst, len;  /* resolved addresses; for a transport side: offset in the peer's region */
+    uint64_t src, dst, len;  /* resolved addresses; for a transport side: offset in the peer's region; len: of a row */
+    uint64_t rows, src_stride, dst_stride;
     int32_t pid;             /* PROCESS: peer pid; transport (TCP): link id */
     int pidfd;               /* PROCESS: a pidfd of that process (kv_region_pidfd), or -1 */
     uint32_t remote_region;  /* transport side: the peer's region id */
     int8_t src_kind, dst_kind;
 } kv_segment;
+
+static inline uint64_t kv_seg_bytes(const kv_segment *s) { return s->len * s->rows; }
+
+/* The contiguous run of segment `s` at byte `off` (row order) of at most `max`
+ * bytes: its source and destination (addresses or remote offsets); returns its
+ * length (the rest of that row, or max). */
+static inline uint64_t kv_seg_run(const kv_segment *s, uint64_t off, uint64_t max, uint64_t *src, uint64_t *dst) {
+    uint64_t row = s->rows > 1 ? off / s->len : 0, col = off - row * s->len, n = s->len - col;
+    *src = s->src + row * s->src_stride + col;
+    *dst = s->dst + row * s->dst_stride + col;
+    return n < max ? n : max;
+}
 
 /* ---- records: what the completion list holds. Every record starts with a
  * kv_record: an event is nothing more; a job is a kv_job, itself first in its
@@ -188,7 +203,13 @@ typedef struct kv_transport_ops {
     /* Optional: region `id` (this process's memory) is being released: forget
      * any registration of it (UCX: ucp_mem_unmap). c->lock held. */
     void (*region_freed)(kv_transport *t, uint32_t id);
+    /* KV_T2D_*: which jobs it takes with 2-D segments (rows > 1). The core
+     * expands the 2-D segments of any other job into 1-D rows at submit. */
+    unsigned seg2d;
 } kv_transport_ops;
+
+#define KV_T2D_PUSH 1u /* its region is the destination */
+#define KV_T2D_PULL 2u /* its region is the source */
 
 /* Embedded first in the transport's own state. */
 struct kv_transport {

@@ -28,6 +28,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -37,8 +38,17 @@
 
 #define KV_MAGIC 0x3145564Bu /* "KVE1" */
 enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_RDATA, F_RERR, F_CREDIT,
-       F_LEASE_REQ, F_LEASE, F_LAST = F_LEASE };
+       F_LEASE_REQ, F_LEASE, F_DATAV, F_LAST = F_DATAV };
 #define F_FLAG_PULL 1u
+#define F_FLAG_DATAV 2u /* HELLO, HELLO_ACK: this end takes DATAV frames */
+
+/* DATAV: one payload scattered over a list of pieces of one region */
+#define KV_MAX_PIECES 1024u /* pieces of one DATAV frame */
+typedef struct {
+    uint64_t offset, len; /* in the frame's region */
+} kv_piece;
+#define KV_SEND_IOV 1024 /* iovecs one sendmsg takes at most (IOV_MAX) */
+#define KV_RECV_IOV 64   /* pieces one readv scatters into at most */
 
 #define KV_MAX_FRAME (64ull << 20)   /* payload bytes of one frame */
 #define KV_MAX_TOTAL (1ull << 48)    /* bytes of one transfer */
@@ -135,7 +145,7 @@ typedef struct kv_incoming {
 } kv_incoming;
 
 enum { C_HELLO_WAIT, C_HELLO_SENT, C_UP };
-enum { IN_HEADER, IN_PAYLOAD };
+enum { IN_HEADER, IN_LIST, IN_PAYLOAD }; /* IN_LIST: a DATAV's piece list */
 
 struct kv_link;
 
@@ -175,6 +185,19 @@ typedef struct kv_conn {
     uint64_t in_left, in_length, in_xfer;
     uint32_t in_region_ref;   /* region ref held while a DATA payload is written into place */
     uint8_t hello_token[KV_TOKEN_BYTES];
+    int peer_datav;           /* the peer takes DATAV (F_FLAG_DATAV in its HELLO or HELLO_ACK) */
+    /* a DATAV frame going out (out_vn > 0): header, piece list, payload runs;
+     * sent iovecs are consumed in place */
+    struct iovec *out_vec;    /* KV_MAX_PIECES + 2, allocated at the first DATAV */
+    kv_piece *out_list;       /* KV_MAX_PIECES */
+    size_t out_vn, out_vi;    /* iovecs in all; the first not sent in full */
+    uint64_t out_vhead;       /* header and list bytes not sent yet */
+    /* a DATAV frame coming in: its piece list (IN_LIST), then the scatter cursor */
+    kv_piece *in_list;        /* KV_MAX_PIECES, allocated at the first DATAV */
+    uint32_t in_npieces, in_pi; /* pieces (0: not a DATAV); the one being filled */
+    uint64_t in_poff;         /* bytes of piece in_pi already in place */
+    size_t in_list_got;       /* list bytes read */
+    uint64_t in_base;         /* the region's address */
 } kv_conn;
 
 typedef struct kv_link {
@@ -670,6 +693,106 @@ static int lease_fail(kv_net *n, kv_conn *k) {
 
 /* ------------------------------------------------------------------ sending */
 
+/* `len` more bytes of `j` are claimed for a frame: move its cursor; SENT once
+ * every byte is. Caller holds c->lock. */
+static void claim_advance(kv_link *l, kv_tcp_job *j, uint64_t len) {
+    j->job.claim_offset += len;
+    if (j->job.claim_offset == kv_seg_bytes(&j->job.segments[j->job.claim_segment])) {
+        j->job.claim_offset = 0;
+        if (++j->job.claim_segment == j->job.nsegments) {
+            send_queue_remove(l, j);
+            job_set_state(j, KV_JS_SENT);
+        }
+    }
+}
+
+/* The next frame of push `j` for a peer that takes DATAV: up to chunk_bytes
+ * from the claim point, across rows and segments while they name one region of
+ * the peer, as one DATAV (a piece list, the payload gathered by sendmsg), or as
+ * one DATA if that is a single run on both sides. Returns 0 (nothing claimed)
+ * if it is a single run of at most a row: the caller sends DATA as before; or if
+ * out of memory (the same). Caller holds c->lock. */
+static int datav_claim(kv_net *n, kv_conn *k, kv_link *l, kv_tcp_job *j) {
+    if (!k->out_vec) {
+        k->out_vec = malloc((KV_MAX_PIECES + 2) * sizeof *k->out_vec);
+        k->out_list = malloc(KV_MAX_PIECES * sizeof *k->out_list);
+        if (!k->out_vec || !k->out_list) {
+            free(k->out_vec);
+            free(k->out_list);
+            k->out_vec = NULL;
+            k->out_list = NULL;
+            return 0;
+        }
+    }
+    const kv_segment *segs = j->job.segments;
+    uint64_t chunk = n->core->chunk_bytes, bytes = 0, off = j->job.claim_offset, src, dst;
+    size_t seg = j->job.claim_segment, np = 0, nv = 2;
+    uint32_t region = segs[seg].remote_region;
+    kv_piece *list = k->out_list;
+    struct iovec *vec = k->out_vec;
+    while (bytes < chunk && np < KV_MAX_PIECES && nv < KV_MAX_PIECES + 2 && segs[seg].remote_region == region) {
+        uint64_t t = kv_seg_run(&segs[seg], off, chunk - bytes, &src, &dst);
+        if (np && list[np - 1].offset + list[np - 1].len == dst) {
+            list[np - 1].len += t;
+        } else {
+            list[np].offset = dst;
+            list[np++].len = t;
+        }
+        if (nv > 2 && (uintptr_t)vec[nv - 1].iov_base + vec[nv - 1].iov_len == src) {
+            vec[nv - 1].iov_len += (size_t)t;
+        } else {
+            vec[nv].iov_base = (void *)(uintptr_t)src;
+            vec[nv++].iov_len = (size_t)t;
+        }
+        bytes += t;
+        off += t;
+        if (off == kv_seg_bytes(&segs[seg])) {
+            off = 0;
+            if (++seg == j->job.nsegments)
+                break;
+        }
+    }
+    if (np == 1 && nv == 3 && bytes <= segs[j->job.claim_segment].len - j->job.claim_offset % segs[j->job.claim_segment].len)
+        return 0; /* within one row: DATA, as for a peer without DATAV */
+    /* commit the claim */
+    while (bytes) {
+        uint64_t t = kv_seg_bytes(&j->job.segments[j->job.claim_segment]) - j->job.claim_offset;
+        if (t > bytes)
+            t = bytes;
+        claim_advance(l, j, t);
+        bytes -= t;
+    }
+    bytes = 0;
+    for (size_t i = 0; i < np; i++)
+        bytes += list[i].len;
+    l->wire_bytes += bytes;
+    if (np == 1 && nv == 3) { /* one run on both sides (segments back to back): one DATA */
+        k->out = frame_new(F_DATA, 0, j->job.record.id);
+        k->out.region = region;
+        k->out.offset = list[0].offset;
+        k->out.length = bytes;
+        k->out.total = j->job.total_bytes;
+        k->out_payload = vec[2].iov_base;
+        k->out_payload_len = bytes;
+        return 1;
+    }
+    k->out = frame_new(F_DATAV, 0, j->job.record.id);
+    k->out.region = region;
+    k->out.length = bytes;
+    k->out.total = j->job.total_bytes;
+    k->out.region2 = (uint32_t)np;
+    vec[0].iov_base = &k->out;
+    vec[0].iov_len = sizeof k->out;
+    vec[1].iov_base = list;
+    vec[1].iov_len = np * sizeof *list;
+    k->out_vn = nv;
+    k->out_vi = 0;
+    k->out_vhead = sizeof k->out + np * sizeof *list;
+    k->out_payload = NULL;
+    k->out_payload_len = 0;
+    return 1;
+}
+
 /* Pick the next frame for `k`. Caller holds c->lock. */
 static int next_frame(kv_net *n, kv_conn *k) {
     if (k->ctrl_count) {
@@ -715,25 +838,20 @@ static int next_frame(kv_net *n, kv_conn *k) {
             continue;
         if (!j->is_pull && !push_ok)
             continue;
-        const kv_segment *s = &j->job.segments[j->job.claim_segment];
-        uint64_t off = j->job.claim_offset, len = s->len - off;
-        if (len > chunk)
-            len = chunk;
-        size_t seg = j->job.claim_segment;
-        j->job.claim_offset += len;
-        if (j->job.claim_offset == s->len) {
-            j->job.claim_offset = 0;
-            if (++j->job.claim_segment == j->job.nsegments) {
-                send_queue_remove(l, j);
-                job_set_state(j, KV_JS_SENT);
-            }
+        if (!j->is_pull && k->peer_datav && datav_claim(n, k, l, j)) {
+            j->frames++;
+            goto start;
         }
-        if (j->is_pull) {
+        const kv_segment *s = &j->job.segments[j->job.claim_segment];
+        uint64_t off = j->job.claim_offset, src, dst, len = kv_seg_run(s, off, chunk, &src, &dst); /* one row at most */
+        size_t seg = j->job.claim_segment;
+        claim_advance(l, j, len);
+        if (j->is_pull) { /* (segments of pulls are 1-D: the core expands 2-D ones) */
             j->pull->stream[j->frames] = (uint8_t)k->index; /* READ k is chunk k */
             j->pull->reads_sent = j->frames + 1;
             k->out = frame_new(F_READ, 0, j->job.record.id);
             k->out.region = s->remote_region;
-            k->out.offset = s->src + off;
+            k->out.offset = src;
             k->out.length = len;
             k->out.total = j->job.total_bytes;
             k->out.region2 = (uint32_t)seg;
@@ -745,10 +863,10 @@ static int next_frame(kv_net *n, kv_conn *k) {
             l->wire_bytes += len;
             k->out = frame_new(F_DATA, 0, j->job.record.id);
             k->out.region = s->remote_region;
-            k->out.offset = s->dst + off;
+            k->out.offset = dst;
             k->out.length = len;
             k->out.total = j->job.total_bytes;
-            k->out_payload = (const uint8_t *)(uintptr_t)(s->src + off);
+            k->out_payload = (const uint8_t *)(uintptr_t)src;
             k->out_payload_len = len;
         }
         j->frames++;
@@ -767,7 +885,7 @@ start:
  * becomes the connection's current frame. Returns 1 if the loop must be
  * signalled; arms EPOLLOUT when the socket is full. */
 static int send_ctrl(kv_net *n, kv_conn *k) {
-    if (k->dead || k->out_busy || k->ctrl_count == 0)
+    if (k->dead || __atomic_load_n(&k->out_busy, __ATOMIC_ACQUIRE) || k->ctrl_count == 0)
         return 0;
     struct iovec iov[KV_CTRL_BATCH];
     int cnt = 0;
@@ -800,18 +918,20 @@ static int send_ctrl(kv_net *n, kv_conn *k) {
     }
     k->tx_progress_ns = n->round_ns;
     size_t whole = (size_t)r / sizeof(kv_frame), part = (size_t)r % sizeof(kv_frame);
-    k->ctrl_head = (k->ctrl_head + whole) % k->ctrl_capacity;
-    k->ctrl_count -= whole;
+    size_t head = (k->ctrl_head + whole) % k->ctrl_capacity;
     if (part) { /* the rest of this frame goes out first, through conn_send */
-        k->out = k->ctrl_ring[k->ctrl_head];
-        k->ctrl_head = (k->ctrl_head + 1) % k->ctrl_capacity;
-        k->ctrl_count--;
+        k->out = k->ctrl_ring[head];
+        head = (head + 1) % k->ctrl_capacity;
         k->out_payload = NULL;
         k->out_payload_len = 0;
         k->out_payload_sent = 0;
         k->out_header_sent = part;
-        k->out_busy = 1;
+        /* busy before the count drops: fast_push (another thread, under c->lock)
+         * writes only while neither says a frame is part-way out */
+        __atomic_store_n(&k->out_busy, 1, __ATOMIC_RELEASE);
     }
+    k->ctrl_head = head;
+    __atomic_store_n(&k->ctrl_count, k->ctrl_count - whole - (part ? 1 : 0), __ATOMIC_RELEASE);
     if (k->ctrl_count || k->out_busy)
         arm_output(n, k, 1);
     return 0;
@@ -821,14 +941,53 @@ static int conn_send(kv_net *n, kv_conn *k) {
     kv_core *c = n->core;
     int sig = send_ctrl(n, k);
     for (int budget = 0; budget < 256 && !k->dead; budget++) {
-        if (!k->out_busy) {
+        if (!__atomic_load_n(&k->out_busy, __ATOMIC_ACQUIRE)) { /* (acquire: a frame fast_push left) */
             pthread_mutex_lock(&c->lock);
-            int got = next_frame(n, k);
+            int got = k->out_busy || next_frame(n, k); /* (fast_push may have left a frame since) */
             pthread_mutex_unlock(&c->lock);
             if (!got) {
                 arm_output(n, k, 0);
                 return sig;
             }
+        }
+        if (k->out_vn) { /* DATAV: header, list and payload runs, gathered */
+            struct msghdr m;
+            memset(&m, 0, sizeof m);
+            m.msg_iov = k->out_vec + k->out_vi;
+            m.msg_iovlen = k->out_vn - k->out_vi < KV_SEND_IOV ? k->out_vn - k->out_vi : KV_SEND_IOV;
+            ssize_t r = sendmsg(k->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (r < 0) {
+                if (errno == EINTR)
+                    continue;
+                if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                    arm_output(n, k, 1);
+                    return sig;
+                }
+                pthread_mutex_lock(&c->lock);
+                sig |= fail_conn(n, k, 0);
+                pthread_mutex_unlock(&c->lock);
+                return sig;
+            }
+            k->tx_progress_ns = n->round_ns;
+            uint64_t got = (uint64_t)r, head = got < k->out_vhead ? got : k->out_vhead;
+            k->out_vhead -= head;
+            n->sent += got - head;
+            while (got) {
+                struct iovec *v = &k->out_vec[k->out_vi];
+                size_t t = got < v->iov_len ? (size_t)got : v->iov_len;
+                v->iov_base = (char *)v->iov_base + t;
+                v->iov_len -= t;
+                got -= t;
+                if (v->iov_len == 0)
+                    k->out_vi++;
+            }
+            while (k->out_vi < k->out_vn && k->out_vec[k->out_vi].iov_len == 0)
+                k->out_vi++;
+            if (k->out_vi == k->out_vn) {
+                k->out_vn = 0; /* before out_busy: fast_push may set both as soon as it reads 0 */
+                __atomic_store_n(&k->out_busy, 0, __ATOMIC_RELEASE);
+            }
+            continue;
         }
         struct iovec iov[2];
         int cnt = 0;
@@ -870,7 +1029,7 @@ static int conn_send(kv_net *n, kv_conn *k) {
         if (k->out.type == F_DATA || k->out.type == F_RDATA)
             n->sent += got;
         if (k->out_payload_sent == k->out_payload_len) {
-            k->out_busy = 0;
+            __atomic_store_n(&k->out_busy, 0, __ATOMIC_RELEASE);
             if (k->out_region_ref) {
                 pthread_mutex_lock(&c->lock);
                 kv__region_unref(c, k->out_region_ref);
@@ -898,7 +1057,7 @@ static kv_region *exported(kv_core *c, uint32_t id) {
 static int data_in_flight(kv_link *l, uint64_t xfer) {
     for (int i = 0; i < l->nconns; i++) {
         kv_conn *k = l->conns[i];
-        if (!k->dead && k->out_busy && k->out.type == F_DATA && k->out.xfer == xfer)
+        if (!k->dead && k->out_busy && (k->out.type == F_DATA || k->out.type == F_DATAV) && k->out.xfer == xfer)
             return 1;
     }
     return 0;
@@ -966,14 +1125,13 @@ static int handle_abort(kv_net *n, kv_tcp_job *j) {
 /* The frame handlers: the header is in k->in_header, the stream is up (C_UP).
  * Each returns 0 if the connection was dropped. Caller holds c->lock. */
 
-static int on_data(kv_net *n, kv_conn *k, int *sig) {
+/* A DATA or DATAV frame (header `h`, its bytes checked against region `r`)
+ * joins its transfer: the payload goes into place, or to scratch if the push
+ * was aborted. Caller holds c->lock. */
+static int data_accept(kv_net *n, kv_conn *k, kv_region *r, int *sig) {
     kv_frame *h = &k->in_header;
     kv_core *c = n->core;
     kv_link *l = k->link;
-    kv_region *r = exported(c, h->region);
-    if (h->length == 0 || h->length > KV_MAX_FRAME || h->total > KV_MAX_TOTAL || h->length > h->total || !r ||
-        h->offset > r->len || h->length > r->len - h->offset)
-        return BAD_FRAME();
     kv_incoming *x = incoming_find(l, h->xfer, 0);
     if (!x) {
         if (!(x = incoming_new(l, h->xfer, 0)))
@@ -993,6 +1151,58 @@ static int on_data(kv_net *n, kv_conn *k, int *sig) {
         k->in_region_ref = h->region;
         k->in_dest = (uint8_t *)(uintptr_t)(r->addr + h->offset);
     }
+    k->in_type = F_DATA;
+    k->in_xfer = h->xfer;
+    k->in_left = k->in_length = h->length;
+    k->in_state = IN_PAYLOAD;
+    return 1;
+}
+
+static int on_data(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->in_header;
+    kv_region *r = exported(n->core, h->region);
+    if (h->length == 0 || h->length > KV_MAX_FRAME || h->total > KV_MAX_TOTAL || h->length > h->total || !r ||
+        h->offset > r->len || h->length > r->len - h->offset)
+        return BAD_FRAME();
+    return data_accept(n, k, r, sig);
+}
+
+/* A DATAV header: its piece list is read next, then checked whole (on_datav_list). */
+static int on_datav(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->in_header;
+    if (h->length == 0 || h->length > KV_MAX_FRAME || h->total > KV_MAX_TOTAL || h->length > h->total ||
+        h->region2 == 0 || h->region2 > KV_MAX_PIECES || h->region2 > h->length || h->offset || h->offset2)
+        return BAD_FRAME();
+    if (!k->in_list && !(k->in_list = malloc(KV_MAX_PIECES * sizeof *k->in_list)))
+        return *sig |= fail_conn(n, k, 0), 0;
+    k->in_npieces = h->region2;
+    k->in_list_got = 0;
+    k->in_state = IN_LIST;
+    return 1;
+}
+
+/* A DATAV's piece list is in: every piece inside the exported region, none
+ * empty, their lengths adding up to the payload's (overflow-safe), before a
+ * byte of it lands; then as DATA. Caller holds c->lock. */
+static int on_datav_list(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->in_header;
+    kv_region *r = exported(n->core, h->region);
+    if (!r)
+        return BAD_FRAME();
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < k->in_npieces; i++) {
+        const kv_piece *p = &k->in_list[i];
+        if (p->len == 0 || p->offset > r->len || p->len > r->len - p->offset || p->len > h->length - sum)
+            return BAD_FRAME();
+        sum += p->len;
+    }
+    if (sum != h->length)
+        return BAD_FRAME();
+    if (!data_accept(n, k, r, sig)) /* in_dest: the region's base (offset 0) */
+        return 0;
+    k->in_base = r->addr;
+    k->in_pi = 0;
+    k->in_poff = 0;
     return 1;
 }
 
@@ -1200,6 +1410,7 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
     if (k->state == C_HELLO_WAIT) {
         if (h->type != F_HELLO || h->length != KV_TOKEN_BYTES)
             return BAD_FRAME();
+        k->peer_datav = (h->flags & F_FLAG_DATAV) != 0; /* old peers send 0: DATA only */
         k->in_type = F_HELLO;
         k->in_dest = k->hello_token;
         k->in_left = k->in_length = KV_TOKEN_BYTES;
@@ -1211,6 +1422,7 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
     if (k->state == C_HELLO_SENT) {
         if (h->type != F_HELLO_ACK)
             return BAD_FRAME();
+        k->peer_datav = (h->flags & F_FLAG_DATAV) != 0;
         k->state = C_UP;
         if (lease_request(k, now_ns()) < 0)
             return *sig |= fail_conn(n, k, 0), 0;
@@ -1222,9 +1434,9 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
     }
     switch (h->type) {
     case F_DATA:
-        if (!on_data(n, k, sig))
-            return 0;
-        break;
+        return on_data(n, k, sig);
+    case F_DATAV:
+        return on_datav(n, k, sig);
     case F_RDATA:
         if (!on_rdata(n, k, sig))
             return 0;
@@ -1269,6 +1481,7 @@ static int tokens_equal(const uint8_t *a, const uint8_t *b) {
 static int on_payload(kv_net *n, kv_conn *k, int *sig) {
     kv_core *c = n->core;
     k->in_state = IN_HEADER;
+    k->in_npieces = 0;
     if (k->in_region_ref) {
         kv__region_unref(c, k->in_region_ref);
         k->in_region_ref = 0;
@@ -1284,7 +1497,7 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
         k->link = l;
         k->state = C_UP;
         n->npending--;
-        kv_frame ack = frame_new(F_HELLO_ACK, 0, 0);
+        kv_frame ack = frame_new(F_HELLO_ACK, F_FLAG_DATAV, 0);
         if (ctrl_push(k, &ack) < 0 || lease_request(k, now_ns()) < 0)
             return *sig |= fail_conn(n, k, 0), 0;
         return 1;
@@ -1343,6 +1556,9 @@ static int conn_recv(kv_net *n, kv_conn *k) {
         ssize_t r;
         if (k->in_state == IN_HEADER) {
             r = recv(k->fd, (char *)&k->in_header + k->in_header_got, sizeof k->in_header - k->in_header_got, MSG_DONTWAIT);
+        } else if (k->in_state == IN_LIST) {
+            r = recv(k->fd, (char *)k->in_list + k->in_list_got, k->in_npieces * sizeof(kv_piece) - k->in_list_got,
+                     MSG_DONTWAIT);
         } else {
             uint64_t want = k->in_left;
             void *dst = k->in_dest;
@@ -1362,7 +1578,22 @@ static int conn_recv(kv_net *n, kv_conn *k) {
                     break;
                 }
             }
-            r = recv(k->fd, dst, (size_t)want, MSG_DONTWAIT);
+            if (k->in_npieces && !k->in_discard) { /* DATAV: scattered into its pieces */
+                struct iovec iov[KV_RECV_IOV];
+                int cnt = 0;
+                uint64_t off = k->in_poff;
+                for (uint32_t i = k->in_pi; i < k->in_npieces && cnt < KV_RECV_IOV && want; i++, off = 0) {
+                    uint64_t t = k->in_list[i].len - off;
+                    if (t > want)
+                        t = want;
+                    iov[cnt].iov_base = (void *)(uintptr_t)(k->in_base + k->in_list[i].offset + off);
+                    iov[cnt++].iov_len = (size_t)t;
+                    want -= t;
+                }
+                r = readv(k->fd, iov, cnt);
+            } else {
+                r = recv(k->fd, dst, (size_t)want, MSG_DONTWAIT);
+            }
         }
         if (r < 0 && errno == EINTR)
             continue;
@@ -1386,9 +1617,31 @@ static int conn_recv(kv_net *n, kv_conn *k) {
             pthread_mutex_unlock(&c->lock);
             if (!ok)
                 break;
+        } else if (k->in_state == IN_LIST) {
+            k->in_list_got += (size_t)r;
+            if (k->in_list_got < k->in_npieces * sizeof(kv_piece))
+                continue;
+            pthread_mutex_lock(&c->lock);
+            int ok = on_datav_list(n, k, &sig);
+            pthread_mutex_unlock(&c->lock);
+            if (!ok)
+                break;
         } else {
-            if (!k->in_discard)
+            if (k->in_npieces && !k->in_discard) { /* the scatter cursor */
+                for (uint64_t left = (uint64_t)r; left;) {
+                    uint64_t t = k->in_list[k->in_pi].len - k->in_poff;
+                    if (t > left)
+                        t = left;
+                    k->in_poff += t;
+                    left -= t;
+                    if (k->in_poff == k->in_list[k->in_pi].len) {
+                        k->in_pi++;
+                        k->in_poff = 0;
+                    }
+                }
+            } else if (!k->in_discard) {
                 k->in_dest += r;
+            }
             k->in_left -= (uint64_t)r;
             if (k->in_left == 0) {
                 pthread_mutex_lock(&c->lock);
@@ -1471,7 +1724,7 @@ static int run_command(kv_net *n, kv_command *m) {
         k->link = l;
         k->index = l->nconns;
         l->conns[l->nconns++] = k;
-        kv_frame h = frame_new(F_HELLO, 0, 0);
+        kv_frame h = frame_new(F_HELLO, F_FLAG_DATAV, 0);
         h.length = KV_TOKEN_BYTES;
         if (ctrl_push(k, &h) < 0)
             sig |= link_fail(n, l, KV_LLM_LINK_FAILED, 1);
@@ -1499,6 +1752,9 @@ static void reap_dead_conns(kv_net *n) {
         if (k->dead) {
             *p = k->next;
             free(k->ctrl_ring);
+            free(k->out_vec);
+            free(k->out_list);
+            free(k->in_list);
             free(k);
         } else {
             p = &k->next;
@@ -1563,7 +1819,7 @@ static int timers(kv_net *n, uint64_t t, uint64_t *next) {
         /* the idle bound: a payload under way or output waiting that moves no byte
          * for 2 * fence (an authenticated peer pinning a region, or not reading) */
         uint64_t idle = add_saturating(k->link->fence_ns, k->link->fence_ns);
-        if (k->in_state != IN_PAYLOAD)
+        if (k->in_state == IN_HEADER)
             k->rx_progress_ns = t;
         if (!k->out_busy && !k->ctrl_count && !k->serve_head)
             k->tx_progress_ns = t;
@@ -1877,6 +2133,111 @@ uint32_t kv_tcp_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
 
 /* ------------------------------------------------- the transport interface */
 
+#define KV_FAST_MAX_FRAMES 16         /* a push written by the submitting thread: at most this many frames */
+#define KV_FAST_MAX_BYTES (256u << 10) /* and bytes */
+
+/* A small push written by the submitting thread itself, when its link is idle:
+ * no thread hand-off before the first byte goes out. Only when nothing could
+ * come before it in the link's order (no job queued or in the inbox) and a
+ * stream is idle (no frame half-sent, no control frame or READ answer
+ * waiting, a lease granted to the peer), and the window takes every frame (as
+ * next_frame would send them). Its DATA frames (one per segment) go in one
+ * sendmsg, under c->lock: the I/O thread picks a frame (next_frame) and takes
+ * control frames only under it, and writes only when out_busy or control frames
+ * say so, so no other write can interleave. What the socket did not take stays
+ * as the stream's current frame (out_busy, the DATAV vector path) for the I/O
+ * thread to finish. Returns 1 if the push is on its way (SENT), 0 if it was not
+ * started (the caller queues it as usual). Caller holds c->lock. */
+static int fast_push(kv_net *n, kv_tcp_job *j) {
+    kv_core *c = n->core;
+    size_t ns = j->job.nsegments;
+    if (j->is_pull || n->inbox_head || ns > KV_FAST_MAX_FRAMES || j->job.total_bytes > KV_FAST_MAX_BYTES)
+        return 0;
+    for (size_t i = 0; i < ns; i++)
+        if (j->job.segments[i].rows != 1 || j->job.segments[i].len > c->chunk_bytes)
+            return 0;
+    kv_link *l = link_find(n, j->link_id);
+    if (!l || l->dead || l->send_head || (l->window && l->window - (l->wire_bytes < l->window ? l->wire_bytes : l->window) <
+                                                           j->job.total_bytes - j->job.segments[ns - 1].len + 1))
+        return 0; /* every frame but the last must leave the window open, as next_frame checks */
+    kv_conn *k = NULL;
+    for (int i = 0; i < l->nconns && !k; i++) {
+        kv_conn *o = l->conns[i];
+        if (!o->dead && !o->broken && o->state == C_UP && o->granted_at && !__atomic_load_n(&o->out_busy, __ATOMIC_ACQUIRE) &&
+            !__atomic_load_n(&o->ctrl_count, __ATOMIC_ACQUIRE) && !o->serve_head)
+            k = o;
+    }
+    if (!k)
+        return 0;
+    if (!k->out_vec) {
+        k->out_vec = malloc((KV_MAX_PIECES + 2) * sizeof *k->out_vec);
+        k->out_list = malloc(KV_MAX_PIECES * sizeof *k->out_list);
+        if (!k->out_vec || !k->out_list) {
+            free(k->out_vec);
+            free(k->out_list);
+            k->out_vec = NULL;
+            k->out_list = NULL;
+            return 0;
+        }
+    }
+    kv_frame *hdr = (kv_frame *)(void *)k->out_list; /* 16 KiB: room for KV_FAST_MAX_FRAMES headers */
+    struct iovec *vec = k->out_vec;
+    for (size_t i = 0; i < ns; i++) {
+        const kv_segment *sg = &j->job.segments[i];
+        hdr[i] = frame_new(F_DATA, 0, j->job.record.id);
+        hdr[i].region = sg->remote_region;
+        hdr[i].offset = sg->dst;
+        hdr[i].length = sg->len;
+        hdr[i].total = j->job.total_bytes;
+        vec[2 * i].iov_base = &hdr[i];
+        vec[2 * i].iov_len = sizeof hdr[i];
+        vec[2 * i + 1].iov_base = (void *)(uintptr_t)sg->src;
+        vec[2 * i + 1].iov_len = (size_t)sg->len;
+    }
+    struct msghdr m;
+    memset(&m, 0, sizeof m);
+    m.msg_iov = vec;
+    m.msg_iovlen = 2 * ns;
+    ssize_t r;
+    do
+        r = sendmsg(k->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (r < 0 && errno == EINTR);
+    if (r <= 0)
+        return 0; /* nothing went out (full, or an error the I/O thread will see): queue it */
+    job_set_state(j, KV_JS_SENDING);
+    j->job.claim_segment = ns;
+    j->job.claim_offset = 0;
+    j->frames = ns;
+    job_set_state(j, KV_JS_SENT);
+    l->wire_bytes += j->job.total_bytes;
+    k->tx_progress_ns = now_ns();
+    uint64_t got = (uint64_t)r, payload = 0;
+    size_t vi = 0;
+    while (vi < 2 * ns && got >= vec[vi].iov_len) { /* whole iovecs sent */
+        got -= vec[vi].iov_len;
+        payload += vi % 2 ? vec[vi].iov_len : 0;
+        vi++;
+    }
+    if (vi < 2 * ns) { /* the rest is the stream's current frame, finished by the I/O thread */
+        payload += vi % 2 ? got : 0;
+        vec[vi].iov_base = (char *)vec[vi].iov_base + got;
+        vec[vi].iov_len -= (size_t)got;
+        uint64_t head = 0;
+        for (size_t q = vi; q < 2 * ns; q += 1)
+            head += q % 2 ? 0 : vec[q].iov_len;
+        k->out = hdr[ns - 1]; /* a DATA frame of this push is still going out (data_in_flight) */
+        k->out_vn = 2 * ns;
+        k->out_vi = vi;
+        k->out_vhead = head;
+        k->out_payload = NULL;
+        k->out_payload_len = 0;
+        __atomic_store_n(&k->out_busy, 1, __ATOMIC_RELEASE); /* last: the I/O thread reads it without the lock */
+        wake_io_thread(n);
+    }
+    c->stats.tcp_bytes_sent += payload;
+    return 1;
+}
+
 static uint32_t tcp_submit(kv_transport *t, kv_job *job) {
     kv_net *n = (kv_net *)t;
     kv_tcp_job *j = (kv_tcp_job *)job; /* allocated tcp_ops.job_size */
@@ -1891,6 +2252,8 @@ static uint32_t tcp_submit(kv_transport *t, kv_job *job) {
         return KV_LLM_OUT_OF_MEMORY;
     kv__job_hash(c, job);
     j->job.state = KV_JS_INBOX;
+    if (!n->stop_requested && fast_push(n, j))
+        return KV_LLM_SUCCESS;
     j->inbox_next = NULL;
     j->inbox_prev = n->inbox_tail;
     if (n->inbox_tail)
@@ -1959,4 +2322,5 @@ static const kv_transport_ops tcp_ops = {
     .abort = tcp_abort,
     .stop = tcp_stop,
     .destroy = tcp_destroy,
+    .seg2d = KV_T2D_PUSH, /* pushes: rows gathered into DATAV (or one DATA per row); pulls: expanded */
 };

@@ -25,9 +25,9 @@ blocks against the source's. Reported: median GB/s of the table's bytes (1e9
 B/s) and the medians of the per-repetition ratios to contiguous. Goal (issue
 12): head-split >= 0.7x.
 
-Until the core takes 2-D segments (``_native.SEG2_WORDS``), the scheduler runs
-each 2-D segment as its rows (kvengine/layout.py ``expand_rows``, a shim): the
-figure then counts one segment per token and head range.
+Each block's head range is one 2-D segment (rows x stride) that the movers and
+TCP DATAV frames carry natively; TCP pulls and UCX get it expanded into rows by
+the core.
 """
 
 from __future__ import annotations
@@ -52,14 +52,12 @@ VARIANTS = 4
 
 async def run(args: argparse.Namespace) -> Report:
     import kvengine as kv
-    from kvengine import native
     from kvengine._peer import fill_pattern, row_digests
     T, pool, N = args.transport, args.pool, args.head_split
     if HEADS % N:
         raise SystemExit(f"--head-split must divide the {HEADS} KV heads")
-    shim = getattr(native._native, "SEG2_WORDS", None) is None
     out: Report = {"transport": T, "layout": "paged", "head_split": N, "pool_blocks": pool, "block_bytes": BLOCK,
-                   "tensors": TENSORS, "tables": [], "loop": args.loop_name, "shim_rows": shim}
+                   "tensors": TENSORS, "tables": [], "loop": args.loop_name}
     t_setup = time.perf_counter()
     kvs = KvSide(T, args.movers, heartbeat_timeout=60.0)
     try:
@@ -171,8 +169,7 @@ def report(r: Report, reps: int) -> list[str]:
              f"tables of a TP=1 vLLM-shaped cache ({TENSORS} tensors x {BLOCK // 1024} KiB blocks of {HEADS} heads) "
              f"into {N} TP={N} ranks' caches in another process, each its {HEADS // N} heads, beside the same bytes "
              f"contiguous; median GB/s of {reps} interleaved repetitions, ratio: median of the same repetition's",
-             ("2-D segments run as rows (shim: the core takes no 2-D segments yet)" if r["shim_rows"]
-              else "2-D segments native"), ""]
+             ""]
     rows = [[f"{t['blocks']} blocks ({t['bytes'] // MiB} MiB)", str(t["segments_2d"]), str(t["rows"]),
              gbps(t["results"][SPLIT]["GBps"]), gbps(t["results"][GATHER]["GBps"]), gbps(t["results"][CONTIG]["GBps"]),
              ratio(t["split_over_contiguous"]), ratio(t["gather_over_contiguous"])]

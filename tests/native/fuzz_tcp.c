@@ -115,8 +115,13 @@
 
 #define MAGIC 0x3145564Bu
 enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_RDATA, F_RERR, F_CREDIT,
-       F_LEASE_REQ, F_LEASE, F_LAST = F_LEASE };
+       F_LEASE_REQ, F_LEASE, F_DATAV, F_LAST = F_DATAV };
 #define F_PULL 1u
+#define F_DATAV_OK 2u /* HELLO, HELLO_ACK flag: this end takes DATAV */
+#define MAX_PIECES 1024u /* pieces of one DATAV */
+typedef struct {
+    uint64_t offset, len;
+} piece;
 #define MAX_FRAME (64ull << 20) /* payload bytes of one frame */
 #define MAX_TOTAL (1ull << 48)  /* bytes of one transfer */
 #define MAX_PENDING 256         /* unauthenticated connections at once */
@@ -723,8 +728,8 @@ static int hello_send(pconn *c, const uint8_t *tok, int split) {
     uint8_t b[64 + 32];
     fr h = mkf(F_HELLO, 0, 0);
     h.length = 32;
-    if (chance(20)) { /* only type and length matter */
-        h.flags = (uint16_t)rnd();
+    if (chance(20)) { /* only type, length and the DATAV flag matter */
+        h.flags = (uint16_t)(rnd() & ~(uint64_t)F_DATAV_OK); /* this peer speaks DATA only */
         h.status = (uint32_t)rnd();
         h.xfer = rnd();
         h.offset2 = rnd();
@@ -735,7 +740,7 @@ static int hello_send(pconn *c, const uint8_t *tok, int split) {
 }
 
 static void expect_hello_ack(pconn *c) {
-    fr h, want = mkf(F_HELLO_ACK, 0, 0);
+    fr h, want = mkf(F_HELLO_ACK, F_DATAV_OK, 0);
     CHECK_EQ(pc_frame(c, &h), 1);
     if (!fr_eq(&h, &want)) {
         fr_print("got", &h);
@@ -840,6 +845,12 @@ typedef struct {
     int pay_log; /* payload goes to the exported region: log it */
     size_t pay_logi;
     uint64_t lease_until; /* the core may write our DATA into place until then (0: no grant yet) */
+    /* DATAV: its piece list is read as a payload (pay_list, discarded), then its data
+     * scattered over the pieces (pay_np > 0) */
+    int pay_list;
+    uint32_t pay_np;
+    fr vh; /* the DATAV header */
+    piece list[MAX_PIECES];
 } mconn;
 
 typedef struct {
@@ -935,6 +946,68 @@ static void lease_offset_fix(fr *h) {
         h->offset = t + 2000 * MS;
 }
 
+/* data_accept: a DATA (np 0) or DATAV (np pieces in k->list) header `h`
+ * checked against the exported region at base/shadow. Returns the payload bytes. */
+static uint64_t m_data_accept(msess *s, mconn *k, const fr *h, uint8_t *base, uint8_t *shadow, uint32_t np) {
+    mrx *x = m_rx_find(s, h->xfer);
+    if (!x) {
+        x = m_rx_new(s, h->xfer);
+        x->total = h->total;
+    }
+    if (!x->aborted && (x->total != h->total || h->length > x->total - x->claimed))
+        return m_bad(s), 0;
+    if (!x->aborted && ns_now() >= k->lease_until) { /* no write without a lease: the link fails */
+        s->dead = 1;
+        s->lease_failed = 1;
+        return 0;
+    }
+    if (!x->aborted)
+        x->claimed += h->length;
+    k->in_pay = 1;
+    k->pay_list = 0;
+    k->pay_np = np;
+    k->pay_discard = x->aborted;
+    k->pay_base = base;
+    k->pay_shadow = shadow;
+    k->pay_off = h->offset;
+    k->pay_len = h->length;
+    k->pay_done = 0;
+    k->pay_xfer = h->xfer;
+    k->pay_log = base == g_exp && !x->aborted;
+    if (k->pay_log) { /* one write per piece (DATAV), in order */
+        uint32_t nw = np ? np : 1;
+        CHECK(s->nlog + (int)nw <= LOG_MAX);
+        k->pay_logi = (size_t)s->nlog;
+        for (uint32_t i = 0; i < nw; i++) {
+            mwrite *w = &s->log[s->nlog++];
+            w->off = np ? k->list[i].offset : h->offset;
+            w->len = 0;
+            w->data = xmalloc((size_t)(np ? k->list[i].len : h->length));
+        }
+    }
+    return h->length;
+}
+
+/* on_datav_list: the list is in. Returns the data bytes the core now reads (0: bad). */
+static uint64_t m_list_done(msess *s, mconn *k) {
+    const fr *h = &k->vh;
+    uint8_t *base = NULL, *shadow = NULL;
+    uint64_t rlen = m_exported(s, h->region, &base, &shadow), sum = 0;
+    k->in_pay = 0;
+    k->pay_list = 0;
+    if (!rlen)
+        return m_bad(s), 0;
+    for (uint32_t i = 0; i < h->region2; i++) {
+        const piece *p = &k->list[i];
+        if (p->len == 0 || p->offset > rlen || p->len > rlen - p->offset || p->len > h->length - sum)
+            return m_bad(s), 0;
+        sum += p->len;
+    }
+    if (sum != h->length)
+        return m_bad(s), 0;
+    return m_data_accept(s, k, h, base, shadow, h->region2);
+}
+
 /* on_header, for a stream in C_UP. Returns the payload bytes the core now reads. */
 static uint64_t m_header(msess *s, mconn *k, fr *h) {
     k->seq++;
@@ -950,39 +1023,22 @@ static uint64_t m_header(msess *s, mconn *k, fr *h) {
         if (h->length == 0 || h->length > MAX_FRAME || h->total > MAX_TOTAL || h->length > h->total || !rlen ||
             h->offset > rlen || h->length > rlen - h->offset)
             return m_bad(s), 0;
-        mrx *x = m_rx_find(s, h->xfer);
-        if (!x) {
-            x = m_rx_new(s, h->xfer);
-            x->total = h->total;
-        }
-        if (!x->aborted && (x->total != h->total || h->length > x->total - x->claimed))
+        return m_data_accept(s, k, h, base, shadow, 0);
+    }
+    case F_DATAV: /* on_datav: the list is read whole, then checked (m_list_done) */
+        if (h->length == 0 || h->length > MAX_FRAME || h->total > MAX_TOTAL || h->length > h->total ||
+            h->region2 == 0 || h->region2 > MAX_PIECES || h->region2 > h->length || h->offset || h->offset2)
             return m_bad(s), 0;
-        if (!x->aborted && ns_now() >= k->lease_until) { /* no write without a lease: the link fails */
-            s->dead = 1;
-            s->lease_failed = 1;
-            return 0;
-        }
-        if (!x->aborted)
-            x->claimed += h->length;
+        k->vh = *h;
         k->in_pay = 1;
-        k->pay_discard = x->aborted;
-        k->pay_base = base;
-        k->pay_shadow = shadow;
-        k->pay_off = h->offset;
-        k->pay_len = h->length;
+        k->pay_list = 1;
+        k->pay_discard = 1;
+        k->pay_log = 0;
+        k->pay_np = 0;
+        k->pay_len = (uint64_t)h->region2 * sizeof(piece);
         k->pay_done = 0;
         k->pay_xfer = h->xfer;
-        k->pay_log = base == g_exp && !x->aborted;
-        if (k->pay_log) {
-            CHECK(s->nlog < LOG_MAX);
-            mwrite *w = &s->log[s->nlog];
-            k->pay_logi = (size_t)s->nlog++;
-            w->off = h->offset;
-            w->len = 0;
-            w->data = xmalloc((size_t)h->length);
-        }
-        return h->length;
-    }
+        return k->pay_len;
     case F_RDATA:
     case F_ACK:
     case F_ABORT_ACK:
@@ -1063,12 +1119,38 @@ static uint64_t m_header(msess *s, mconn *k, fr *h) {
     }
 }
 
-/* n payload bytes of the current DATA frame were sent on k (on_payload at the end). */
-static void m_payload(msess *s, mconn *k, const uint8_t *p, uint64_t n) {
+/* n payload bytes of the current DATA frame were sent on k (on_payload at the
+ * end). Returns the bytes the core reads next for the same frame (a DATAV's
+ * data once its list is in and good), else 0. */
+static uint64_t m_payload(msess *s, mconn *k, const uint8_t *p, uint64_t n) {
     if (s->dead || n == 0)
-        return;
+        return 0;
     CHECK(k->in_pay && k->pay_done + n <= k->pay_len);
-    if (!k->pay_discard) {
+    if (k->pay_list) {
+        memcpy((uint8_t *)k->list + k->pay_done, p, (size_t)n);
+        k->pay_done += n;
+        return k->pay_done < k->pay_len ? 0 : m_list_done(s, k);
+    }
+    if (!k->pay_discard && k->pay_np) { /* scattered over the pieces, in order */
+        uint64_t at = k->pay_done, done = 0;
+        for (uint32_t i = 0; i < k->pay_np && done < n; i++) {
+            const piece *pc = &k->list[i];
+            if (at >= pc->len) {
+                at -= pc->len;
+                continue;
+            }
+            uint64_t t = pc->len - at < n - done ? pc->len - at : n - done;
+            m_dirty(s, k->pay_base + pc->offset + at, t);
+            memcpy(k->pay_shadow + pc->offset + at, p + done, (size_t)t);
+            if (k->pay_log) {
+                mwrite *w = &s->log[k->pay_logi + i];
+                memcpy(w->data + at, p + done, (size_t)t);
+                w->len = at + t;
+            }
+            done += t;
+            at = 0;
+        }
+    } else if (!k->pay_discard) {
         uint8_t *dst = k->pay_base + k->pay_off + k->pay_done;
         m_dirty(s, dst, n);
         memcpy(k->pay_shadow + k->pay_off + k->pay_done, p, (size_t)n);
@@ -1080,8 +1162,9 @@ static void m_payload(msess *s, mconn *k, const uint8_t *p, uint64_t n) {
     }
     k->pay_done += n;
     if (k->pay_done < k->pay_len)
-        return;
+        return 0;
     k->in_pay = 0;
+    k->pay_np = 0;
     if (!k->pay_discard)
         s->rx_all += k->pay_len;
     /* every DATA payload consumed, written or discarded, is CREDITed on its
@@ -1103,6 +1186,7 @@ static void m_payload(msess *s, mconn *k, const uint8_t *p, uint64_t n) {
             m_rx_del(s, x);
         }
     }
+    return 0;
 }
 
 static void serve_del(mconn *k, size_t i) {
@@ -1289,7 +1373,7 @@ static void sess_connect_g(msess *s, int wait_ack, int grant) {
     CHECK(hello_send(&k->pc, s->l->tok, chance(10)));
     s->l->bound = 1;
     s->nconns++;
-    m_expect(k, mkf(F_HELLO_ACK, 0, 0));
+    m_expect(k, mkf(F_HELLO_ACK, F_DATAV_OK, 0));
     if (grant)
         CHECK(lease_send(s, k, ns_now()));
     if (wait_ack)
@@ -1648,25 +1732,68 @@ static void probe_full(const linkrec *l) {
 /* Send one frame on k; the model decides what the core does with it. The
  * payload (if the core expects one) is sent whole, or cut short (returns 0:
  * the session must end). */
-static int send_frame(msess *s, mconn *k, fr *f, int split, int may_cut) {
+static int send_frame_l(msess *s, mconn *k, fr *f, int split, int may_cut, const piece *list, size_t list_n) {
     uint64_t pl = m_header(s, k, f);
     int ok = split ? pc_send_split(&k->pc, f, sizeof *f) : pc_send(&k->pc, f, sizeof *f);
     if (!ok) {
         CHECK(s->dead); /* only a bad frame makes the core close */
         return 0;
     }
-    if (!pl)
-        return 1;
-    uint8_t *p = gen_payload(pl);
-    uint64_t n = pl;
-    int cut = may_cut && chance(4);
-    if (cut)
-        n = below(pl);
-    ok = split && n < 4096 ? pc_send_split(&k->pc, p, (size_t)n) : pc_send(&k->pc, p, (size_t)n);
-    CHECK(ok);
-    m_payload(s, k, p, n);
-    free(p);
-    return !cut;
+    int first = 1;
+    while (pl) { /* the payload; a DATAV: its list (ours, if given), then its data */
+        uint8_t *p = gen_payload(pl);
+        if (first && k->pay_list && list)
+            memcpy(p, list, (size_t)(list_n * sizeof *list < pl ? list_n * sizeof *list : pl));
+        first = 0;
+        uint64_t n = pl;
+        int cut = may_cut && chance(4);
+        if (cut)
+            n = below(pl);
+        ok = split && n < 4096 ? pc_send_split(&k->pc, p, (size_t)n) : pc_send(&k->pc, p, (size_t)n);
+        CHECK(ok || s->dead); /* (a DATAV's list may be refused before all of it is sent) */
+        pl = m_payload(s, k, p, n);
+        free(p);
+        if (cut)
+            return 0;
+    }
+    return 1;
+}
+
+static int send_frame(msess *s, mconn *k, fr *f, int split, int may_cut) {
+    return send_frame_l(s, k, f, split, may_cut, NULL, 0);
+}
+
+/* A DATAV that passes the checks (into *list, *np pieces over the exported
+ * region) unless mutated: malformed lists, pieces out of range or empty,
+ * offsets that overflow, lengths that do not add up, zero or huge counts. */
+static fr gen_datav(msess *s, piece *list, size_t *np) {
+    fr f = gen_data(s);
+    f.type = F_DATAV;
+    f.offset = 0;
+    uint64_t len = f.length, n = 1 + below(len < 8 ? len : 8), left = len;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t l = i + 1 == n ? left : 1 + below(left - (n - i - 1));
+        list[i].len = l;
+        list[i].offset = chance(10) ? EXP_LEN - l : below(EXP_LEN - l + 1);
+        left -= l;
+    }
+    f.region2 = (uint32_t)n;
+    *np = (size_t)n;
+    if (chance(25)) {
+        piece *p = &list[below(n)];
+        switch (below(9)) {
+        case 0: p->len = 0; break;
+        case 1: p->offset = EXP_LEN - p->len + 1 + below(4); break;
+        case 2: p->offset = UINT64_MAX - below(p->len + 2); break;
+        case 3: p->len = UINT64_MAX - below(4); break;
+        case 4: f.length += chance(50) ? 1 : (uint64_t)-1; break;
+        case 5: f.region2 = chance(50) ? 0 : (chance(50) ? MAX_PIECES + 1 + (uint32_t)below(8) : UINT32_MAX - (uint32_t)below(2)); break;
+        case 6: f.region2 = (uint32_t)(n + 1 + below(3)); break; /* more than we send: the next bytes are read as pieces */
+        case 7: f.offset = 1 + below(EXP_LEN); break;
+        default: f.region = special_rid(); break;
+        }
+    }
+    return f;
 }
 
 /* One authenticated stream, a sequence of valid and mutated frames. */
@@ -1684,11 +1811,18 @@ static void sess_server(void) {
         }
         int r = (int)below(100);
         fr f;
-        if (r < 32) {
+        if (r < 20) {
             f = gen_data(s);
             if (chance(12))
                 mutate(&f, s, k);
             open = send_frame(s, k, &f, chance(5), 1);
+        } else if (r < 32) {
+            static piece list[8];
+            size_t np = 0;
+            f = gen_datav(s, list, &np);
+            if (chance(8))
+                mutate(&f, s, k);
+            open = send_frame_l(s, k, &f, chance(5), 1, list, np);
         } else if (r < 40) {
             f = gen_read(1);
             if (chance(15))
@@ -2315,7 +2449,7 @@ static peer *peer_open3(int nc, int small_rcvbuf, int client, uint64_t win, int 
             CHECK_EQ(kv_tcp_conn_add(g_core, cfd, p->l->id), KV_LLM_SUCCESS);
         }
         for (int i = 0; i < nc; i++) {
-            fr h, want = mkf(F_HELLO, 0, 0);
+            fr h, want = mkf(F_HELLO, F_DATAV_OK, 0);
             want.length = 32;
             CHECK_EQ(pc_frame(&p->c[i], &h), 1);
             CHECK(fr_eq(&h, &want));

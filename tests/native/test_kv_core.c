@@ -1646,6 +1646,390 @@ typedef struct {
 
 static void *noop_thread(void *arg) { return arg; }
 
+
+/* ------------------------------------------------------- 2-D segments */
+
+static void seg2(uint64_t *w, uint32_t sr, uint64_t so, uint32_t dr, uint64_t dof, uint64_t row, uint64_t rows,
+                 uint64_t ss, uint64_t ds) {
+    seg(w, sr, so, dr, dof, row);
+    w[5] = rows;
+    w[6] = ss;
+    w[7] = ds;
+}
+
+/* What a 2-D copy must leave in `want` (a copy of the destination before). */
+static void model2(uint8_t *want, const uint8_t *src, const uint64_t *w) {
+    for (uint64_t r = 0; r < w[5]; r++)
+        memcpy(want + w[3] + r * (w[5] > 1 ? w[7] : 0), src + w[1] + r * (w[5] > 1 ? w[6] : 0), (size_t)w[4]);
+}
+
+static uint32_t submit2(kv_core *c, uint64_t id, const uint64_t *segs, size_t n, uint64_t inline_max, int *done,
+                        uint64_t *nb) {
+    return kv_core_submit_job(c, id, segs, n, KV_SEG2_WORDS, inline_max, 0, 0, done, nb);
+}
+
+/* Every rule of a 2-D segment, at the edge and one past it (overflow included):
+ * a refused job moves nothing and holds nothing. */
+static void test_seg2d_validation(void) {
+    const uint64_t N = 64 * KiB;
+    kv_core *c = mk(1, 64 * KiB);
+    uint8_t *src = xmap(N), *dst = xmap(N);
+    fill(src, N, 21);
+    memset(dst, 0x5A, (size_t)N);
+    uint32_t rs = add_local(c, src, N), rd = add_local(c, dst, N);
+    uint64_t w[2 * KV_SEG2_WORDS];
+    int done = -1;
+    uint64_t nb = 99;
+    struct {
+        uint64_t so, dof, row, rows, ss, ds;
+        uint32_t want;
+    } cases[] = {
+        {0, 0, 0, 4, 64, 64, KV_LLM_PARAM_INVALID},                       /* row_bytes 0 */
+        {0, 0, 16, 0, 64, 64, KV_LLM_PARAM_INVALID},                      /* rows 0 */
+        {0, 0, 64, 4, 63, 64, KV_LLM_PARAM_INVALID},                      /* src rows overlap */
+        {0, 0, 64, 4, 64, 63, KV_LLM_PARAM_INVALID},                      /* dst rows overlap */
+        {0, 0, 64, 4, 0, 0, KV_LLM_PARAM_INVALID},                        /* stride 0 */
+        {0, 0, 1024, 64, 1024, 1024, KV_LLM_SUCCESS},                     /* exactly the region */
+        {1, 0, 1024, 64, 1024, 1024, KV_LLM_PARAM_INVALID},               /* src: one byte past */
+        {0, 1, 1024, 64, 1024, 1024, KV_LLM_PARAM_INVALID},               /* dst: one byte past */
+        {0, 0, 1024, 65, 1000, 1024, KV_LLM_PARAM_INVALID},               /* dst: one row past */
+        {N - 100, 0, 100, 2, 100, 100, KV_LLM_PARAM_INVALID},             /* second row past */
+        {0, 0, 8, 2, UINT64_MAX, 8, KV_LLM_PARAM_INVALID},                /* stride overflows */
+        {0, 0, 8, UINT64_MAX, 8, 8, KV_LLM_PARAM_INVALID},                /* rows overflow */
+        {0, 0, 8, (1ull << 61) + 1, 8, 8, KV_LLM_PARAM_INVALID},          /* rows * stride wraps */
+        {UINT64_MAX - 7, 0, 8, 1, 8, 8, KV_LLM_PARAM_INVALID},            /* offset + row wraps */
+        {0, 0, UINT64_MAX, 1, 0, 0, KV_LLM_PARAM_INVALID},                /* row over the region */
+        {0, 0, N, 1, 0, 0, KV_LLM_SUCCESS},                               /* one row: strides unused */
+        {N - 8, N - 8, 8, 1, UINT64_MAX, UINT64_MAX, KV_LLM_SUCCESS},     /* one row at the end */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        memset(dst, 0x5A, (size_t)N);
+        seg2(w, rs, cases[i].so, rd, cases[i].dof, cases[i].row, cases[i].rows, cases[i].ss, cases[i].ds);
+        /* the bad segment second: the first (good) one must not move either */
+        seg2(w + KV_SEG2_WORDS, rs, 0, rd, 0, 16, 2, 32, 32);
+        uint64_t two[2 * KV_SEG2_WORDS];
+        memcpy(two, w + KV_SEG2_WORDS, sizeof(uint64_t) * KV_SEG2_WORDS);
+        memcpy(two + KV_SEG2_WORDS, w, sizeof(uint64_t) * KV_SEG2_WORDS);
+        uint32_t st = submit2(c, 100 + i, two, 2, UINT64_MAX, &done, &nb);
+        CHECK_EQ(st, cases[i].want);
+        if (st != KV_LLM_SUCCESS)
+            CHECK(all_eq(dst, N, 0x5A));
+        else
+            CHECK_EQ(done, 1);
+    }
+    /* words other than 5 and 8; mixed lengths are the caller's business (one words per job) */
+    seg2(w, rs, 0, rd, 0, 16, 2, 32, 32);
+    CHECK_EQ(kv_core_submit_job(c, 1, w, 1, 6, UINT64_MAX, 0, 0, &done, &nb), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_core_submit_job(c, 1, w, 1, 0, UINT64_MAX, 0, 0, &done, &nb), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(kv_core_submit_job(c, 1, w, 0, 8, UINT64_MAX, 0, 0, &done, &nb), KV_LLM_PARAM_INVALID);
+    /* an unknown region: not-exist, as for 1-D */
+    seg2(w, rs, 0, 999, 0, 16, 2, 32, 32);
+    CHECK_EQ(submit2(c, 1, w, 1, UINT64_MAX, &done, &nb), KV_LLM_KV_CACHE_NOT_EXIST);
+    kv_stats st = stats(c);
+    CHECK_EQ(st.jobs_live, 0);
+    /* every ref taken by refused jobs was dropped: the regions go at once */
+    CHECK_EQ(kv_region_remove(c, rs), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_remove(c, rd), KV_LLM_SUCCESS);
+    CHECK_EQ(stats(c).regions_live, 0);
+    kv_core_free(c);
+    xunmap(src, N);
+    xunmap(dst, N);
+}
+
+/* 2-D copies land byte-exact (guards between and around the rows untouched):
+ * inline, by movers (chunks cut mid-row and across rows and segments), and
+ * through CMA (more rows than one process_vm_writev takes). */
+static void test_seg2d_copy(void) {
+    const uint64_t N = 4 * MiB;
+    kv_core *c = mk(2, 16 * KiB);
+    uint8_t *src = xmap(N), *dst = xmap(N), *want = xmap(N);
+    fill(src, N, 31);
+    uint32_t rs = add_local(c, src, N), rd = add_local(c, dst, N);
+    uint32_t rp = add_proc(c, getpid(), dst, N); /* the same memory, through CMA */
+    uint32_t rps = add_proc(c, getpid(), src, N);
+    struct {
+        uint64_t so, dof, row, rows, ss, ds;
+    } shapes[] = {
+        {0, 0, 1000, 3, 1000, 1000},      /* packed both sides */
+        {7, 3, 100, 1000, 300, 257},      /* many short rows, gaps */
+        {0, 64, 5000, 40, 9000, 5001},    /* rows longer than a third of a chunk */
+        {123, 456, 40000, 7, 50000, 40000}, /* rows longer than a chunk */
+        {0, 0, 1, 3000, 3, 2},            /* one-byte rows */
+    };
+    int done;
+    uint64_t nb;
+    for (int mode = 0; mode < 4; mode++) { /* inline, movers, CMA write, CMA read */
+        uint64_t w[5 * KV_SEG2_WORDS], total = 0;
+        size_t n = sizeof shapes / sizeof shapes[0];
+        memset(dst, 0x5A, (size_t)N);
+        memcpy(want, dst, (size_t)N);
+        uint64_t base = 0;
+        for (size_t i = 0; i < n; i++) { /* the shapes one after another in dst, not overlapping */
+            uint32_t sr = mode == 3 ? rps : rs, dr = mode == 2 ? rp : rd;
+            uint64_t ext = (shapes[i].rows - 1) * shapes[i].ds + shapes[i].row;
+            seg2(w + i * KV_SEG2_WORDS, sr, shapes[i].so, dr, base + shapes[i].dof, shapes[i].row, shapes[i].rows,
+                 shapes[i].ss, shapes[i].ds);
+            model2(want, src, w + i * KV_SEG2_WORDS);
+            base += shapes[i].dof + ext + 1;
+            total += shapes[i].row * shapes[i].rows;
+        }
+        CHECK(base < N);
+        if (mode == 3) { /* read from "another process": dst must be local */
+            for (size_t i = 0; i < n; i++)
+                w[i * KV_SEG2_WORDS + 2] = rd;
+        }
+        uint64_t id = 10 + (uint64_t)mode;
+        CHECK_EQ(submit2(c, id, w, n, mode == 0 ? UINT64_MAX : 0, &done, &nb), KV_LLM_SUCCESS);
+        if (mode == 0) {
+            CHECK_EQ(done, 1);
+            CHECK_EQ(nb, total);
+        } else {
+            CHECK_EQ(done, 0);
+            kv_completion cp = wait_one(c, id);
+            CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+            CHECK_EQ(cp.nbytes, total);
+        }
+        CHECK(memcmp(dst, want, (size_t)N) == 0);
+    }
+    /* the 1-D wrappers still take 5-word segments */
+    uint64_t w1[KV_SEG_WORDS];
+    seg(w1, rs, 0, rd, 0, 4096);
+    CHECK_EQ(kv_core_submit(c, 20, w1, 1, UINT64_MAX, &done, &nb), KV_LLM_SUCCESS);
+    CHECK(memcmp(dst, src, 4096) == 0);
+    check_no_more(c);
+    check_quiet_stats(c);
+    kv_core_free(c);
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(want, N);
+}
+
+/* Abort of a 2-D job under way: its completion carries the abort status once no
+ * mover writes any more, never more than its bytes, and nothing outside its rows
+ * changes. */
+static void test_seg2d_abort(void) {
+    const uint64_t ROW = 48 * KiB, ROWS = 2048, SS = 64 * KiB, DS = 56 * KiB;
+    const uint64_t NS = SS * ROWS, ND = DS * ROWS;
+    kv_core *c = mk(2, 64 * KiB);
+    uint8_t *src = xmap(NS), *dst = xmap(ND);
+    memset(src, 0x11, (size_t)NS);
+    memset(dst, 0x5A, (size_t)ND);
+    uint32_t rs = add_local(c, src, NS), rd = add_local(c, dst, ND);
+    uint64_t w[KV_SEG2_WORDS];
+    seg2(w, rs, 0, rd, 0, ROW, ROWS, SS, DS);
+    int done;
+    uint64_t nb;
+    CHECK_EQ(submit2(c, 1, w, 1, 0, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_core_abort(c, 1, KV_LLM_TIMEOUT), KV_LLM_SUCCESS);
+    kv_completion cp = wait_one(c, 1);
+    CHECK_EQ(cp.status, KV_LLM_TIMEOUT);
+    CHECK(cp.nbytes <= ROW * ROWS);
+    for (uint64_t r = 0; r < ROWS; r++) { /* the gaps between rows: never written */
+        CHECK(all_eq(dst + r * DS + ROW, DS - ROW, 0x5A));
+        CHECK(all_eq(dst + r * DS, ROW, 0x5A) || all_eq(dst + r * DS, ROW, 0x11) || r * ROW < cp.nbytes + 2 * 64 * KiB);
+    }
+    check_no_more(c);
+    check_quiet_stats(c);
+    kv_core_free(c);
+    xunmap(src, NS);
+    xunmap(dst, ND);
+}
+
+
+/* A large mover job (streaming stores where the CPU has AVX2): runs at odd
+ * alignments and lengths, short ones, 2-D rows, land byte-exact. */
+static void test_large_copy(void) {
+    const uint64_t N = 24 * MiB;
+    kv_core *c = mk(2, 1 * MiB);
+    uint8_t *src = xmap(N), *dst = xmap(N), *want = xmap(N);
+    fill(src, N, 51);
+    memset(dst, 0x5A, (size_t)N);
+    memcpy(want, dst, (size_t)N);
+    uint32_t rs = add_local(c, src, N), rd = add_local(c, dst, N);
+    const size_t NS = 1500;
+    uint64_t *w = malloc(NS * KV_SEG2_WORDS * sizeof *w);
+    CHECK(w != NULL);
+    uint64_t total = 0, at = 1;
+    for (size_t i = 0; i < NS; i++) {
+        uint64_t len = i % 10 == 0 ? 1 + i % 97 : 4096 + (i * 7919) % 12000, rows = i % 7 == 3 ? 3 : 1;
+        uint64_t so = (i * 104729) % (N - 3 * 20000), ds = len + (i % 5);
+        seg2(w + i * KV_SEG2_WORDS, rs, so, rd, at, len, rows, len + 3, ds);
+        model2(want, src, w + i * KV_SEG2_WORDS);
+        at += (rows - 1) * ds + len + 1 + i % 33;
+        total += len * rows;
+    }
+    CHECK(at < N && total >= 8 * MiB);
+    int done;
+    uint64_t nb;
+    CHECK_EQ(submit2(c, 1, w, NS, 0, &done, &nb), KV_LLM_SUCCESS);
+    kv_completion cp = wait_one(c, 1);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, total);
+    CHECK(memcmp(dst, want, (size_t)N) == 0);
+    free(w);
+    check_quiet_stats(c);
+    kv_core_free(c);
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(want, N);
+}
+
+
+/* Small pushes written by the submitting thread (an idle link): one to
+ * sixteen segments up to 256 KiB, alone and in bursts (later ones queue behind
+ * the first), over a stream with a small send buffer so that the socket takes
+ * part of a frame and the I/O thread finishes it; each byte-exact. */
+static void test_tcp_small_pushes(void) {
+    const uint64_t N = 4 * MiB, ms = 1000000;
+    kv_core *a = mk(1, 256 * KiB), *b = mk(1, 256 * KiB);
+    uint16_t port = tcp_listen_local(a);
+    uint8_t tok[KV_TOKEN_BYTES];
+    for (int i = 0; i < KV_TOKEN_BYTES; i++)
+        tok[i] = (uint8_t)(i * 5 + 3);
+    CHECK_EQ(kv_tcp_link_add(a, 6, tok, 1, 0, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_tcp_link_add(b, 6, tok, 1, 0, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
+    int fd = tcp_connect(port), small = 4096;
+    CHECK(setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &small, sizeof small) == 0);
+    CHECK_EQ(kv_tcp_conn_add(b, fd, 6), KV_LLM_SUCCESS);
+    CHECK_EQ(wait_one(b, KV_EVENT_LINK_READY | 6).status, KV_LLM_SUCCESS);
+    uint8_t *src = xmap(N), *dst = xmap(N), *want = xmap(N);
+    fill(src, N, 61);
+    memset(dst, 0x5A, (size_t)N);
+    memcpy(want, dst, (size_t)N);
+    uint32_t rd = add_region(a, KV_REGION_LOCAL, 0, dst, N, KV_REGION_F_EXPORT);
+    uint32_t rs = add_local(b, src, N), rr = 0;
+    CHECK_EQ(kv_region_add(b, KV_REGION_TCP, 6, rd, N, 0, &rr), KV_LLM_SUCCESS);
+    uint64_t id = 1, at = 0;
+    for (int round = 0; round < 40; round++) {
+        int burst = 1 + round % 4;
+        uint64_t first = id, sizes[4];
+        if (at + 4 * (256 * KiB + 16 * 8) > N) { /* nothing in flight: start over */
+            at = 0;
+            memset(dst, 0x5A, (size_t)N);
+            memcpy(want, dst, (size_t)N);
+        }
+        for (int q = 0; q < burst; q++, id++) {
+            uint64_t w[16 * KV_SEG_WORDS], total = 0;
+            size_t ns = 1 + (size_t)((round * 7 + q) % 16);
+            for (size_t i = 0; i < ns; i++) {
+                uint64_t len = 1 + ((round * 131 + q * 17 + i * 4099) % (256 * KiB / ns));
+                uint64_t so = (round * 7919 + i * 104729) % (N - len);
+                seg(w + i * KV_SEG_WORDS, rs, so, rr, at, len);
+                memcpy(want + at, src + so, (size_t)len);
+                at += len + 7;
+                total += len;
+            }
+            int done;
+            uint64_t nb;
+            CHECK_EQ(kv_core_submit(b, id, w, ns, 0, &done, &nb), KV_LLM_SUCCESS);
+            sizes[q] = total;
+        }
+        for (int q = 0; q < burst; q++) {
+            kv_completion cp = wait_one(b, first + (uint64_t)q);
+            CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+            CHECK_EQ(cp.nbytes, sizes[q]);
+        }
+        CHECK(memcmp(dst, want, (size_t)N) == 0);
+    }
+    CHECK_EQ(stats(a).tcp_bad_frames, 0);
+    CHECK_EQ(stats(b).tcp_links_failed, 0);
+    kv_core_free(b);
+    kv_core_free(a);
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(want, N);
+}
+
+/* Two cores over TCP (loopback): pushes of many small segments (DATAV frames,
+ * many pieces a frame), of 2-D segments (native rows), pulls of 2-D segments
+ * (expanded into rows by the core): byte-exact, guards untouched. */
+static void test_tcp_2d(void) {
+    const uint64_t N = 8 * MiB, ms = 1000000;
+    kv_core *a = mk(1, 256 * KiB), *b = mk(1, 256 * KiB); /* a receives (listens), b pushes */
+    uint16_t port = tcp_listen_local(a);
+    uint8_t tok[KV_TOKEN_BYTES];
+    for (int i = 0; i < KV_TOKEN_BYTES; i++)
+        tok[i] = (uint8_t)(i * 7 + 1);
+    CHECK_EQ(kv_tcp_link_add(a, 5, tok, 2, 0, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_tcp_link_add(b, 5, tok, 2, 1 * MiB, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_tcp_conn_add(b, tcp_connect(port), 5), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_tcp_conn_add(b, tcp_connect(port), 5), KV_LLM_SUCCESS);
+    kv_completion ev = wait_one(b, KV_EVENT_LINK_READY | 5);
+    CHECK_EQ(ev.status, KV_LLM_SUCCESS);
+    uint8_t *asrc = xmap(N), *adst = xmap(N), *bsrc = xmap(N), *bdst = xmap(N), *want = xmap(N);
+    fill(asrc, N, 41);
+    fill(bsrc, N, 42);
+    uint32_t ra_dst = add_region(a, KV_REGION_LOCAL, 0, adst, N, KV_REGION_F_EXPORT);
+    uint32_t ra_src = add_region(a, KV_REGION_LOCAL, 0, asrc, N, KV_REGION_F_EXPORT);
+    uint32_t rb_src = add_local(b, bsrc, N), rb_dst = add_local(b, bdst, N);
+    uint32_t rr_dst = 0, rr_src = 0; /* a's regions, as b names them */
+    CHECK_EQ(kv_region_add(b, KV_REGION_TCP, 5, ra_dst, N, 0, &rr_dst), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_add(b, KV_REGION_TCP, 5, ra_src, N, 0, &rr_src), KV_LLM_SUCCESS);
+    int done;
+    uint64_t nb;
+    /* 1-D: 2048 random 1 KiB..3 KiB blocks (several pieces a frame), some back to back on both sides */
+    const size_t NB = 2048;
+    uint64_t *w = malloc(NB * KV_SEG2_WORDS * sizeof *w);
+    CHECK(w != NULL);
+    memset(adst, 0x5A, (size_t)N);
+    memcpy(want, adst, (size_t)N);
+    uint64_t total = 0;
+    for (size_t i = 0; i < NB; i++) {
+        uint64_t len = 1024 + (i * 37 % 2048), so = (i * 4099) % (N - 4096), dof = i * 4096 + (i % 3);
+        if (i % 5 == 1) { /* contiguous with the previous one on both sides: one piece, one run */
+            so = w[(i - 1) * KV_SEG_WORDS + 1] + w[(i - 1) * KV_SEG_WORDS + 4];
+            dof = w[(i - 1) * KV_SEG_WORDS + 3] + w[(i - 1) * KV_SEG_WORDS + 4];
+        }
+        seg(w + i * KV_SEG_WORDS, rb_src, so, rr_dst, dof, len);
+        memcpy(want + dof, bsrc + so, (size_t)len);
+        total += len;
+    }
+    CHECK_EQ(kv_core_submit(b, 1, w, NB, 0, &done, &nb), KV_LLM_SUCCESS);
+    kv_completion cp = wait_one(b, 1);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, total);
+    CHECK(memcmp(adst, want, (size_t)N) == 0);
+    /* 2-D push: short rows, rows longer than a frame, one-byte rows */
+    memset(adst, 0x5A, (size_t)N);
+    memcpy(want, adst, (size_t)N);
+    seg2(w, rb_src, 5, rr_dst, 3, 256, 4000, 512, 300);
+    seg2(w + KV_SEG2_WORDS, rb_src, 0, rr_dst, 2 * MiB, 300 * KiB, 5, 310 * KiB, 301 * KiB);
+    seg2(w + 2 * KV_SEG2_WORDS, rb_src, 77, rr_dst, 4 * MiB, 1, 5000, 3, 2);
+    total = 0;
+    for (int i = 0; i < 3; i++) {
+        model2(want, bsrc, w + i * KV_SEG2_WORDS);
+        total += w[i * KV_SEG2_WORDS + 4] * w[i * KV_SEG2_WORDS + 5];
+    }
+    CHECK_EQ(submit2(b, 2, w, 3, 0, &done, &nb), KV_LLM_SUCCESS);
+    cp = wait_one(b, 2);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, total);
+    CHECK(memcmp(adst, want, (size_t)N) == 0);
+    /* 2-D pull (expanded into rows at submit) */
+    memset(bdst, 0x5A, (size_t)N);
+    memcpy(want, bdst, (size_t)N);
+    seg2(w, rr_src, 9, rb_dst, 1, 1000, 300, 1500, 1200);
+    model2(want, asrc, w);
+    CHECK_EQ(submit2(b, 3, w, 1, 0, &done, &nb), KV_LLM_SUCCESS);
+    cp = wait_one(b, 3);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, 300000);
+    CHECK(memcmp(bdst, want, (size_t)N) == 0);
+    /* a 2-D push out of a's region is refused at submit, nothing sent */
+    seg2(w, rb_src, 0, rr_dst, N - 100, 100, 2, 100, 100);
+    CHECK_EQ(submit2(b, 4, w, 1, 0, &done, &nb), KV_LLM_PARAM_INVALID);
+    CHECK_EQ(stats(a).tcp_bad_frames, 0);
+    CHECK_EQ(stats(b).tcp_links_failed, 0);
+    free(w);
+    kv_core_free(b);
+    kv_core_free(a);
+    xunmap(asrc, N);
+    xunmap(adst, N);
+    xunmap(bsrc, N);
+    xunmap(bdst, N);
+    xunmap(want, N);
+}
+
 int main(int argc, char **argv) {
     static const test_case tests[] = {
         {"new_params", test_new_params},
@@ -1665,6 +2049,12 @@ int main(int argc, char **argv) {
         {"mover_lease", test_mover_lease},
         {"tcp_api", test_tcp_api},
         {"accept_emfile", test_accept_emfile},
+        {"seg2d_validation", test_seg2d_validation},
+        {"seg2d_copy", test_seg2d_copy},
+        {"seg2d_abort", test_seg2d_abort},
+        {"large_copy", test_large_copy},
+        {"tcp_2d", test_tcp_2d},
+        {"tcp_small_pushes", test_tcp_small_pushes},
     };
     const size_t nt = sizeof tests / sizeof tests[0];
     setvbuf(stdout, NULL, _IOLBF, 0);
