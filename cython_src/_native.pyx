@@ -22,6 +22,7 @@ REGION_PROCESS = kvc.KV_REGION_PROCESS
 REGION_TCP = kvc.KV_REGION_TCP
 REGION_UCX = kvc.KV_REGION_UCX
 UCX = kvc.kv_ucx_available() != 0   # built with the UCX transport
+UCX_TOKEN = kvc.KV_UCX_TOKEN
 SEG_WORDS = kvc.KV_SEG_WORDS
 SEG2_WORDS = kvc.KV_SEG2_WORDS
 F_UNMAP = kvc.KV_REGION_F_UNMAP
@@ -218,43 +219,47 @@ cdef class Core:
         return st, (buf[:n] if st == 0 else b"")
 
     def ucx_mem_map(self, uint32_t region_id):
-        """Register one of our exported regions with UCP: ``(status, packed rkey)``."""
-        if self.c == NULL:
-            return kvc.KV_LLM_ENGINE_FINALIZED, b""
-        cdef unsigned char buf[UCX_BLOB]
-        cdef size_t n = UCX_BLOB
-        cdef uint32_t st
-        with nogil:
-            st = kvc.kv_ucx_mem_map(self.c, region_id, buf, &n)
-        return st, (buf[:n] if st == 0 else b"")
-
-    def ucx_link_add(self, uint32_t link_id, bytes address, uint64_t window=0, double fence=1.0):
-        """Declare a UCX link to the peer's worker ``address``; ``fence`` in seconds."""
+        """Register one of our exported regions with UCP for zero-copy messages (nothing
+        is given to a peer): a status."""
         if self.c == NULL:
             return kvc.KV_LLM_ENGINE_FINALIZED
-        if not 0.001 <= fence <= 3600 or not address:
-            return kvc.KV_LLM_PARAM_INVALID
-        cdef const unsigned char *p = address
-        cdef size_t n = len(address)
-        cdef uint64_t f = <uint64_t>(fence * 1e9)
         cdef uint32_t st
         with nogil:
-            st = kvc.kv_ucx_link_add(self.c, link_id, p, n, window, f)
+            st = kvc.kv_ucx_mem_map(self.c, region_id)
         return st
 
-    def ucx_rkey_add(self, uint32_t link_id, uint64_t base, uint64_t length, bytes rkey):
-        """A peer's region and its packed rkey, as a REGION_UCX region: ``(status, region_id)``."""
+    def ucx_link_add(self, uint32_t link_id, bytes address, bytes rx_token, bytes tx_token,
+                     uint64_t window=0, double fence=1.0, double lease=1.0, double margin=0.05):
+        """Declare a UCX link to the peer's worker ``address``: messages to us must carry
+        ``rx_token``, ours carry ``tx_token`` (UCX_TOKEN bytes each); ``fence``, ``lease``
+        and ``margin`` in seconds (kv_core.h, kv_ucx_link_add)."""
         if self.c == NULL:
-            return kvc.KV_LLM_ENGINE_FINALIZED, 0
-        if not rkey:
-            return kvc.KV_LLM_PARAM_INVALID, 0
-        cdef const unsigned char *p = rkey
-        cdef size_t n = len(rkey)
-        cdef uint32_t rid = 0
+            return kvc.KV_LLM_ENGINE_FINALIZED
+        if not (0.001 <= fence <= 3600 and 0.001 <= lease <= 3600 and 0 <= margin <= 3600) or not address \
+                or len(rx_token) != UCX_TOKEN or len(tx_token) != UCX_TOKEN:
+            return kvc.KV_LLM_PARAM_INVALID
+        cdef const unsigned char *p = address
+        cdef const unsigned char *rt = rx_token
+        cdef const unsigned char *tt = tx_token
+        cdef size_t n = len(address)
+        cdef uint64_t f = <uint64_t>(fence * 1e9), ls = <uint64_t>(lease * 1e9), mg = <uint64_t>(margin * 1e9)
         cdef uint32_t st
         with nogil:
-            st = kvc.kv_ucx_rkey_add(self.c, link_id, base, length, p, n, &rid)
-        return st, rid
+            st = kvc.kv_ucx_link_add(self.c, link_id, p, n, rt, tt, window, ls, f, mg)
+        return st
+
+    def ucx_test_send(self, uint32_t link_id, bytes header, bytes data=b"", bint rndv=False):
+        """Tests only (a hostile peer): send one raw active message on a UCX link, the
+        header and payload exactly as given."""
+        if self.c == NULL:
+            return kvc.KV_LLM_ENGINE_FINALIZED
+        cdef const unsigned char *h = header
+        cdef const unsigned char *d = data
+        cdef size_t hn = len(header), dn = len(data)
+        cdef uint32_t st
+        with nogil:
+            st = kvc.kv_ucx_test_send(self.c, link_id, h, hn, d, dn, rndv)
+        return st
 
     def ucx_link_close(self, uint32_t link_id, uint32_t status):
         if self.c == NULL:
@@ -286,6 +291,9 @@ cdef class Core:
             "tcp_refused": s.tcp_refused, "tcp_links_failed": s.tcp_links_failed,
             "tcp_lease_expired": s.tcp_lease_expired, "tcp_fence_expired": s.tcp_fence_expired,
             "tcp_stalled": s.tcp_stalled, "tcp_accept_paused": s.tcp_accept_paused,
+            "ucx_bad_msgs": s.ucx_bad_msgs, "ucx_refused": s.ucx_refused, "ucx_dropped": s.ucx_dropped,
+            "ucx_bytes_sent": s.ucx_bytes_sent, "ucx_bytes_received": s.ucx_bytes_received,
+            "ucx_lease_grants": s.ucx_lease_grants,
         }
 
 

@@ -52,6 +52,12 @@ cdef extern from "kv_core.h" nogil:
         uint64_t tcp_fence_expired
         uint64_t tcp_stalled
         uint64_t tcp_accept_paused
+        uint64_t ucx_bad_msgs
+        uint64_t ucx_refused
+        uint64_t ucx_dropped
+        uint64_t ucx_bytes_sent
+        uint64_t ucx_bytes_received
+        uint64_t ucx_lease_grants
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)
@@ -85,9 +91,11 @@ cdef extern from "kv_core.h" nogil:
     uint32_t kv_tcp_link_close(kv_core *core, uint32_t link_id, uint32_t status)
     int kv_ucx_available()
     uint32_t kv_ucx_address(kv_core *core, unsigned char *out, size_t *len)
-    uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id, unsigned char *out, size_t *len)
+    int KV_UCX_TOKEN
+    uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id)
     uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const unsigned char *addr, size_t len,
-                             uint64_t window, uint64_t fence_ns)
-    uint32_t kv_ucx_rkey_add(kv_core *core, uint32_t link_id, uint64_t base, uint64_t len,
-                             const unsigned char *rkey, size_t rkey_len, uint32_t *region_id)
+                             const unsigned char *rx_token, const unsigned char *tx_token,
+                             uint64_t window, uint64_t lease_ns, uint64_t fence_ns, uint64_t margin_ns)
     uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status)
+    uint32_t kv_ucx_test_send(kv_core *core, uint32_t link_id, const unsigned char *hdr, size_t hdr_len,
+                              const unsigned char *data, size_t data_len, int rndv)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from . import channels, control, kernel
 from .control import ProtocolError
 from .channels import SeqpacketChannel, StreamChannel
-from .handshake import NO_SECRET_MSG, hello_problem, is_ucx_address, peer_process, ucx_for_auto
+from .handshake import NO_SECRET_MSG, hello_problem, is_hex, is_ucx_address, peer_process, ucx_for_auto
 from .link import Detached, Link, TaskSet
 from .links import LinkManager
 from .native import _native
@@ -311,12 +311,14 @@ class Acceptor:
         joining = _Joining(cid, transport, welcome["streams"], ptoken, h["inc"])
         if transport == "ucx":
             st, address = self._links.data.ucx_address()
-            if st or not is_ucx_address(msg.get("ucx")):
+            if st or not is_ucx_address(msg.get("ucx")) or not is_hex(msg.get("ucx_token"), 2 * _native.UCX_TOKEN):
                 self._links.release(cid)
                 return reject(S.LLM_LINK_FAILED, "malformed attach: bad 'ucx'" if not st else
                               f"no UCX worker here (status {st:#x})")
-            joining.peer_token = msg["ucx"]   # the client's worker address, for _attach_tcp
-            return {"t": "attached", "ucx": address.hex()}, joining
+            # the client's worker address and token (what our messages to it carry), for _attach_tcp
+            joining.peer_token = f"{msg['ucx']}:{msg['ucx_token']}"
+            return {"t": "attached", "ucx": address.hex(),
+                    "ucx_token": secrets.token_hex(_native.UCX_TOKEN)}, joining
         if transport == "tcp":
             return {"t": "attached", "data_port": self._data_port,
                     "data_token": secrets.token_hex(_native.TOKEN_BYTES)}, joining
@@ -342,7 +344,9 @@ class Acceptor:
         try:
             link = Link(cid, ch, joining.transport, 0, "", "", incarnation=joining.incarnation)
             if joining.transport == "ucx":
-                self._links.data.add_ucx_link(link, bytes.fromhex(joining.peer_token))
+                address, tx = joining.peer_token.split(":")
+                self._links.data.add_ucx_link(link, bytes.fromhex(address), bytes.fromhex(attached["ucx_token"]),
+                                              bytes.fromhex(tx))
             else:
                 self._links.data.add_data_link(link, data_token, streams)
             async with asyncio.timeout(self._options.link_timeout):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import os
 import socket
 from typing import Callable
 
@@ -23,6 +25,14 @@ from .options import EngineOptions
 
 __all__ = ["DataPlane"]
 
+log = logging.getLogger("kvengine")
+
+UCX_TCP_WARNING = (
+    "UCX_TLS=%r includes UCX's tcp transport: UCX executes raw PUT requests from anyone who "
+    "reaches its listening port, below kvengine's checks, so any host that can reach it can write "
+    "into this process (docs/security.md, 'UCX links'); use it only on a network where every host "
+    "is trusted. Without UCX_TLS, kvengine leaves UCX's tcp transport out")
+
 # Native failure counters, and what each one tells the operator when a link fails.
 _DOWN_HINTS = {
     "tcp_lease_expired": "; our lease on a data stream expired before the peer renewed it: "
@@ -32,6 +42,7 @@ _DOWN_HINTS = {
     "tcp_fence_expired": "; the peer did not acknowledge an abort within 0.5 * heartbeat_timeout",
     "tcp_stalled": "; a data stream made no progress for heartbeat_timeout",
     "tcp_bad_frames": "; the peer sent a malformed or impossible frame",
+    "ucx_bad_msgs": "; the peer sent a UCX message that failed our checks (region, bounds, state)",
 }
 
 
@@ -48,6 +59,7 @@ class DataPlane:
         self._tcp_links: dict[int, Link] = {}   # native link id -> live link
         self._tcp_ready: dict[int, asyncio.Future[S]] = {}
         self._down_counts: dict[str, int] = {}  # native failure counters at the last link failure
+        self._ucx_started = False
 
     def add_data_link(self, link: Link, data_token: str, streams: int) -> None:
         """Declare the link's TCP data plane in the core: streams presenting ``data_token``
@@ -85,16 +97,27 @@ class DataPlane:
             self._tcp_ready.pop(link.tcp_id, None)
 
     def ucx_address(self) -> tuple[int, bytes]:
-        """``(status, this engine's UCP worker address)``; the first call starts UCX."""
+        """``(status, this engine's UCP worker address)``; the first call starts UCX (and
+        warns once if UCX_TLS enables UCX's tcp transport)."""
+        if not self._ucx_started:
+            self._ucx_started = True
+            tls = os.environ.get("UCX_TLS")
+            if tls is not None and not tls.startswith("^") and ("tcp" in tls.split(",") or "all" in tls.split(",")):
+                log.warning(UCX_TCP_WARNING, tls)
         st, address = self._core.ucx_address()
         return st, address
 
-    def add_ucx_link(self, link: Link, peer_address: bytes) -> None:
-        """Declare the link's UCX endpoint to the peer's worker. An aborted push whose
-        flush does not complete within 0.5 * heartbeat_timeout fails the link."""
+    def add_ucx_link(self, link: Link, peer_address: bytes, rx_token: bytes, tx_token: bytes) -> None:
+        """Declare the link's UCX endpoint to the peer's worker: the peer's messages must
+        carry ``rx_token``, ours carry ``tx_token`` (both exchanged on the authenticated
+        control channel). Lease, fence and margin as for tcp links (0.4, 0.5, 0.05 of
+        heartbeat_timeout): an aborted push whose ABORT_ACK does not come within the
+        fence fails the link, and the peer writes our pushes only under our lease."""
         link.tcp_id = next(self._ids)
-        st = self._core.ucx_link_add(link.tcp_id, peer_address, self._options.tcp_window_bytes,
-                                     0.5 * self._options.heartbeat_timeout)
+        hbt = self._options.heartbeat_timeout
+        st = self._core.ucx_link_add(link.tcp_id, peer_address, rx_token, tx_token,
+                                     self._options.tcp_window_bytes, fence=0.5 * hbt, lease=0.4 * hbt,
+                                     margin=0.05 * hbt)
         if st:
             raise ProtocolError(f"cannot reach the peer's UCX worker (status {st:#x})")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import socket
 from typing import Any, Callable, Sequence
 
@@ -216,16 +217,19 @@ class Dialer:
                     if st:
                         raise _fail(to_status(st, S.LLM_LINK_FAILED), f"no UCX worker here (status {st:#x})")
                     attach["ucx"] = address.hex()
+                    ucx_rx = secrets.token_bytes(_native.UCX_TOKEN)   # what the server's messages carry
+                    attach["ucx_token"] = ucx_rx.hex()
                 await tcp.send(attach)
                 a = await _reply(tcp, "attach")
                 if a["t"] != "attached":
                     raise ProtocolError(f"unexpected reply {a['t']!r} to attach")
                 if transport == "ucx":
-                    if not is_ucx_address(a.get("ucx")):
+                    if not is_ucx_address(a.get("ucx")) or not is_hex(a.get("ucx_token"), 2 * _native.UCX_TOKEN):
                         raise ProtocolError("bad attached message")
                     link = Link(cid, tcp, transport, 0, "", info.address, incarnation=str(inc))
                     tcp = None
-                    self._links.data.add_ucx_link(link, bytes.fromhex(a["ucx"]))   # before the tables
+                    self._links.data.add_ucx_link(link, bytes.fromhex(a["ucx"]), ucx_rx,
+                                                  bytes.fromhex(a["ucx_token"]))   # before the tables
                     status = await self._links.establish(link, True)
                 elif transport == "tcp":
                     if not int_in(a.get("data_port"), 1, 65535) or \

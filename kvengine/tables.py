@@ -168,16 +168,15 @@ class CacheTables:
             msg.update(kind="tcp", regions=[list(r) for r in state.regions],
                        placement=[[index[rid], off] for rid, off in c._regions])
         elif link.transport == "ucx":
-            # per region: its base address, length and packed rkey (registered with UCP once)
+            # as for tcp: our region ids, which the peer names in its messages and we check
+            # (no rkey: nothing is one-sided); each region is mapped with UCP once, for zero copy
             index = {rid: i for i, (rid, _) in enumerate(state.regions)}
-            base = {rid: addr - off for (rid, off), addr in zip(c._regions, c.tensor_addrs)}
-            regions = []
-            for rid, length in state.regions:
-                st, rkey = core.ucx_mem_map(rid)
+            for rid, _ in state.regions:
+                st = core.ucx_mem_map(rid)
                 if st:
                     raise ProtocolError(f"cannot register cache {c.cache_id} with UCX (status {st:#x})")
-                regions.append([base[rid], length, rkey.hex()])
-            msg.update(kind="ucx", regions=regions, placement=[[index[rid], off] for rid, off in c._regions])
+            msg.update(kind="ucx", regions=[list(r) for r in state.regions],
+                       placement=[[index[rid], off] for rid, off in c._regions])
         elif state.memfd is not None and c._shared is not None:
             fd, length, stride = c._shared
             msg.update(kind="memfd", len=length, stride=stride)
@@ -269,8 +268,8 @@ class CacheTables:
                 raise ProtocolError(f"cannot map the peer's cache (status {st:#x})")
             return None, [(addr, length)], [(0, t * stride) for t in range(n)], \
                 (_native.REGION_LOCAL, 0, _native.F_UNMAP)
-        if kind == "tcp":
-            wire_regions, wire_placement = msg.get("regions"), msg.get("placement")  # checked here, ucx: _placement
+        if kind in ("tcp", "ucx"):
+            wire_regions, wire_placement = msg.get("regions"), msg.get("placement")
             ok = (isinstance(wire_regions, list) and isinstance(wire_placement, list)
                   and len(wire_placement) == n and 1 <= len(wire_regions) <= n
                   and all(isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) for v in r)
@@ -279,47 +278,13 @@ class CacheTables:
                           and isinstance(p[1], int) and 0 <= p[0] < len(wire_regions)
                           and 0 <= p[1] <= wire_regions[p[0]][1] - size for p in wire_placement))
             if not ok:
-                raise ProtocolError("bad tcp cache descriptor")
+                raise ProtocolError(f"bad {kind} cache descriptor")
             assert isinstance(wire_regions, list) and isinstance(wire_placement, list)
             return None, [(r[0], r[1]) for r in wire_regions], [(p[0], p[1]) for p in wire_placement], \
-                (_native.REGION_TCP, link.tcp_id, 0)
-        if kind == "ucx":
-            regions = self._ucx_regions(link, msg, n, size)
-            try:
-                return None, regions, _placement(msg, n, size), (-1, 0, 0)
-            except ProtocolError:
-                for rid, _ in regions:
-                    self._core.region_remove(rid)
-                raise
+                (_native.REGION_TCP if kind == "tcp" else _native.REGION_UCX, link.tcp_id, 0)
         raise ProtocolError(f"unknown cache kind {kind!r}")
 
-    def _ucx_regions(self, link: Link, msg: dict[str, Any], n: int, size: int) -> list[tuple[int, int]]:
-        """A ucx cache's regions as REGION_UCX regions ``(region id, length)``: each one the
-        peer's ``[base, length, rkey]``, checked, then its rkey unpacked by the endpoint
-        (the native core range-checks every put and get against it)."""
-        wire = msg.get("regions")
-        if not (isinstance(wire, list) and 1 <= len(wire) <= n and all(
-                isinstance(r, list) and len(r) == 3 and int_in(r[0], 1, _U64) and int_in(r[1], size, 2**63 - 1)
-                and r[0] + r[1] <= _U64 and isinstance(r[2], str) and 2 <= len(r[2]) <= 2 * 16384
-                for r in wire)):
-            raise ProtocolError("bad ucx cache descriptor")
-        out: list[tuple[int, int]] = []
-        for base, length, rkey in wire:
-            try:
-                blob = bytes.fromhex(rkey)
-            except ValueError:
-                blob = b""
-            st, rid = self._core.ucx_rkey_add(link.tcp_id, base, length, blob) if blob else (S.LLM_PARAM_INVALID, 0)
-            if st:
-                for r, _ in out:
-                    self._core.region_remove(r)
-                raise ProtocolError(f"the peer's ucx region was refused (status {st:#x}): a malformed rkey?")
-            out.append((rid, length))
-        return out
-
     def _add_regions(self, link: Link, regions: list[tuple[int, int]], kinds: tuple[int, int, int]) -> list[int]:
-        if kinds[0] == -1:   # registered already (ucx: by _ucx_regions)
-            return [rid for rid, _ in regions]
         rids: list[int] = []
         for base, length in regions:
             st, rid = self._core.region_add(kinds[0], kinds[1], base, length, kinds[2])
@@ -412,12 +377,3 @@ class CacheTables:
         link.waiters.clear()
 
 
-
-def _placement(msg: dict[str, Any], n: int, size: int) -> list[tuple[int, int]]:
-    """A ucx cache's ``placement``: per tensor ``(region index, offset)``, inside its region."""
-    regions, placement = msg["regions"], msg.get("placement")
-    if not (isinstance(placement, list) and len(placement) == n and all(
-            isinstance(p, list) and len(p) == 2 and int_in(p[0], 0, len(regions) - 1)
-            and int_in(p[1], 0, regions[p[0]][1] - size) for p in placement)):
-        raise ProtocolError("bad ucx cache placement")
-    return [(p[0], p[1]) for p in placement]

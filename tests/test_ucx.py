@@ -1,7 +1,8 @@
 """transport="ucx": the cross-process suite of tests/test_cross_process.py (push,
 pull, blocks, caches announced later, 64 concurrent pushes, timeout fenced, peer
-killed mid-transfer) over UCX's tcp and shared-memory transports, plus the
-checks that apply to rkeys and addresses, at the native core's API.
+killed mid-transfer) over UCX's tcp and shared-memory transports (and tcp,cma),
+plus the initiator's checks at the native core's API. The target's checks
+against a hostile peer: tests/test_ucx_hostile.py.
 
 Skipped when kvengine was built without UCX (pip install "kvengine[ucx]", then
 rebuild). UCX_TLS is set for both processes (the child inherits it)."""
@@ -24,13 +25,17 @@ from test_cross_process import (  # noqa: E402,F401
     test_cache_registered_after_link_and_peer_push, test_peer_killed_mid_transfer_then_new_peer,
     test_pull_and_pull_size, test_push_with_layer_ranges_byte_exact, test_timeout_fenced_across_processes)
 
-# UCX_TLS per case: tcp only; shared memory (posix/sysv, cma for zero copy, self).
-TLS = {"tcp": "tcp", "sm": "sm,self"}
+# UCX_TLS per case: tcp only; shared memory (posix/sysv, cma for zero copy, self); tcp with cma;
+# "default": UCX_TLS unset, kvengine's default (every transport but UCX's tcp).
+TLS = {"tcp": "tcp", "sm": "sm,self", "tcpcma": "tcp,cma", "default": None}
 
 
 @pytest.fixture(params=sorted(TLS))
 def xtransport(request, monkeypatch):
-    monkeypatch.setenv("UCX_TLS", TLS[request.param])
+    if TLS[request.param] is None:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    else:
+        monkeypatch.setenv("UCX_TLS", TLS[request.param])
     return "ucx"
 
 
@@ -49,14 +54,18 @@ def test_without_ucx_feature_not_enabled(monkeypatch):
 # ------------------------------------------------------------ native checks
 
 def _pair(tls, monkeypatch):
+    """Two cores linked over UCX as link 1 on both, and the tokens (ta, tb): a's messages
+    carry tb, b's carry ta."""
+    import secrets
     monkeypatch.setenv("UCX_TLS", tls)
     a, b = _native.Core(), _native.Core()
     sa, addr_a = a.ucx_address()
     sb, addr_b = b.ucx_address()
     assert sa == 0 and sb == 0
-    assert a.ucx_link_add(1, addr_b, 0, 1.0) == 0
-    assert b.ucx_link_add(1, addr_a, 0, 1.0) == 0
-    return a, b
+    ta, tb = secrets.token_bytes(_native.UCX_TOKEN), secrets.token_bytes(_native.UCX_TOKEN)
+    assert a.ucx_link_add(1, addr_b, ta, tb, 0, 1.0) == 0
+    assert b.ucx_link_add(1, addr_a, tb, ta, 0, 1.0) == 0
+    return a, b, (ta, tb)
 
 
 def _wait(core, n=1, timeout=10.0):
@@ -69,11 +78,12 @@ def _wait(core, n=1, timeout=10.0):
 
 
 @pytest.mark.parametrize("tls", ["tcp", "sm,self"])
-def test_rkey_and_address_checks(tls, monkeypatch):
-    """Every remote range is checked before a request is posted: out of the peer's
-    region, another link's region, a region of a length other than the entry's, our
-    own worker as the peer; nothing outside the registered destination changes."""
-    a, b = _pair(tls, monkeypatch)
+def test_initiator_checks(tls, monkeypatch):
+    """Every remote range is checked at submit, before a message exists: out of the
+    peer's region, overflowing offsets, a link to our own worker, a repeated token;
+    a valid push lands exactly in the registered range (and the target checked it
+    again, see tests/test_ucx_hostile.py)."""
+    a, b, (ta, tb) = _pair(tls, monkeypatch)
     try:
         src = np.full(1 << 16, 7, np.uint8)
         arena = np.zeros(3 << 16, np.uint8)          # the peer registers only the middle third
@@ -81,9 +91,8 @@ def test_rkey_and_address_checks(tls, monkeypatch):
         st, rs = a.region_add(_native.REGION_LOCAL, 0, src.ctypes.data, src.nbytes, _native.F_EXPORT)
         st2, rd = b.region_add(_native.REGION_LOCAL, 0, dst.ctypes.data, dst.nbytes, _native.F_EXPORT)
         assert st == st2 == 0
-        st, rkey = b.ucx_mem_map(rd)
-        assert st == 0 and rkey
-        st, rr = a.ucx_rkey_add(1, dst.ctypes.data, dst.nbytes, rkey)
+        assert b.ucx_mem_map(rd) == 0
+        st, rr = a.region_add(_native.REGION_UCX, 1, rd, dst.nbytes, 0)   # as the table announced it
         assert st == 0
 
         def seg(*w):
@@ -92,54 +101,26 @@ def test_rkey_and_address_checks(tls, monkeypatch):
         for off, n in ((1, dst.nbytes), (dst.nbytes, 1), (2**64 - 1, 2), (0, dst.nbytes + 1)):
             st, done, _ = a.submit(10, seg(rs, 0, rr, off, n), 0)
             assert st == S.LLM_PARAM_INVALID, (off, n)
-        # a region on a link that does not exist
-        assert a.ucx_rkey_add(99, dst.ctypes.data, dst.nbytes, rkey)[0] == S.LLM_LINK_FAILED
-        # a link to our own worker (a peer sending our address back)
-        assert a.ucx_link_add(5, a.ucx_address()[1], 0, 1.0) == S.LLM_PARAM_INVALID
-        # empty and oversized blobs
-        assert a.ucx_rkey_add(1, dst.ctypes.data, dst.nbytes, b"")[0] == S.LLM_PARAM_INVALID
-        assert a.ucx_rkey_add(1, dst.ctypes.data, dst.nbytes, b"x" * 20000)[0] == S.LLM_PARAM_INVALID
-        assert a.ucx_rkey_add(1, 2**64 - 4096, 8192, rkey)[0] == S.LLM_PARAM_INVALID
+        # a link to our own worker (a peer sending our address back), a token in use
+        assert a.ucx_link_add(5, a.ucx_address()[1], b"x" * 16, tb, 0, 1.0) == S.LLM_PARAM_INVALID
+        assert a.ucx_link_add(6, b.ucx_address()[1], ta, tb, 0, 1.0) == S.LLM_PARAM_INVALID
+        assert a.ucx_link_add(7, b.ucx_address()[1], b"short", tb, 0, 1.0) == S.LLM_PARAM_INVALID
         # a valid push lands exactly in the registered range
         st, done, _ = a.submit(11, seg(rs, 0, rr, 0, dst.nbytes), 0)
         assert st == 0 and not done
         (c,) = _wait(a)
         assert c[:3] == (11, 0, dst.nbytes)
         assert (dst == 7).all() and not arena[: 1 << 16].any() and not arena[2 << 16:].any()
-        # our memory can be exported only if it is one of our caches (F_EXPORT)
+        # and a pull reads it back through the target's checks
+        back = np.zeros(1 << 16, np.uint8)
+        st, rb = a.region_add(_native.REGION_LOCAL, 0, back.ctypes.data, back.nbytes, _native.F_EXPORT)
+        st, done, _ = a.submit(12, seg(rr, 0, rb, 0, back.nbytes), 0)
+        assert st == 0
+        (c,) = _wait(a)
+        assert c[:3] == (12, 0, back.nbytes) and (back == 7).all()
+        # only our own caches are ever registered for UCX (F_EXPORT)
         st, plain = a.region_add(_native.REGION_LOCAL, 0, src.ctypes.data, src.nbytes, 0)
-        assert a.ucx_mem_map(plain)[0] == S.LLM_PARAM_INVALID
-    finally:
-        for c in (a, b):
-            c.close()
-            c.release()
-
-
-def test_forged_rkey_is_refused_or_lands_only_in_the_announced_range(monkeypatch):
-    """UCX refuses some malformed rkeys (PARAM_INVALID) and accepts others: over tcp and
-    shared memory the target does not check keys (puts emulated with active messages,
-    or cma). Either way the request goes to entry base + a checked offset, so a push
-    with a forged rkey fails the link or lands inside the region the peer announced;
-    the process survives (docs/protocol.md, "UCX links")."""
-    a, b = _pair("tcp", monkeypatch)
-    try:
-        assert a.ucx_rkey_add(1, 1 << 20, 4096, b"\xff")[0] == S.LLM_PARAM_INVALID
-        src = np.full(1 << 16, 7, np.uint8)
-        arena = np.zeros(3 << 16, np.uint8)
-        dst = arena[1 << 16: 2 << 16]
-        st, rs = a.region_add(_native.REGION_LOCAL, 0, src.ctypes.data, src.nbytes, _native.F_EXPORT)
-        st2, rd = b.region_add(_native.REGION_LOCAL, 0, dst.ctypes.data, dst.nbytes, _native.F_EXPORT)
-        assert st == st2 == 0 and b.ucx_mem_map(rd)[0] == 0
-        for job, blob in enumerate((b"\x00" * 8, bytes(range(256)) * 4)):
-            st, rr = a.ucx_rkey_add(1, dst.ctypes.data, dst.nbytes, blob)
-            if st:
-                assert st == S.LLM_PARAM_INVALID
-                continue
-            st, _, _ = a.submit(30 + job, np.array([rs, 0, rr, 0, src.nbytes], np.uint64), 0)
-            if st == 0:
-                done = [c for c in _wait(a) if c[0] == 30 + job]
-                assert done and done[0][1] in (0, S.LLM_LINK_FAILED)
-            assert not arena[: 1 << 16].any() and not arena[2 << 16:].any()
+        assert a.ucx_mem_map(plain) == S.LLM_PARAM_INVALID
     finally:
         for c in (a, b):
             c.close()
@@ -147,7 +128,8 @@ def test_forged_rkey_is_refused_or_lands_only_in_the_announced_range(monkeypatch
 
 
 async def test_forged_table_entry_drops_the_link():
-    """A cache table entry of kind 'ucx' with a bad rkey fails the link, registers nothing."""
+    """A cache table entry of kind 'ucx' in the old rkey format ([base, len, rkey]) or
+    with a bad region fails the link, registers nothing."""
     from kvengine.tables import CacheTables
 
     o = kv.EngineOptions(transport="ucx")
@@ -157,7 +139,7 @@ async def test_forged_table_entry_drops_the_link():
 
     def forged(link, state, core):
         msg, fds = real(link, state, core)
-        msg["regions"] = [[r[0], r[1], "ff"] for r in msg["regions"]]   # an rkey UCX cannot unpack
+        msg["regions"] = [[r[0], r[1], "ff"] for r in msg["regions"]]   # an rkey: not taken any more
         return msg, fds
     try:
         d.allocate_cache(kv.CacheDesc(1, (1, 4096), np.uint8))
@@ -198,6 +180,41 @@ async def test_cancel_is_fenced(monkeypatch):
         assert p.stats()["native"]["jobs_live"] == 0
         assert await p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0), timeout=30) == S.LLM_SUCCESS
         assert all((x == 5).all() for x in dst.tensors)
+    finally:
+        await p.close()
+        await d.close()
+
+
+@pytest.mark.parametrize("tls", ["tcp", "sm,self"])
+async def test_peer_killed_link_failed_within_the_heartbeat_bound(tls, monkeypatch):
+    """SIGKILL of the decode process with pushes and a pull in flight: every transfer
+    resolves (LLM_LINK_FAILED, or LLM_SUCCESS for what had completed) within
+    heartbeat_timeout + heartbeat_interval + 1 s of the kill, none hangs, and no job
+    is left in the core."""
+    import time
+    from kvengine._peer import PeerProcess
+    monkeypatch.setenv("UCX_TLS", tls)
+    opts = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0",
+                          kv.EngineOptions(transport="ucx", secret=b"s", **opts)).start()
+    d = await PeerProcess.start(cluster_id=2, secret=b"s", transport="ucx", options=opts)
+    try:
+        desc = kv.CacheDesc(2, (1, 32 << 20), np.uint8)
+        dst = (await d.call("alloc", n=2, shape=[1, 32 << 20], dtype="uint8"))["cache_id"]
+        st, per = await p.link_clusters([kv.ClusterInfo(2, d.address)])
+        assert st == S.LLM_SUCCESS, per
+        await p.wait_remote_cache(2, dst)
+        src = p.allocate_cache(desc)
+        mine = p.allocate_cache(desc)
+        ts = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=30) for _ in range(8)]
+        ts.append(p.submit_pull_kv_cache(kv.CacheIndex(2, dst, 0), mine, timeout=30))
+        d.kill()
+        t0 = time.monotonic()
+        statuses = await asyncio.wait_for(asyncio.gather(*ts), 10)
+        took = time.monotonic() - t0
+        assert set(statuses) <= {S.LLM_SUCCESS, S.LLM_LINK_FAILED} and S.LLM_LINK_FAILED in statuses
+        assert took <= 1.0 + 0.2 + 1.0, took
+        assert p.stats()["native"]["jobs_live"] == 0
     finally:
         await p.close()
         await d.close()

@@ -27,11 +27,11 @@
 #define KV_REGION_LOCAL   0 /* memory mapped in this process */
 #define KV_REGION_PROCESS 1 /* memory of another process, reached with process_vm_{read,write}v */
 #define KV_REGION_TCP     2 /* a peer's region over a TCP link: pid = link id, addr = the peer's region id */
-#define KV_REGION_UCX     3 /* a peer's region over a UCX link: pid = link id, addr = the rkey entry (kv_ucx_rkey_add) */
+#define KV_REGION_UCX     3 /* a peer's region over a UCX link: pid = link id, addr = the peer's region id */
 
 /* kv_region_add flags */
 #define KV_REGION_F_UNMAP  1u /* munmap on release (a mapping the core owns) */
-#define KV_REGION_F_EXPORT 2u /* TCP peers may name it in frames (this engine's caches only) */
+#define KV_REGION_F_EXPORT 2u /* TCP and UCX peers may name it in frames/messages (this engine's caches only) */
 #define KV_REGION_F_NOTIFY 4u /* post KV_EVENT_REGION_FREED when released */
 
 /* Completions whose job_id has bit 63 set are events: kind in bits 56..62, id below. */
@@ -82,6 +82,12 @@ typedef struct {
     uint64_t tcp_fence_expired; /* links failed because an aborted push's ABORT_ACKs did not come within the fence */
     uint64_t tcp_stalled;       /* links failed because a payload in progress or pending output made no progress */
     uint64_t tcp_accept_paused; /* accept() failed for lack of descriptors or memory: listening paused 100 ms */
+    uint64_t ucx_bad_msgs;      /* UCX links failed for a message that failed the target's checks */
+    uint64_t ucx_refused;       /* UCX messages dropped: no live link has their token (a stranger, or a dead link) */
+    uint64_t ucx_dropped;       /* UCX data dropped on purpose: an aborted push's or pull's late bytes */
+    uint64_t ucx_bytes_sent;    /* UCX payload bytes */
+    uint64_t ucx_bytes_received;
+    uint64_t ucx_lease_grants;  /* UCX lease requests we granted (a peer may write our pushes) */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a
@@ -203,28 +209,75 @@ uint32_t kv_tcp_link_close(kv_core *core, uint32_t link_id, uint32_t status);
 
 /* ---- UCX data plane (kv_ucx.c; built with -DKV_HAVE_UCX, otherwise every
  * call answers KV_LLM_FEATURE_NOT_ENABLED). One I/O thread per core owns the
- * UCP worker, started by the first call. One-sided: pushes are ucp_put_nbx +
- * a flush, pulls ucp_get_nbx (docs/protocol.md, "UCX links"). */
+ * UCP worker, started by the first call. Two-sided: every byte goes as a UCP
+ * active message whose header (kv_ucx_hdr) the TARGET checks against its own
+ * region table before a byte lands (docs/protocol.md, "UCX links"). No rkey is
+ * ever given to a peer, and the UCP context has no RMA feature. */
+
+#define KV_UCX_TOKEN 16            /* link token bytes (each direction has its own) */
+#define KV_UCX_MAX_PULL (1ull << 30) /* the most one PULL_REQ may ask for */
+
+/* kv_ucx_hdr.type */
+enum {
+    KV_UCX_PUSH = 1,  /* payload for region/offset of the target; job: the pusher's; total: the push's bytes */
+    KV_UCX_ACK,       /* target -> pusher: every byte of push `job` landed */
+    KV_UCX_ABORT,     /* pusher -> target: drop push `job`'s data from now on */
+    KV_UCX_ABORT_ACK, /* target -> pusher: nothing of push `job` lands any more */
+    KV_UCX_PULL_REQ,  /* requester -> source: send len bytes at region/offset; job, tag: the requester's */
+    KV_UCX_PULL_DATA, /* source -> requester: the answer to (job, tag); len bytes of payload */
+    KV_UCX_LEASE_REQ, /* a target asks the peer for a lease; tag: its request number */
+    KV_UCX_LEASE,     /* the grant of LEASE_REQ `tag`: the target may write pushes until (asked + lease) */
+};
+
+/* The header of every message, 64 bytes, little-endian (host order: same-arch peers). */
+typedef struct kv_ucx_hdr {
+    uint8_t token[KV_UCX_TOKEN]; /* the receiver's token for this link */
+    uint32_t type;               /* KV_UCX_* */
+    uint32_t region;             /* PUSH, PULL_REQ: the receiver's region id (as announced); else 0 */
+    uint64_t job;                /* the job id of the side that started the transfer */
+    uint64_t offset;             /* PUSH, PULL_REQ: offset in that region */
+    uint64_t len;                /* payload bytes (PUSH, PULL_DATA) or bytes asked for (PULL_REQ) */
+    uint64_t total;              /* PUSH: the push's total bytes; else 0 */
+    uint64_t tag;                /* PULL_REQ, PULL_DATA: the requester's request tag; LEASE_REQ, LEASE: seq */
+} kv_ucx_hdr;
 
 /* 1 if this build has the UCX transport. */
 int kv_ucx_available(void);
 /* This core's UCP worker address into `out` (capacity *len; *len set to its size). */
 uint32_t kv_ucx_address(kv_core *core, uint8_t *out, size_t *len);
-/* Register a region of this engine's own caches (LOCAL, F_EXPORT) with UCP
- * (once; unmapped when the region is released) and give its packed rkey. */
-uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id, uint8_t *out, size_t *len);
-/* Declare link `link_id`: an endpoint to the peer's worker `addr`. At most
- * `window` bytes of requests outstanding (0: no limit); an aborted push whose
- * flush does not complete within `fence_ns` fails the link. A failure of the
- * endpoint posts KV_EVENT_LINK_DOWN|link_id. */
-uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const uint8_t *addr, size_t len, uint64_t window,
-                         uint64_t fence_ns);
-/* A peer's region [base, base+len) with its packed rkey, as a KV_REGION_UCX
- * region of `len` bytes on link `link_id` (*region_id). A rkey the endpoint
- * cannot unpack is KV_LLM_PARAM_INVALID. */
-uint32_t kv_ucx_rkey_add(kv_core *core, uint32_t link_id, uint64_t base, uint64_t len, const uint8_t *rkey,
-                         size_t rkey_len, uint32_t *region_id);
-/* Close a link (forced); its jobs complete with `status`. */
+/* Register one of this engine's own caches' regions (LOCAL, F_EXPORT) with UCP
+ * (ucp_mem_map, once; unmapped when the region is released), so that messages
+ * from and into it are zero copy. Nothing is given to any peer. */
+uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id);
+/* Declare link `link_id`: an endpoint to the peer's worker `addr`. Messages to
+ * us must carry `rx_token`, ours carry `tx_token` (KV_UCX_TOKEN bytes each,
+ * exchanged on the authenticated control channel; rx tokens are unique per
+ * core). At most `window` bytes of data messages outstanding (0: no limit); an
+ * aborted push whose ABORT_ACK does not come within `fence_ns` fails the link.
+ * The lease, as tcp's (kv_tcp_link_add): this end writes a peer's push only
+ * before (when it asked for the grant) + `lease_ns`, asking every lease_ns / 4;
+ * a push of a failed link that was not fenced completes only at (our last grant
+ * to the peer) + lease_ns + `margin_ns`. Both ends should agree on lease_ns.
+ * lease_ns, fence_ns: 1 ms .. 1 h. A failure of the link posts
+ * KV_EVENT_LINK_DOWN|link_id. A peer's regions are KV_REGION_UCX regions
+ * (kv_region_add: pid = link id, addr = the peer's region id). */
+uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const uint8_t *addr, size_t len, const uint8_t *rx_token,
+                         const uint8_t *tx_token, uint64_t window, uint64_t lease_ns, uint64_t fence_ns,
+                         uint64_t margin_ns);
+/* Close a link (forced): from now on nothing a peer sends on it is written;
+ * its jobs complete with `status`. */
 uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status);
+/* The target's check of one message (pure; caller holds the core's lock):
+ * the header's size and type, its lengths against `data_len`, and for PUSH and
+ * PULL_REQ the region (this core's, LOCAL, F_EXPORT, not removed) and
+ * offset + len inside it, overflow-safe. KV_LLM_SUCCESS with *out (the header)
+ * and *addr (where the bytes go or come from), else PARAM_INVALID or
+ * KV_CACHE_NOT_EXIST. The token is checked by the caller (it picks the link). */
+uint32_t kv_ucx_check(kv_core *core, const void *hdr, size_t hdr_len, uint64_t data_len, kv_ucx_hdr *out,
+                      uint64_t *addr);
+/* Tests only: send a raw message (header and payload as given) on link
+ * `link_id`, eager or rendezvous; returns once it was sent. */
+uint32_t kv_ucx_test_send(kv_core *core, uint32_t link_id, const uint8_t *hdr, size_t hdr_len, const uint8_t *data,
+                          size_t data_len, int rndv);
 
 #endif

@@ -127,7 +127,7 @@ typedef struct kv_mover_job {
 } kv_mover_job;
 
 #define KV_REGION_KINDS 4 /* KV_REGION_LOCAL, _PROCESS, _TCP, _UCX */
-#define KV_UCX_MAX_BLOB 16384 /* a worker address or packed rkey from a peer: at most this */
+#define KV_UCX_MAX_BLOB 16384 /* a worker address from a peer: at most this */
 
 struct kv_core {
     pthread_mutex_t lock;          /* guards everything below and every job */

@@ -1,45 +1,115 @@
-/* kvengine UCX data plane: one-sided puts and gets through UCP, driven from C.
+/* kvengine UCX data plane: UCP active messages checked by the target, driven from C.
  *
  * One I/O thread per core owns the UCP worker and every endpoint; it sleeps in
  * epoll on the worker's event fd and its own wake eventfd. API calls that need
- * the worker (endpoint creation, rkey unpacking) are commands the thread runs
- * while the caller waits; jobs reach it through an inbox, like kv_tcp.c.
+ * the worker (endpoint creation) are commands the thread runs while the caller
+ * waits; jobs reach it through an inbox, like kv_tcp.c.
  *
- * A push is ucp_put_nbx per chunk (at most `window` bytes posted and not yet
- * locally complete per link, most urgent job first), then ucp_ep_flush_nbx:
- * its completion is the remote completion of every put before it, and only
- * then is the job's completion posted. A pull is ucp_get_nbx per chunk and
- * completes when the last get has landed. Abort: no more chunks are posted,
- * then the same flush (push) or the last outstanding get (pull) ends it: no
- * byte of it lands after its status. A flush that does not complete within
- * `fence_ns` of the abort fails the link: the endpoint is closed with
- * UCP_EP_CLOSE_FLAG_FORCE, which completes every outstanding request
- * (cancelled) before the jobs complete LLM_LINK_FAILED. What that does and
- * does not promise on each fabric: docs/protocol.md, "UCX links".
+ * Nothing is one-sided (docs/decisions.md #27): the UCP context has no RMA
+ * feature and no rkey is ever packed for a peer. A push is one active message
+ * (ucp_am_send_nbx, UCP_AM_SEND_FLAG_RNDV from UCX_RNDV_MIN bytes) per chunk,
+ * each with a kv_ucx_hdr naming the TARGET's region, offset and length; the
+ * target's handler (am_recv) finds the link by the header's token, checks the
+ * header against its own region table (kv_ucx_check: exported regions of its
+ * own caches only, overflow-safe bounds) and only then copies the eager payload
+ * into place or receives the rendezvous payload straight into it
+ * (ucp_am_recv_data_nbx). A bad header fails the link (ucx_bad_msgs), a
+ * header with an unknown token is dropped (ucx_refused); neither writes. The
+ * target ACKs a push once all of its bytes landed. A pull is PULL_REQ messages
+ * (the source checks them the same way) answered by PULL_DATA, which the
+ * requester writes only into the destination of the pull request it has
+ * outstanding under that tag (the header picks the request, never an address).
  *
- * Remote memory: every peer region is an entry {link, base, len, rkey}
- * registered by kv_ucx_rkey_add and named by a KV_REGION_UCX region of the
- * same length; every segment is checked at submit against both (the region in
- * kv_core.c, the entry here: same link, offset + length inside), and the
- * address posted is entry base + offset, never a number taken from elsewhere. */
+ * Abort: a push stops posting and sends ABORT; the target marks the job
+ * aborted (a tombstone: later data of it is dropped), waits for its rendezvous
+ * receives in progress and answers ABORT_ACK; the push completes then (and
+ * once its own sends ended). A pull abort drops the requests (late answers
+ * are discarded) and completes once no receive of it is in progress. No
+ * ABORT_ACK within `fence_ns` fails the link. A link that failed (close
+ * command, endpoint error, stop) writes nothing more: the handler drops every
+ * message whose token names a dead link. The lease (tcp's rule): a target
+ * writes a push's message only before (when it sent the LEASE_REQ the pusher
+ * answered last) + lease_ns, asking every lease_ns / 4; a push of a failed link
+ * that was not fenced completes at (our last grant) + lease_ns + margin_ns.
+ * What holds on each fabric: docs/protocol.md, "UCX links". */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include "kv_internal.h"
 
+typedef struct kv_ucx kv_ucx;
+
 #include <stdlib.h>
 #include <string.h>
 
+/* The header check, without UCX: a pure function of the header, the payload
+ * length and this core's region table (caller holds c->lock). */
+uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, uint64_t data_len, kv_ucx_hdr *out,
+                      uint64_t *addr) {
+    kv_ucx_hdr h;
+    if (!hdr || hdr_len != sizeof h)
+        return KV_LLM_PARAM_INVALID;
+    memcpy(&h, hdr, sizeof h); /* the transport's buffer need not be aligned */
+    *out = h;
+    *addr = 0;
+    switch (h.type) {
+    case KV_UCX_PUSH:
+        if (h.len == 0 || h.len != data_len || h.total < h.len)
+            return KV_LLM_PARAM_INVALID;
+        break;
+    case KV_UCX_PULL_REQ:
+        if (h.len == 0 || data_len != 0 || h.len > KV_UCX_MAX_PULL)
+            return KV_LLM_PARAM_INVALID;
+        break;
+    case KV_UCX_PULL_DATA:
+        return h.len != 0 && h.len == data_len && h.region == 0 ? KV_LLM_SUCCESS : KV_LLM_PARAM_INVALID;
+    case KV_UCX_ACK:
+    case KV_UCX_ABORT:
+    case KV_UCX_ABORT_ACK:
+    case KV_UCX_LEASE_REQ:
+    case KV_UCX_LEASE:
+        return data_len == 0 && h.len == 0 && h.region == 0 ? KV_LLM_SUCCESS : KV_LLM_PARAM_INVALID;
+    default:
+        return KV_LLM_PARAM_INVALID;
+    }
+    /* PUSH, PULL_REQ: one of our own exported regions, offset + len inside it */
+    kv_region *rg = kv__region_get(c, h.region);
+    if (!rg || rg->removed || rg->kind != KV_REGION_LOCAL || !(rg->flags & KV_REGION_F_EXPORT))
+        return KV_LLM_KV_CACHE_NOT_EXIST;
+    if (h.offset > rg->len || h.len > rg->len - h.offset)
+        return KV_LLM_PARAM_INVALID;
+    *addr = rg->addr + h.offset;
+    return KV_LLM_SUCCESS;
+}
+
 #ifndef KV_HAVE_UCX
 
+/* Built without UCX: every call says so (the parameters are unused on purpose). */
 int kv_ucx_available(void) { return 0; }
-uint32_t kv_ucx_address(kv_core *c, uint8_t *out, size_t *len) { return KV_LLM_FEATURE_NOT_ENABLED; }
-uint32_t kv_ucx_mem_map(kv_core *c, uint32_t region_id, uint8_t *out, size_t *len) { return KV_LLM_FEATURE_NOT_ENABLED; }
-uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size_t len, uint64_t window,
-                         uint64_t fence_ns) { return KV_LLM_FEATURE_NOT_ENABLED; }
-uint32_t kv_ucx_rkey_add(kv_core *c, uint32_t link_id, uint64_t base, uint64_t len, const uint8_t *rkey,
-                         size_t rkey_len, uint32_t *region_id) { return KV_LLM_FEATURE_NOT_ENABLED; }
-uint32_t kv_ucx_link_close(kv_core *c, uint32_t link_id, uint32_t status) { return KV_LLM_FEATURE_NOT_ENABLED; }
+uint32_t kv_ucx_address(kv_core *c, uint8_t *out, size_t *len) {
+    (void)c, (void)out, (void)len;
+    return KV_LLM_FEATURE_NOT_ENABLED;
+}
+uint32_t kv_ucx_mem_map(kv_core *c, uint32_t region_id) {
+    (void)c, (void)region_id;
+    return KV_LLM_FEATURE_NOT_ENABLED;
+}
+uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size_t len, const uint8_t *rx_token,
+                         const uint8_t *tx_token, uint64_t window, uint64_t lease_ns, uint64_t fence_ns,
+                         uint64_t margin_ns) {
+    (void)c, (void)link_id, (void)addr, (void)len, (void)rx_token, (void)tx_token, (void)window, (void)fence_ns;
+    (void)lease_ns, (void)margin_ns;
+    return KV_LLM_FEATURE_NOT_ENABLED;
+}
+uint32_t kv_ucx_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
+    (void)c, (void)link_id, (void)status;
+    return KV_LLM_FEATURE_NOT_ENABLED;
+}
+uint32_t kv_ucx_test_send(kv_core *c, uint32_t link_id, const uint8_t *hdr, size_t hdr_len, const uint8_t *data,
+                          size_t data_len, int rndv) {
+    (void)c, (void)link_id, (void)hdr, (void)hdr_len, (void)data, (void)data_len, (void)rndv;
+    return KV_LLM_FEATURE_NOT_ENABLED;
+}
 
 #else
 
@@ -57,24 +127,21 @@ uint32_t kv_ucx_link_close(kv_core *c, uint32_t link_id, uint32_t status) { retu
 #define UCX_BUSY_TICK_MS 1        /* while requests are outstanding: progress at least every 1 ms */
 #define UCX_SPIN_NS 200000ull     /* keep progressing this long after activity before sleeping */
 #define UCX_CLOSE_WAIT_NS 2000000000ull /* stop: the most a forced close is waited for */
+#define UCX_AM_ID 7               /* our one active message id */
+#define UCX_RNDV_MIN (64u << 10)  /* messages from this size go rendezvous (zero copy, landed on completion) */
+#define UCX_RX_MAX 65536          /* push states a target keeps per link (live + tombstones) */
+#define UCX_TOMBSTONES 4096       /* aborted pushes remembered per link (oldest forgotten first) */
+#define UCX_RX_BUCKETS 64
 
 typedef struct ucx_link ucx_link;
+typedef struct ucx_op ucx_op;
 
-/* A peer's registered memory: what its cache table said, and the unpacked rkey. */
-typedef struct ucx_remote {
-    uint32_t id;
-    uint32_t link_id;
-    uint64_t base, len;
-    ucp_rkey_h rkey;
-    struct ucx_remote *next; /* the link's list */
-} ucx_remote;
-
-/* One of our exported regions, mapped for the peers (ucp_mem_map). */
+/* One of our exported regions, mapped once (ucp_mem_map) so that messages from
+ * and into it are zero copy: its memh goes into the nbx params. */
 typedef struct ucx_local {
     uint32_t region_id;
+    uint64_t addr, len;
     ucp_mem_h memh;
-    void *packed;      /* its packed rkey */
-    size_t packed_len;
     struct ucx_local *next;
 } ucx_local;
 
@@ -83,12 +150,33 @@ typedef struct ucx_job {
     uint32_t link_id;
     ucx_link *link;      /* set when the I/O thread takes it */
     int is_pull;
-    int ops_pending;     /* puts/gets posted and not yet complete */
+    int ops_pending;     /* push: sends not complete; pull: requests not answered (or receives in progress) */
     uint64_t posted;     /* bytes posted */
-    int flush_state;     /* 0: none, 1: flush outstanding, 2: flushed */
+    int acked;           /* push: the target's ACK (every byte landed) */
+    int abort_state;     /* push: 0, 1 ABORT to send, 2 sent, 3 ABORT_ACK received */
     uint64_t due;        /* ABORTING: the fence deadline */
     struct ucx_job *next, *prev; /* inbox (INBOX), else its link's active list */
 } ucx_job;
+
+/* A pull request we sent (requester side): its answer goes to `dst` only. */
+typedef struct ucx_pull {
+    uint64_t tag;
+    ucx_job *job;        /* NULL once dropped (its job aborted or failed): the answer is discarded */
+    uint64_t dst, len;
+    uint32_t region;     /* our destination region (its memh) */
+    int receiving;       /* a rendezvous receive into dst is in progress */
+    struct ucx_pull *next;
+} ucx_pull;
+
+/* A push we are the target of (per link, by the pusher's job id). */
+typedef struct ucx_rx {
+    uint64_t job, total, claimed, landed; /* claimed: bytes of messages accepted (landed or being received) */
+    int receiving;       /* rendezvous receives in progress */
+    int aborted;         /* tombstone: data of it is dropped; ABORT_ACK once receiving == 0 */
+    int ack_owed;
+    struct ucx_rx *next; /* bucket chain */
+    struct ucx_rx *tnext; /* tombstone FIFO */
+} ucx_rx;
 
 struct ucx_link {
     uint32_t id;
@@ -96,34 +184,57 @@ struct ucx_link {
     int closing;          /* 1: close request outstanding, 2: closed (ep gone) */
     int peer_errors;      /* UCP_ERR_HANDLING_MODE_PEER (a forced close is allowed) */
     ucp_ep_h ep;
+    uint8_t rx_token[KV_UCX_TOKEN]; /* what the peer's headers must carry */
+    uint8_t tx_token[KV_UCX_TOKEN]; /* what ours carry */
     uint64_t window, inflight, fence_ns;
+    /* the lease (docs/protocol.md, "UCX links"): as a target we write a push's
+     * bytes only before lease_until (our clock), set from the time we asked for
+     * the grant; as a pusher, last_grant is when we last granted one */
+    uint64_t lease_ns, margin_ns, lease_until, last_grant, next_lease_req;
+    uint64_t lease_seq;                 /* our last LEASE_REQ */
+    uint64_t lease_asked[8];            /* when we sent LEASE_REQ seq (by seq % 8) */
+    uint64_t lease_seen;                /* the highest seq granted */
     kv_job *send_head, *send_tail; /* jobs with chunks left to post, by rank */
     ucx_job *active;      /* jobs taken off the inbox and not complete */
-    ucx_remote *remotes;
+    ucx_pull *pulls;      /* our pull requests outstanding */
+    uint64_t next_tag;
+    ucx_rx *rx[UCX_RX_BUCKETS];
+    size_t nrx, ntomb;
+    ucx_rx *tomb_head, *tomb_tail;
+    int rx_ops;           /* receives into our memory in progress, and sends from it (PULL_DATA) */
+    ucx_op *sends;        /* push sends not complete */
     kv_event *down_event;
     uint32_t down_status;
     struct ucx_link *next;
 };
 
-/* Per-op context: what a put/get callback must account. */
-typedef struct ucx_op {
-    ucx_job *job;
+/* Per-request context of a data send or a receive. */
+struct ucx_op {
+    kv_ucx *u;
+    ucx_link *link;
+    ucx_job *job;        /* push send: its job */
+    ucx_pull *pull;      /* PULL_DATA receive: its request */
+    ucx_rx *rx;          /* push receive: the push's state */
+    uint32_t region;     /* a region ref held for the request (0: none) */
     uint64_t len;
-} ucx_op;
+    kv_ucx_hdr hdr;      /* a send's header (valid until the send completes) */
+    struct ucx_op *lnext, *lprev; /* push sends: the link's list (job NULL once detached) */
+};
 
-enum { CMD_LINK_ADD = 1, CMD_RKEY_ADD, CMD_LINK_CLOSE };
+enum { CMD_LINK_ADD = 1, CMD_LINK_CLOSE, CMD_TEST_SEND };
 
 typedef struct ucx_cmd {
-    int type, done, async;
-    uint32_t link_id, status, result, remote_id;
-    const uint8_t *buf;
-    size_t len;
-    uint64_t base, rlen, window, fence_ns;
+    int type, done, async, rndv;
+    uint32_t link_id, status, result;
+    const uint8_t *buf, *buf2;
+    size_t len, len2;
+    uint8_t rx_token[KV_UCX_TOKEN], tx_token[KV_UCX_TOKEN];
+    uint64_t window, lease_ns, fence_ns, margin_ns;
     kv_event *down_event;
     struct ucx_cmd *next;
 } ucx_cmd;
 
-typedef struct kv_ucx {
+struct kv_ucx {
     kv_transport transport; /* first */
     kv_core *core;
     pthread_t thread;
@@ -136,19 +247,17 @@ typedef struct kv_ucx {
     /* under c->lock */
     ucx_link *links;
     ucx_local *locals;
-    ucx_remote **remotes; /* by id (0 unused); NULL once destroyed */
-    size_t nremotes, remote_cap;
     ucx_cmd *cmds_head, *cmds_tail;
     ucx_job *inbox_head, *inbox_tail;
     int aborts;           /* ABORT_REQ jobs may exist: the round looks for them */
-    ucx_local *unmap;     /* released regions to unmap at the next round (freed on the I/O thread) */
+    ucx_local *unmap;     /* released regions to unmap at the next round (on the I/O thread) */
     pthread_cond_t cmd_done;
     int stop_requested, stopped;
     /* I/O thread only: it holds c->lock now (UCP may call our callbacks from inside
      * a call made under the lock: a forced close completes requests inline), and
      * the signal those callbacks owe the loop */
     int io_locked, io_sig;
-} kv_ucx;
+};
 
 static const kv_transport_ops ucx_ops;
 
@@ -193,7 +302,29 @@ static ucx_link *link_find(kv_ucx *u, uint32_t id) {
     return NULL;
 }
 
+/* The link whose rx token `t` is (constant time per link). */
+static ucx_link *link_by_token(kv_ucx *u, const uint8_t *t) {
+    ucx_link *found = NULL;
+    for (ucx_link *l = u->links; l; l = l->next) {
+        unsigned diff = 0;
+        for (int i = 0; i < KV_UCX_TOKEN; i++)
+            diff |= (unsigned)(l->rx_token[i] ^ t[i]);
+        if (diff == 0)
+            found = l;
+    }
+    return found;
+}
+
+static ucp_mem_h memh_of(kv_ucx *u, uint32_t region_id) {
+    for (ucx_local *lo = u->locals; lo; lo = lo->next)
+        if (lo->region_id == region_id)
+            return lo->memh;
+    return NULL;
+}
+
 static void *io_main(void *arg);
+static ucs_status_t am_recv(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                            const ucp_am_recv_param_t *param);
 
 /* ---------------------------------------------------------------- start */
 
@@ -214,14 +345,24 @@ static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
     u->core = c;
     u->epoll_fd = u->wake_fd = -1;
     pthread_cond_init(&u->cmd_done, NULL);
+    /* no UCP_FEATURE_RMA: UCP then installs no handler that would put or get at
+     * an address a peer names (its software RMA emulation); every byte a peer
+     * sends us goes through am_recv's checks */
     ucp_params_t params = {
         .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
-        .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
+        .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
         .mt_workers_shared = 1, /* ucp_mem_map/unmap from the API threads, the worker on ours */
     };
     ucp_config_t *config = NULL;
     if (ucp_config_read(NULL, NULL, &config) != UCS_OK)
         goto fail;
+    /* UCX's own tcp transport executes raw PUT requests from anyone who connects to
+     * its port, below every check of ours (docs/security.md): it is used only when
+     * UCX_TLS names it explicitly */
+    if (!getenv("UCX_TLS") && ucp_config_modify(config, "TLS", "^tcp") != UCS_OK) {
+        ucp_config_release(config);
+        goto fail;
+    }
     ucs_status_t s = ucp_init(&params, config, &u->context);
     ucp_config_release(config);
     if (s != UCS_OK) {
@@ -233,6 +374,13 @@ static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
         u->worker = NULL;
         goto fail;
     }
+    ucp_am_handler_param_t hp = {
+        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                      UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG,
+        .id = UCX_AM_ID, .flags = UCP_AM_FLAG_WHOLE_MSG, .cb = am_recv, .arg = u,
+    };
+    if (ucp_worker_set_am_recv_handler(u->worker, &hp) != UCS_OK)
+        goto fail;
     if (ucp_worker_get_address(u->worker, &u->address, &u->address_len) != UCS_OK) {
         u->address = NULL;
         goto fail;
@@ -301,6 +449,23 @@ static void inbox_remove(kv_ucx *u, ucx_job *j) {
         u->inbox_tail = j->prev;
 }
 
+/* Drop `j`'s pull requests not being received: answers to them are discarded
+ * from now on. A receive in progress ends first (it writes `j`'s own
+ * destination): `j` completes after it, which is its fence. */
+static void pulls_drop(ucx_link *l, ucx_job *j) {
+    for (ucx_pull **p = &l->pulls; *p;) {
+        ucx_pull *q = *p;
+        if (q->job != j || q->receiving) {
+            p = &q->next;
+        } else {
+            *p = q->next;
+            l->inflight -= q->len;
+            j->ops_pending--;
+            free(q);
+        }
+    }
+}
+
 /* Complete `j` (caller holds c->lock). Returns 1 if the eventfd must be signalled. */
 static int job_complete(kv_ucx *u, ucx_job *j, uint32_t status) {
     if (j->job.queued)
@@ -314,22 +479,28 @@ static int job_complete(kv_ucx *u, ucx_job *j, uint32_t status) {
     return kv__job_complete(u->core, &j->job, status);
 }
 
-/* Is `j` finished: nothing left to post (or no more will be), no request
- * outstanding, and a push's flush done? Caller holds c->lock. */
+/* Is `j` finished? Caller holds c->lock.
+ * Push: every chunk posted (or no more will be) and every send complete, and the
+ * target's ACK, or (aborted) its ABORT_ACK, or nothing of it was ever posted, or
+ * the link failed. Pull: every request answered (or dropped) and no receive of
+ * it in progress. */
 static int job_maybe_done(kv_ucx *u, ucx_job *j) {
-    if (j->job.state == KV_JS_DONE || j->job.queued || j->ops_pending || j->flush_state == 1)
+    if (j->job.state == KV_JS_DONE || j->job.queued || j->ops_pending)
         return 0;
-    int stopped = j->job.state == KV_JS_ABORTING || j->job.state == KV_JS_FENCING ||
-                  j->job.claim_segment == j->job.nsegments;
-    if (!stopped)
+    int st = j->job.state;
+    if (st != KV_JS_ABORTING && st != KV_JS_FENCING && st != KV_JS_SENT)
         return 0;
-    if (j->job.state == KV_JS_FENCING) /* the endpoint is gone: every request was completed (cancelled) */
+    if (st == KV_JS_FENCING) /* the link failed: its endpoint completed every send (cancelled) */
         return job_complete(u, j, KV_LLM_LINK_FAILED);
-    if (!j->is_pull && j->posted && j->flush_state == 0)
-        return 0; /* its flush is posted by the I/O round */
-    if (!j->is_pull && j->flush_state == 2)
-        j->job.bytes_done = j->posted; /* flushed: every posted byte is in place */
-    return job_complete(u, j, KV_LLM_SUCCESS); /* an abort's status is in record.status already */
+    if (j->is_pull)
+        return job_complete(u, j, KV_LLM_SUCCESS); /* an abort's status is in record.status already */
+    if (j->acked) {
+        j->job.bytes_done = j->posted;
+        return job_complete(u, j, KV_LLM_SUCCESS);
+    }
+    if (st == KV_JS_ABORTING && (j->posted == 0 || j->abort_state == 3))
+        return job_complete(u, j, KV_LLM_SUCCESS);
+    return 0;
 }
 
 /* Callbacks run on the I/O thread, with c->lock held or not: take it if not. */
@@ -353,68 +524,109 @@ static void cb_unlock(kv_ucx *u, int own, int sig) {
         kv__signal_loop(u->core);
 }
 
-static void op_done(void *request, ucs_status_t status, void *user_data) {
+static void ctl_done(void *request, ucs_status_t status, void *user_data) {
+    (void)status; /* a control message that failed: its link is failing too */
+    free(user_data);
+    ucp_request_free(request);
+}
+
+/* Send a message without payload (ACK, ABORT, ABORT_ACK, PULL_REQ) on `l`.
+ * Caller holds c->lock; ucp_am_send_nbx calls nothing back here. Returns 0, or -1
+ * if it could not be sent (the link is failing). */
+static int send_ctl(ucx_link *l, uint32_t type, uint64_t job, uint32_t region, uint64_t offset, uint64_t len,
+                    uint64_t tag) {
+    if (l->dead || !l->ep)
+        return -1;
+    kv_ucx_hdr *h = calloc(1, sizeof *h);
+    if (!h)
+        return -1;
+    memcpy(h->token, l->tx_token, KV_UCX_TOKEN);
+    h->type = type;
+    h->region = region;
+    h->job = job;
+    h->offset = offset;
+    h->len = len;
+    h->tag = tag;
+    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                                             UCP_OP_ATTR_FIELD_FLAGS,
+                             .cb.send = ctl_done, .user_data = h, .flags = UCP_AM_SEND_FLAG_EAGER};
+    ucs_status_ptr_t r = ucp_am_send_nbx(l->ep, UCX_AM_ID, h, sizeof *h, NULL, 0, &p);
+    if (r == NULL) {
+        free(h);
+        return 0;
+    }
+    if (UCS_PTR_IS_ERR(r)) {
+        free(h);
+        return -1;
+    }
+    return 0;
+}
+
+/* A push's data send completed (rendezvous: the target has received it, or
+ * refused it; eager: handed to the transport). */
+static void push_sent(void *request, ucs_status_t status, void *user_data) {
     ucx_op *op = user_data;
     ucx_job *j = op->job;
-    kv_ucx *u = (kv_ucx *)j->job.transport;
+    kv_ucx *u = op->u;
     int own = cb_lock(u);
-    j->ops_pending--;
-    j->link->inflight -= op->len;
-    if (status != UCS_OK && j->job.record.status == KV_LLM_SUCCESS)
-        j->job.record.status = status == UCS_ERR_CANCELED ? KV_LLM_LINK_FAILED : KV_LLM_LINK_FAILED;
-    else if (status == UCS_OK && j->is_pull)
-        j->job.bytes_done += op->len;
-    int sig = job_maybe_done(u, j);
+    int sig = 0;
+    ucx_link *l = op->link;
+    if (op->lprev)
+        op->lprev->lnext = op->lnext;
+    else
+        l->sends = op->lnext;
+    if (op->lnext)
+        op->lnext->lprev = op->lprev;
+    l->inflight -= op->len;
+    if (j) { /* not detached (its job ended without it: link failure) */
+        j->ops_pending--;
+        if (status != UCS_OK && j->job.record.status == KV_LLM_SUCCESS && j->job.state != KV_JS_ABORTING)
+            j->job.record.status = KV_LLM_LINK_FAILED;
+        sig = job_maybe_done(u, j);
+    }
+    if (op->region)
+        kv__region_unref(u->core, op->region);
     cb_unlock(u, own, sig);
     free(op);
     ucp_request_free(request);
 }
 
-static void flush_done(void *request, ucs_status_t status, void *user_data) {
-    ucx_job *j = user_data;
-    kv_ucx *u = (kv_ucx *)j->job.transport;
-    int own = cb_lock(u);
-    j->flush_state = 2;
-    if (status != UCS_OK && j->job.record.status == KV_LLM_SUCCESS)
-        j->job.record.status = KV_LLM_LINK_FAILED;
-    if (status != UCS_OK)
-        j->posted = 0; /* not flushed: nothing is known to be in place */
-    int sig = job_maybe_done(u, j);
-    cb_unlock(u, own, sig);
-    ucp_request_free(request);
-}
-
-/* Post `j`'s flush (caller holds c->lock; ucp_ep_flush_nbx calls nothing back here). */
-static int post_flush(kv_ucx *u, ucx_job *j) {
-    ucx_link *l = j->link;
-    if (j->flush_state != 0 || l->dead)
-        return 0;
-    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-                             .cb.send = flush_done, .user_data = j};
-    ucs_status_ptr_t r = ucp_ep_flush_nbx(l->ep, &p);
-    if (r == NULL) {
-        j->flush_state = 2;
-    } else if (UCS_PTR_IS_ERR(r)) {
-        j->flush_state = 2;
-        j->posted = 0;
-        if (j->job.record.status == KV_LLM_SUCCESS)
-            j->job.record.status = KV_LLM_LINK_FAILED;
-    } else {
-        j->flush_state = 1;
-    }
-    return job_maybe_done(u, j);
-}
-
 /* ---------------------------------------------------------------- links */
 
 static void close_done(void *request, ucs_status_t status, void *user_data) {
+    (void)status;
     ucx_link *l = user_data;
     l->closing = 2; /* I/O thread only */
     ucp_request_free(request);
 }
 
-/* The link fails (caller holds c->lock, I/O thread): queued jobs end at once,
- * jobs with requests outstanding when the forced close has completed them. */
+static void rx_free_all(ucx_link *l) {
+    for (int b = 0; b < UCX_RX_BUCKETS; b++)
+        while (l->rx[b]) {
+            ucx_rx *r = l->rx[b];
+            l->rx[b] = r->next;
+            free(r);
+        }
+    l->nrx = l->ntomb = 0;
+    l->tomb_head = l->tomb_tail = NULL;
+}
+
+/* A job of a failed link whose requests did not end within the fence: it stops
+ * waiting for them. Its sends' and receives' contexts stay until UCX ends them
+ * (they hold their own region refs where they write); pull answers are discarded. */
+static void job_detach(ucx_link *l, ucx_job *j) {
+    for (ucx_op *op = l->sends; op; op = op->lnext)
+        if (op->job == j)
+            op->job = NULL;
+    for (ucx_pull *q = l->pulls; q; q = q->next)
+        if (q->job == j)
+            q->job = NULL;
+    j->ops_pending = 0;
+}
+
+/* The link fails (caller holds c->lock, I/O thread): from now on the handler
+ * writes nothing for it; queued jobs end at once, jobs with requests
+ * outstanding when the forced close has completed them. */
 static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
     kv_core *c = u->core;
     int sig = 0;
@@ -425,11 +637,21 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
         next = j->next;
         if (j->job.record.status == KV_LLM_SUCCESS)
             j->job.record.status = status;
+        if (!j->is_pull && j->job.state == KV_JS_ABORTING && j->posted && !j->acked && j->abort_state != 3)
+            j->job.record.status = KV_LLM_LINK_FAILED; /* an abort the target never acknowledged: not a
+                                                          timeout or cancel on a usable link, tcp's rule */
         if (j->job.queued)
             kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
         j->job.state = KV_JS_FENCING;
-        if (j->flush_state == 0)
-            j->flush_state = 2; /* no flush will come */
+        /* at the latest then it stops waiting for UCX: a push with bytes on the way
+         * once the peer's lease from our last grant has surely run out (the peer,
+         * stopped now, may resume with them in its buffers), else after the fence */
+        uint64_t t = now_ns();
+        j->due = t + l->fence_ns;
+        if (!j->is_pull && j->posted && !j->acked && j->abort_state != 3)
+            j->due = l->last_grant ? l->last_grant + l->lease_ns + l->margin_ns : t;
+        if (j->is_pull)
+            pulls_drop(l, j);
         sig |= job_maybe_done(u, j);
     }
     if (l->ep) {
@@ -453,30 +675,396 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
 }
 
 static void ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
+    (void)ep, (void)status;
     ucx_link *l = arg;
     l->down_status = KV_LLM_LINK_FAILED; /* acted on by the round (under the lock) */
 }
 
-/* Free a dead link whose close completed and whose jobs all ended. Caller holds c->lock. */
+/* Free a dead link whose close completed, whose jobs all ended and whose
+ * receives all finished. Caller holds c->lock. */
 static void link_reap(kv_ucx *u) {
     ucx_link **p = &u->links;
     while (*p) {
         ucx_link *l = *p;
-        if (!(l->dead && l->closing == 2 && !l->active)) {
+        if (!(l->dead && l->closing == 2 && !l->active && !l->rx_ops && !l->pulls && !l->sends)) {
             p = &l->next;
             continue;
         }
         *p = l->next;
-        while (l->remotes) {
-            ucx_remote *r = l->remotes;
-            l->remotes = r->next;
-            u->remotes[r->id] = NULL;
-            ucp_rkey_destroy(r->rkey);
-            free(r);
-        }
+        rx_free_all(l);
         free(l->down_event);
         free(l);
     }
+}
+
+/* ------------------------------------------------------------- the target */
+
+static ucx_rx *rx_find(ucx_link *l, uint64_t job) {
+    for (ucx_rx *r = l->rx[job % UCX_RX_BUCKETS]; r; r = r->next)
+        if (r->job == job)
+            return r;
+    return NULL;
+}
+
+static void rx_unlink(ucx_link *l, ucx_rx *r) {
+    for (ucx_rx **p = &l->rx[r->job % UCX_RX_BUCKETS]; *p; p = &(*p)->next)
+        if (*p == r) {
+            *p = r->next;
+            l->nrx--;
+            return;
+        }
+}
+
+static ucx_rx *rx_add(ucx_link *l, uint64_t job) {
+    if (l->nrx >= UCX_RX_MAX)
+        return NULL;
+    ucx_rx *r = calloc(1, sizeof *r);
+    if (!r)
+        return NULL;
+    r->job = job;
+    r->next = l->rx[job % UCX_RX_BUCKETS];
+    l->rx[job % UCX_RX_BUCKETS] = r;
+    l->nrx++;
+    return r;
+}
+
+/* `r` is aborted: remember it (dropping the oldest tombstone beyond UCX_TOMBSTONES). */
+static void rx_tombstone(ucx_link *l, ucx_rx *r) {
+    r->aborted = 1;
+    r->tnext = NULL;
+    if (l->tomb_tail)
+        l->tomb_tail->tnext = r;
+    else
+        l->tomb_head = r;
+    l->tomb_tail = r;
+    if (++l->ntomb > UCX_TOMBSTONES) {
+        ucx_rx *old = l->tomb_head;
+        if (old->receiving == 0 && !old->ack_owed) {
+            l->tomb_head = old->tnext;
+            if (!l->tomb_head)
+                l->tomb_tail = NULL;
+            l->ntomb--;
+            rx_unlink(l, old);
+            free(old);
+        }
+    }
+}
+
+/* A push's bytes landed, or a receive of it ended: ACK or ABORT_ACK when due. */
+static void rx_settle(ucx_link *l, ucx_rx *r) {
+    if (r->receiving)
+        return;
+    if (r->aborted) {
+        if (r->ack_owed) {
+            r->ack_owed = 0;
+            send_ctl(l, KV_UCX_ABORT_ACK, r->job, 0, 0, 0, 0);
+        }
+        return;
+    }
+    if (r->landed == r->total) {
+        send_ctl(l, KV_UCX_ACK, r->job, 0, 0, 0, 0);
+        rx_unlink(l, r);
+        free(r);
+    }
+}
+
+/* A rendezvous receive into our memory ended (push data or a pull's answer). */
+static void recv_done(void *request, ucs_status_t status, size_t length, void *user_data) {
+    (void)length; /* the receive was posted for exactly op->len bytes */
+    ucx_op *op = user_data;
+    kv_ucx *u = op->u;
+    int own = cb_lock(u);
+    ucx_link *l = op->link;
+    int sig = 0;
+    l->rx_ops--;
+    if (op->rx) {
+        op->rx->receiving--;
+        if (status == UCS_OK && !op->rx->aborted)
+            op->rx->landed += op->len;
+        if (!l->dead)
+            rx_settle(l, op->rx);
+    } else if (op->pull) {
+        ucx_pull *q = op->pull;
+        for (ucx_pull **p = &l->pulls; *p; p = &(*p)->next)
+            if (*p == q) {
+                *p = q->next;
+                break;
+            }
+        l->inflight -= q->len;
+        if (q->job) {
+            q->job->ops_pending--;
+            if (status == UCS_OK)
+                q->job->job.bytes_done += q->len;
+            else if (q->job->job.record.status == KV_LLM_SUCCESS)
+                q->job->job.record.status = KV_LLM_LINK_FAILED;
+            sig |= job_maybe_done(u, q->job);
+        }
+        free(q);
+    }
+    if (op->region)
+        kv__region_unref(u->core, op->region);
+    cb_unlock(u, own, sig);
+    free(op);
+    if (request)
+        ucp_request_free(request);
+}
+
+/* Receive `len` bytes of a message into `dst` (checked by the caller): eager
+ * payloads are copied here, rendezvous ones received straight into place.
+ * Returns the handler's status. Caller holds c->lock. */
+static ucs_status_t land(kv_ucx *u, ucx_link *l, void *data, uint64_t len, const ucp_am_recv_param_t *param,
+                         uint64_t dst, uint32_t region, ucx_rx *rx, ucx_pull *pull) {
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        memcpy((void *)(uintptr_t)dst, data, len);
+        if (rx)
+            rx->landed += len;
+        return UCS_OK;
+    }
+    ucx_op *op = calloc(1, sizeof *op);
+    if (!op)
+        return UCS_ERR_NO_MEMORY;
+    op->u = u;
+    op->link = l;
+    op->rx = rx;
+    op->pull = pull;
+    op->len = len;
+    op->region = region;
+    kv__region_ref(u->core, region); /* the memory stays mapped while UCX writes it */
+    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                             .cb.recv_am = recv_done, .user_data = op};
+    ucp_mem_h mh = memh_of(u, region);
+    if (mh) {
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        p.memh = mh;
+    }
+    l->rx_ops++;
+    if (rx)
+        rx->receiving++;
+    if (pull)
+        pull->receiving = 1;
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(u->worker, data, (void *)(uintptr_t)dst, len, &p);
+    if (r == NULL) {
+        recv_done(NULL, UCS_OK, len, op); /* under the lock: recv_done sees io_locked */
+    } else if (UCS_PTR_IS_ERR(r)) {
+        recv_done(NULL, UCS_PTR_STATUS(r), 0, op);
+    }
+    return UCS_INPROGRESS;
+}
+
+/* PULL_DATA's send from our region completed: the region ref is dropped. */
+static void pull_data_sent(void *request, ucs_status_t status, void *user_data) {
+    (void)status; /* the requester sees a failed answer as its link failing */
+    ucx_op *op = user_data;
+    kv_ucx *u = op->u;
+    int own = cb_lock(u);
+    op->link->rx_ops--;
+    kv__region_unref(u->core, op->region);
+    cb_unlock(u, own, 0);
+    free(op);
+    ucp_request_free(request);
+}
+
+/* A bad message on a live link: the link fails, nothing is written. */
+static ucs_status_t bad(kv_ucx *u, ucx_link *l) {
+    u->core->stats.ucx_bad_msgs++;
+    u->io_sig |= link_fail(u, l, KV_LLM_LINK_FAILED, 1);
+    return UCS_ERR_INVALID_PARAM;
+}
+
+/* Our job `id` if it is a live job of ours on link `l`. */
+static ucx_job *our_job(kv_ucx *u, ucx_link *l, uint64_t id) {
+    kv_job *j = (id & KV_EVENT) ? NULL : kv__job_find(u->core, id);
+    if (!j || j->transport != &u->transport || ((ucx_job *)j)->link != l)
+        return NULL;
+    return (ucx_job *)j;
+}
+
+static ucs_status_t am_recv(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                            const ucp_am_recv_param_t *param) {
+    kv_ucx *u = arg;
+    kv_core *c = u->core;
+    int own = cb_lock(u);
+    int sig = 0;
+    ucs_status_t ret = UCS_OK;
+    kv_ucx_hdr h;
+    uint64_t addr = 0;
+    ucx_link *l = NULL;
+    /* the link first: a message with no live link's token is a stranger's and is
+     * dropped; one with a link's token and anything wrong after it fails that link */
+    if (header && header_length >= KV_UCX_TOKEN)
+        l = link_by_token(u, (const uint8_t *)header);
+    if (!l || l->dead || u->stopped) {
+        c->stats.ucx_refused++;
+        ret = UCS_ERR_CANCELED;
+        goto out;
+    }
+    uint32_t st = kv_ucx_check(c, header, header_length, length, &h, &addr);
+    if (st != KV_LLM_SUCCESS) {
+        ret = bad(u, l);
+        goto out;
+    }
+    switch (h.type) {
+    case KV_UCX_PUSH: {
+        ucx_rx *r = rx_find(l, h.job);
+        if (r && r->aborted) { /* late data of an aborted push: never written */
+            c->stats.ucx_dropped++;
+            ret = UCS_ERR_CANCELED;
+            break;
+        }
+        if (now_ns() >= l->lease_until) { /* no lease from the pusher: nothing lands */
+            if (l->lease_until == 0) { /* never granted yet (the first grant is on its way) */
+                c->stats.ucx_dropped++;
+                ret = UCS_ERR_CANCELED;
+                break;
+            }
+            c->stats.tcp_lease_expired++;
+            u->io_sig |= link_fail(u, l, KV_LLM_LINK_FAILED, 1);
+            ret = UCS_ERR_CANCELED;
+            break;
+        }
+        if (!r && !(r = rx_add(l, h.job))) {
+            ret = bad(u, l);
+            break;
+        }
+        if (r->total == 0)
+            r->total = h.total;
+        if (r->total != h.total || h.len > r->total - r->claimed) {
+            ret = bad(u, l); /* more bytes than the push announced */
+            break;
+        }
+        r->claimed += h.len;
+        ret = land(u, l, data, h.len, param, addr, h.region, r, NULL);
+        c->stats.ucx_bytes_received += h.len;
+        if (ret == UCS_OK) /* eager: landed (a rendezvous receive settles `r` when it ends; `r` may be gone) */
+            rx_settle(l, r);
+        break;
+    }
+    case KV_UCX_ABORT: {
+        ucx_rx *r = rx_find(l, h.job);
+        if (!r && !(r = rx_add(l, h.job))) {
+            ret = bad(u, l);
+            break;
+        }
+        if (!r->aborted)
+            rx_tombstone(l, r);
+        r->ack_owed = 1;
+        rx_settle(l, r);
+        break;
+    }
+    case KV_UCX_ACK:
+    case KV_UCX_ABORT_ACK: {
+        /* an answer to a push that ended already (an ABORT crossed its ACK) is
+         * dropped; a pull's job id here is an impossible message */
+        ucx_job *j = our_job(u, l, h.job);
+        if (j && j->is_pull) {
+            ret = bad(u, l);
+            break;
+        }
+        if (!j)
+            break;
+        if (h.type == KV_UCX_ACK)
+            j->acked = 1;
+        else if (j->abort_state == 2)
+            j->abort_state = 3;
+        sig |= job_maybe_done(u, j);
+        break;
+    }
+    case KV_UCX_LEASE_REQ: /* the peer asks us for a lease: granted now, by our clock */
+        l->last_grant = now_ns();
+        c->stats.ucx_lease_grants++;
+        send_ctl(l, KV_UCX_LEASE, 0, 0, 0, 0, h.tag);
+        break;
+    case KV_UCX_LEASE: { /* our lease runs from when we asked for it */
+        if (h.tag == 0 || h.tag > l->lease_seq || l->lease_seq - h.tag >= 8) {
+            ret = bad(u, l); /* a grant we never asked for */
+            break;
+        }
+        if (h.tag > l->lease_seen) {
+            l->lease_seen = h.tag;
+            l->lease_until = l->lease_asked[h.tag % 8] + l->lease_ns;
+        }
+        break;
+    }
+    case KV_UCX_PULL_REQ: {
+        /* answer from our region (checked): the peer's tag and job name its request */
+        ucx_op *op = calloc(1, sizeof *op);
+        if (!op) {
+            ret = bad(u, l);
+            break;
+        }
+        op->u = u;
+        op->link = l;
+        op->region = h.region;
+        memcpy(op->hdr.token, l->tx_token, KV_UCX_TOKEN);
+        op->hdr.type = KV_UCX_PULL_DATA;
+        op->hdr.job = h.job;
+        op->hdr.tag = h.tag;
+        op->hdr.len = h.len;
+        kv__region_ref(c, h.region);
+        l->rx_ops++;
+        ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                                                 UCP_OP_ATTR_FIELD_FLAGS,
+                                 .cb.send = pull_data_sent, .user_data = op,
+                                 .flags = h.len >= UCX_RNDV_MIN ? UCP_AM_SEND_FLAG_RNDV : 0};
+        ucp_mem_h mh = memh_of(u, h.region);
+        if (mh) {
+            p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+            p.memh = mh;
+        }
+        c->stats.ucx_bytes_sent += h.len;
+        ucs_status_ptr_t r = ucp_am_send_nbx(l->ep, UCX_AM_ID, &op->hdr, sizeof op->hdr,
+                                             (void *)(uintptr_t)addr, h.len, &p);
+        if (r == NULL || UCS_PTR_IS_ERR(r)) {
+            l->rx_ops--;
+            kv__region_unref(c, h.region);
+            free(op);
+        }
+        break;
+    }
+    case KV_UCX_PULL_DATA: {
+        ucx_job *j = our_job(u, l, h.job);
+        ucx_pull *q = l->pulls;
+        while (q && q->tag != h.tag)
+            q = q->next;
+        if (!q && h.tag != 0 && h.tag < l->next_tag && (!j || !j->is_pull || j->job.state == KV_JS_ABORTING)) {
+            /* a request we made, then dropped and freed (its pull aborted): late, discarded */
+            c->stats.ucx_dropped++;
+            ret = UCS_ERR_CANCELED;
+            break;
+        }
+        if (!q || q->receiving || h.len != q->len || (q->job && q->job != j)) {
+            ret = bad(u, l); /* not the answer to a request of ours */
+            break;
+        }
+        if (!q->job) { /* dropped (aborted): discard */
+            c->stats.ucx_dropped++;
+            ret = UCS_ERR_CANCELED;
+            break;
+        }
+        c->stats.ucx_bytes_received += h.len;
+        if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+            ret = land(u, l, data, h.len, param, q->dst, q->region, NULL, q);
+            break;
+        }
+        memcpy((void *)(uintptr_t)q->dst, data, h.len);
+        for (ucx_pull **p = &l->pulls; *p; p = &(*p)->next)
+            if (*p == q) {
+                *p = q->next;
+                break;
+            }
+        l->inflight -= q->len;
+        j->ops_pending--;
+        j->job.bytes_done += q->len;
+        free(q);
+        sig |= job_maybe_done(u, j);
+        break;
+    }
+    }
+out:
+    if (ret != UCS_INPROGRESS && !(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV))
+        ret = UCS_OK; /* eager data is released by UCX; an error status is for rendezvous only */
+    cb_unlock(u, own, sig);
+    return ret;
 }
 
 /* Run a command (I/O thread, c->lock held; UCP calls here call nothing back). */
@@ -485,12 +1073,12 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
     ucx_link *l = link_find(u, m->link_id);
     m->result = KV_LLM_SUCCESS;
     if (m->type == CMD_LINK_ADD) {
-        if (l) {
+        if (l || link_by_token(u, m->rx_token)) {
             m->result = KV_LLM_PARAM_INVALID;
             return 0;
         }
         /* the peer's worker must not be ours: an endpoint to ourselves (the self
-         * transport) would put the peer's addresses into this process */
+         * transport) would loop a peer's messages back into this process */
         ucp_worker_address_attr_t aa = {.field_mask = UCP_WORKER_ADDRESS_ATTR_FIELD_UID};
         if (ucp_worker_address_query((ucp_address_t *)m->buf, &aa) != UCS_OK || aa.worker_uid == u->uid) {
             m->result = KV_LLM_PARAM_INVALID;
@@ -523,58 +1111,58 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
             }
         }
         l->id = m->link_id;
+        memcpy(l->rx_token, m->rx_token, KV_UCX_TOKEN);
+        memcpy(l->tx_token, m->tx_token, KV_UCX_TOKEN);
         l->window = m->window;
         l->fence_ns = m->fence_ns;
+        l->lease_ns = m->lease_ns;
+        l->margin_ns = m->margin_ns;
+        l->next_tag = 1;
         l->down_event = m->down_event;
         m->down_event = NULL;
         l->next = u->links;
         u->links = l;
-    } else if (m->type == CMD_RKEY_ADD) {
-        if (!l || l->dead) {
-            m->result = KV_LLM_LINK_FAILED;
-            return 0;
-        }
-        if (u->nremotes >= u->remote_cap) {
-            size_t cap = u->remote_cap ? u->remote_cap * 2 : 64;
-            ucx_remote **n = cap < UINT32_MAX ? realloc(u->remotes, cap * sizeof *n) : NULL;
-            if (!n) {
-                m->result = KV_LLM_OUT_OF_MEMORY;
-                return 0;
-            }
-            u->remotes = n;
-            u->remote_cap = cap;
-            if (u->nremotes == 0)
-                u->remotes[u->nremotes++] = NULL; /* id 0 unused */
-        }
-        ucx_remote *r = calloc(1, sizeof *r);
-        if (!r) {
-            m->result = KV_LLM_OUT_OF_MEMORY;
-            return 0;
-        }
-        if (ucp_ep_rkey_unpack(l->ep, m->buf, &r->rkey) != UCS_OK) {
-            free(r);
-            m->result = KV_LLM_PARAM_INVALID; /* not an rkey this endpoint can use */
-            return 0;
-        }
-        r->id = (uint32_t)u->nremotes;
-        r->link_id = l->id;
-        r->base = m->base;
-        r->len = m->rlen;
-        r->next = l->remotes;
-        l->remotes = r;
-        u->remotes[u->nremotes++] = r;
-        m->remote_id = r->id;
     } else if (m->type == CMD_LINK_CLOSE) {
         if (l)
             sig |= link_fail(u, l, m->status, 0);
+    } else if (m->type == CMD_TEST_SEND) {
+        if (!l || l->dead || !l->ep) {
+            m->result = KV_LLM_LINK_FAILED;
+            return 0;
+        }
+        ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                                 .flags = UCP_AM_SEND_FLAG_COPY_HEADER |
+                                          (m->rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER)};
+        ucs_status_ptr_t r = ucp_am_send_nbx(l->ep, UCX_AM_ID, m->buf, m->len, m->buf2, m->len2, &p);
+        if (UCS_PTR_IS_ERR(r)) {
+            m->result = KV_LLM_FAILED;
+        } else if (r != NULL) {
+            /* the caller's payload must outlive the send: progress until it completed */
+            pthread_mutex_unlock(&u->core->lock);
+            u->io_locked = 0;
+            while (ucp_request_check_status(r) == UCS_INPROGRESS)
+                ucp_worker_progress(u->worker);
+            pthread_mutex_lock(&u->core->lock);
+            u->io_locked = 1;
+            ucp_request_free(r);
+        }
     }
     return sig;
 }
 
 /* ------------------------------------------------------------------ posting */
 
+/* The largest message: a chunk, or half the window if that is more (each
+ * rendezvous message costs a round trip: fewer, larger ones are faster, and two
+ * keep the pipe busy; an abort waits for the messages in flight, at most the
+ * window either way). */
+static uint64_t msg_max(kv_ucx *u, ucx_link *l) {
+    uint64_t n = u->core->chunk_bytes, w = l->window / 2;
+    return w > n ? w : n;
+}
+
 /* Post chunks of the link's most urgent jobs while the window allows. Caller
- * holds c->lock (put/get_nbx call nothing back here). */
+ * holds c->lock (ucp_am_send_nbx calls nothing back here). */
 static int post_chunks(kv_ucx *u, ucx_link *l) {
     kv_core *c = u->core;
     int sig = 0;
@@ -585,71 +1173,105 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
             u->aborts = 1;
             continue;
         }
-        const kv_segment *s = &j->job.segments[j->job.claim_segment];
+        if (!j->is_pull && !l->last_grant)
+            break; /* the peer has no lease of ours yet: it would drop the data (its first request comes at once) */
+        size_t si = j->job.claim_segment;
+        const kv_segment *s = &j->job.segments[si];
         uint64_t off = j->job.claim_offset, n = s->len - off;
-        if (n > c->chunk_bytes)
-            n = c->chunk_bytes;
-        ucx_remote *r = u->remotes[s->remote_region]; /* checked at submit; lives while the link does */
+        if (n > msg_max(u, l))
+            n = msg_max(u, l);
         uint64_t roff = (j->is_pull ? s->src : s->dst) + off;
-        uint8_t *local = (uint8_t *)(uintptr_t)((j->is_pull ? s->dst : s->src) + off);
-        if (!r || r->link_id != l->id || roff > r->len || n > r->len - roff) { /* cannot happen: checked */
-            if (j->job.record.status == KV_LLM_SUCCESS)
-                j->job.record.status = KV_LLM_PARAM_INVALID;
-            kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
-            j->job.state = KV_JS_ABORTING;
-            sig |= j->is_pull ? job_maybe_done(u, j) : post_flush(u, j);
-            continue;
-        }
-        ucx_op *op = malloc(sizeof *op);
-        if (!op)
-            break; /* the next round tries again */
-        op->job = j;
-        op->len = n;
-        ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-                                 .user_data = op};
-        ucs_status_ptr_t req;
+        uint64_t local = (j->is_pull ? s->dst : s->src) + off;
+        uint32_t local_region = j->job.region_refs[2 * si + (j->is_pull ? 1 : 0)];
+        ucx_op *op = NULL;
+        ucx_pull *q = NULL;
+        int failed = 0;
         if (j->is_pull) {
-            p.cb.send = op_done;
-            req = ucp_get_nbx(l->ep, local, n, r->base + roff, r->rkey, &p);
+            q = calloc(1, sizeof *q);
+            if (!q)
+                break; /* the next round tries again */
+            q->tag = l->next_tag++;
+            q->job = j;
+            q->dst = local;
+            q->len = n;
+            q->region = local_region;
+            if (send_ctl(l, KV_UCX_PULL_REQ, j->job.record.id, s->remote_region, roff, n, q->tag) != 0) {
+                free(q);
+                failed = 1;
+            } else {
+                q->next = l->pulls;
+                l->pulls = q;
+                j->ops_pending++;
+                l->inflight += n;
+            }
         } else {
-            p.cb.send = op_done;
-            req = ucp_put_nbx(l->ep, local, n, r->base + roff, r->rkey, &p);
+            op = calloc(1, sizeof *op);
+            if (!op)
+                break;
+            op->u = u;
+            op->link = l;
+            op->job = j;
+            op->len = n;
+            memcpy(op->hdr.token, l->tx_token, KV_UCX_TOKEN);
+            op->hdr.type = KV_UCX_PUSH;
+            op->hdr.region = s->remote_region;
+            op->hdr.job = j->job.record.id;
+            op->hdr.offset = roff;
+            op->hdr.len = n;
+            op->hdr.total = j->job.total_bytes;
+            ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                                                     UCP_OP_ATTR_FIELD_FLAGS,
+                                     .cb.send = push_sent, .user_data = op,
+                                     .flags = n >= UCX_RNDV_MIN ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER};
+            ucp_mem_h mh = memh_of(u, local_region);
+            if (mh) {
+                p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+                p.memh = mh;
+            }
+            ucs_status_ptr_t req = ucp_am_send_nbx(l->ep, UCX_AM_ID, &op->hdr, sizeof op->hdr,
+                                                   (void *)(uintptr_t)local, n, &p);
+            if (UCS_PTR_IS_ERR(req)) {
+                free(op);
+                failed = 1;
+            } else if (req == NULL) {
+                free(op);
+            } else {
+                /* the source (and its memh) stays registered until UCX is done with the
+                 * request, also if its job completes first (detached at a link failure) */
+                op->region = local_region;
+                kv__region_ref(c, local_region);
+                j->ops_pending++;
+                l->inflight += n;
+                op->lnext = l->sends;
+                if (l->sends)
+                    l->sends->lprev = op;
+                l->sends = op;
+            }
+            if (!failed)
+                c->stats.ucx_bytes_sent += n;
         }
+        if (failed) {
+            if (j->job.record.status == KV_LLM_SUCCESS)
+                j->job.record.status = KV_LLM_LINK_FAILED;
+            sig |= link_fail(u, l, KV_LLM_LINK_FAILED, 1);
+            break;
+        }
+        j->posted += n;
         j->job.claim_offset += n;
         if (j->job.claim_offset == s->len) {
             j->job.claim_offset = 0;
             if (++j->job.claim_segment == j->job.nsegments) {
                 kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
                 j->job.state = KV_JS_SENT;
+                sig |= job_maybe_done(u, j);
             }
         }
-        if (UCS_PTR_IS_ERR(req)) {
-            free(op);
-            if (j->job.record.status == KV_LLM_SUCCESS)
-                j->job.record.status = KV_LLM_LINK_FAILED;
-            if (j->job.queued)
-                kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
-            j->job.state = KV_JS_ABORTING;
-            j->due = now_ns() + l->fence_ns;
-            sig |= j->is_pull ? job_maybe_done(u, j) : post_flush(u, j);
-            continue;
-        }
-        j->posted += n;
-        if (req == NULL) { /* complete already (locally: a put still needs its flush) */
-            free(op);
-            if (j->is_pull)
-                j->job.bytes_done += n;
-        } else {
-            j->ops_pending++;
-            l->inflight += n;
-        }
-        if (!j->job.queued)
-            sig |= j->is_pull ? job_maybe_done(u, j) : post_flush(u, j);
     }
     return sig;
 }
 
-/* An abort asked by kv_core_abort: stop posting, then the flush fences it. */
+/* An abort asked by kv_core_abort: stop posting; a push tells the target
+ * (ABORT) and waits for its ABORT_ACK, a pull drops its requests. */
 static int handle_abort(kv_ucx *u, ucx_job *j, uint64_t now) {
     ucx_link *l = j->link;
     if (j->job.queued)
@@ -660,19 +1282,40 @@ static int handle_abort(kv_ucx *u, ucx_job *j, uint64_t now) {
         j->job.state = KV_JS_FENCING;
         return job_maybe_done(u, j);
     }
-    return j->is_pull ? job_maybe_done(u, j) : post_flush(u, j);
+    if (j->is_pull) {
+        pulls_drop(l, j);
+    } else if (j->posted && !j->acked) {
+        j->abort_state = 2;
+        if (send_ctl(l, KV_UCX_ABORT, j->job.record.id, 0, 0, 0, 0) != 0)
+            return link_fail(u, l, KV_LLM_LINK_FAILED, 1);
+    }
+    return job_maybe_done(u, j);
 }
 
-/* Fence deadlines (aborted jobs whose flush did not complete in time) and
- * endpoint errors. Caller holds c->lock. */
+/* Fence deadlines (aborted jobs not fenced in time) and endpoint errors.
+ * Caller holds c->lock. */
 static int timers(kv_ucx *u, uint64_t now) {
     int sig = 0;
     for (ucx_link *l = u->links; l; l = l->next) {
-        if (l->dead)
+        if (l->dead) {
+            for (ucx_job *j = l->active, *next; j; j = next) {
+                next = j->next;
+                if (j->job.state == KV_JS_FENCING && j->due <= now) {
+                    job_detach(l, j);
+                    sig |= job_maybe_done(u, j);
+                }
+            }
             continue;
+        }
         if (l->down_status) {
             sig |= link_fail(u, l, l->down_status, 1);
             continue;
+        }
+        if (now >= l->next_lease_req) { /* ask the peer to renew our lease, every lease / 4 */
+            l->next_lease_req = now + l->lease_ns / 4;
+            l->lease_seq++;
+            l->lease_asked[l->lease_seq % 8] = now;
+            send_ctl(l, KV_UCX_LEASE_REQ, 0, 0, 0, 0, l->lease_seq);
         }
         for (ucx_job *j = l->active; j; j = j->next)
             if (j->job.state == KV_JS_ABORTING && j->due && j->due <= now) {
@@ -686,7 +1329,7 @@ static int timers(kv_ucx *u, uint64_t now) {
 
 static int busy(kv_ucx *u) {
     for (ucx_link *l = u->links; l; l = l->next)
-        if (l->active || l->closing == 1)
+        if (l->active || l->closing == 1 || l->rx_ops)
             return 1;
     return 0;
 }
@@ -743,7 +1386,6 @@ static void *io_main(void *arg) {
         while (u->unmap) { /* regions released by a completion on this thread */
             ucx_local *lo = u->unmap;
             u->unmap = lo->next;
-            ucp_rkey_buffer_release(lo->packed);
             ucp_mem_unmap(u->context, lo->memh);
             free(lo);
         }
@@ -779,7 +1421,9 @@ static void *io_main(void *arg) {
 
         /* progress until idle, then arm the worker's event fd and sleep */
         int progressed = 0;
-        while (ucp_worker_progress(u->worker))
+        /* bounded: the round's timers (lease requests every lease / 4, fences) must run
+         * while a large transfer keeps progress busy (each call: at most one message) */
+        for (int k = 0; k < 64 && ucp_worker_progress(u->worker); k++)
             progressed = 1;
         now = now_ns();
         if (progressed)
@@ -792,16 +1436,21 @@ static void *io_main(void *arg) {
             continue;
         } else {
             tmo = working ? UCX_BUSY_TICK_MS : (int)(UCX_TICK_NS / 1000000);
+            for (ucx_link *l = u->links; l && tmo > UCX_BUSY_TICK_MS; l = l->next) /* the lease requests */
+                if (!l->dead && l->lease_ns / 8000000 < (uint64_t)tmo)
+                    tmo = (int)(l->lease_ns / 8000000) + 1;
         }
         struct epoll_event evs[4];
         int ne = epoll_wait(u->epoll_fd, evs, 4, tmo);
         for (int i = 0; i < ne; i++) {
+            /* the worker's fd stays readable until the next arm (shared memory's
+             * signal socket): only our own wake-ups and progress made count as activity */
             if (evs[i].data.u32 == 0) {
                 uint64_t v;
                 ssize_t r = read(u->wake_fd, &v, sizeof v);
                 (void)r;
+                last_busy = now_ns();
             }
-            last_busy = now_ns();
         }
     }
     return NULL;
@@ -853,57 +1502,46 @@ uint32_t kv_ucx_address(kv_core *c, uint8_t *out, size_t *len) {
     return KV_LLM_SUCCESS;
 }
 
-uint32_t kv_ucx_mem_map(kv_core *c, uint32_t region_id, uint8_t *out, size_t *len) {
+uint32_t kv_ucx_mem_map(kv_core *c, uint32_t region_id) {
     kv_ucx *u;
     uint32_t st = ucx_start(c, &u);
     if (st != KV_LLM_SUCCESS)
         return st;
     pthread_mutex_lock(&c->lock);
     kv_region *rg = kv__region_get(c, region_id);
-    ucx_local *lo = u->locals;
-    while (lo && lo->region_id != region_id)
-        lo = lo->next;
     if (!rg || rg->removed)
         st = KV_LLM_KV_CACHE_NOT_EXIST;
     else if (rg->kind != KV_REGION_LOCAL || !(rg->flags & KV_REGION_F_EXPORT))
-        st = KV_LLM_PARAM_INVALID; /* only this engine's own caches are ever exposed */
-    uint64_t addr = rg ? rg->addr : 0, rlen = rg ? rg->len : 0;
-    if (st == KV_LLM_SUCCESS && !lo) {
-        /* mapped under the lock: the region cannot be released (and unmapped) meanwhile */
-        lo = calloc(1, sizeof *lo);
+        st = KV_LLM_PARAM_INVALID; /* only this engine's own caches */
+    if (st == KV_LLM_SUCCESS && !memh_of(u, region_id)) {
+        /* mapped under the lock: the region cannot be released (and unmapped) meanwhile.
+         * Nothing is packed: no peer ever gets an rkey of it */
+        ucx_local *lo = calloc(1, sizeof *lo);
         ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-                                   .address = (void *)(uintptr_t)addr, .length = (size_t)rlen};
+                                   .address = (void *)(uintptr_t)rg->addr, .length = (size_t)rg->len};
         if (!lo) {
             st = KV_LLM_OUT_OF_MEMORY;
         } else if (ucp_mem_map(u->context, &mp, &lo->memh) != UCS_OK) {
             free(lo);
-            lo = NULL;
-            st = KV_LLM_FAILED;
-        } else if (ucp_rkey_pack(u->context, lo->memh, &lo->packed, &lo->packed_len) != UCS_OK) {
-            ucp_mem_unmap(u->context, lo->memh);
-            free(lo);
-            lo = NULL;
             st = KV_LLM_FAILED;
         } else {
             lo->region_id = region_id;
+            lo->addr = rg->addr;
+            lo->len = rg->len;
             lo->next = u->locals;
             u->locals = lo;
         }
-    }
-    if (st == KV_LLM_SUCCESS) {
-        if (*len < lo->packed_len)
-            st = KV_LLM_PARAM_INVALID;
-        else
-            memcpy(out, lo->packed, lo->packed_len);
-        *len = lo->packed_len;
     }
     pthread_mutex_unlock(&c->lock);
     return st;
 }
 
-uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size_t len, uint64_t window,
-                         uint64_t fence_ns) {
-    if (link_id == 0 || len == 0 || len > KV_UCX_MAX_BLOB || fence_ns < 1000000ull || fence_ns > 3600000000000ull)
+uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size_t len, const uint8_t *rx_token,
+                         const uint8_t *tx_token, uint64_t window, uint64_t lease_ns, uint64_t fence_ns,
+                         uint64_t margin_ns) {
+    const uint64_t lo = 1000000ull, hi = 3600000000000ull;
+    if (link_id == 0 || link_id > INT32_MAX || len == 0 || len > KV_UCX_MAX_BLOB || fence_ns < lo || fence_ns > hi ||
+        lease_ns < lo || lease_ns > hi || margin_ns > hi || !rx_token || !tx_token)
         return KV_LLM_PARAM_INVALID;
     kv_event *d = calloc(1, sizeof *d);
     if (!d)
@@ -917,24 +1555,13 @@ uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size
     }
     memcpy(copy, addr, len);
     ucx_cmd m = {.type = CMD_LINK_ADD, .link_id = link_id, .buf = copy, .len = len, .window = window,
-                 .fence_ns = fence_ns, .down_event = d};
+                 .lease_ns = lease_ns, .fence_ns = fence_ns, .margin_ns = margin_ns, .down_event = d};
+    memcpy(m.rx_token, rx_token, KV_UCX_TOKEN);
+    memcpy(m.tx_token, tx_token, KV_UCX_TOKEN);
     uint32_t st = post_cmd(c, &m);
     free(m.down_event); /* NULL once the link took it */
     free(copy);
     return st;
-}
-
-uint32_t kv_ucx_rkey_add(kv_core *c, uint32_t link_id, uint64_t base, uint64_t len, const uint8_t *rkey,
-                         size_t rkey_len, uint32_t *region_id) {
-    if (link_id == 0 || link_id > INT32_MAX || len == 0 || base + len < base || rkey_len == 0 ||
-        rkey_len > KV_UCX_MAX_BLOB)
-        return KV_LLM_PARAM_INVALID;
-    ucx_cmd m = {.type = CMD_RKEY_ADD, .link_id = link_id, .buf = rkey, .len = rkey_len, .base = base, .rlen = len};
-    uint32_t st = post_cmd(c, &m);
-    if (st != KV_LLM_SUCCESS)
-        return st;
-    /* the entry lives until its link is reaped; the region names it by id */
-    return kv_region_add(c, KV_REGION_UCX, (int32_t)link_id, m.remote_id, len, 0, region_id);
 }
 
 uint32_t kv_ucx_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
@@ -956,6 +1583,13 @@ uint32_t kv_ucx_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
     return st;
 }
 
+uint32_t kv_ucx_test_send(kv_core *c, uint32_t link_id, const uint8_t *hdr, size_t hdr_len, const uint8_t *data,
+                          size_t data_len, int rndv) {
+    ucx_cmd m = {.type = CMD_TEST_SEND, .link_id = link_id, .buf = hdr, .len = hdr_len, .buf2 = data,
+                 .len2 = data_len, .rndv = rndv};
+    return post_cmd(c, &m);
+}
+
 /* ------------------------------------------------- the transport interface */
 
 static uint32_t ucx_submit(kv_transport *t, kv_job *job) {
@@ -968,14 +1602,8 @@ static uint32_t ucx_submit(kv_transport *t, kv_job *job) {
     ucx_link *l = link_find(u, j->link_id);
     if (!l || l->dead)
         return KV_LLM_LINK_FAILED;
-    /* every remote side against its entry: this link's, offset and length inside */
-    for (size_t i = 0; i < job->nsegments; i++) {
-        const kv_segment *s = &job->segments[i];
-        uint64_t off = j->is_pull ? s->src : s->dst;
-        ucx_remote *r = s->remote_region < u->nremotes ? u->remotes[s->remote_region] : NULL;
-        if (!r || r->link_id != j->link_id || off > r->len || s->len > r->len - off)
-            return KV_LLM_PARAM_INVALID;
-    }
+    /* the core checked every segment against its regions (one link, offset + length
+     * inside the peer's region as announced); the peer checks them again against its own */
     kv__job_hash(u->core, job);
     job->state = KV_JS_INBOX;
     inbox_append(u, j);
@@ -1027,8 +1655,7 @@ static void ucx_region_freed(kv_transport *t, uint32_t region_id) {
             u->unmap = lo;
             return;
         }
-        ucp_rkey_buffer_release(lo->packed);
-        ucp_mem_unmap(u->context, lo->memh); /* no peer reaches it through UCX any more */
+        ucp_mem_unmap(u->context, lo->memh);
         free(lo);
         return;
     }
@@ -1036,15 +1663,25 @@ static void ucx_region_freed(kv_transport *t, uint32_t region_id) {
 
 static void ucx_destroy(kv_transport *t) {
     kv_ucx *u = (kv_ucx *)t;
+    /* the worker first: destroying it may complete requests whose contexts name links */
+    if (u->address)
+        ucp_worker_release_address(u->worker, u->address);
+    if (u->worker)
+        ucp_worker_destroy(u->worker);
     while (u->links) {
         ucx_link *l = u->links;
         u->links = l->next;
-        while (l->remotes) {
-            ucx_remote *r = l->remotes;
-            l->remotes = r->next;
-            ucp_rkey_destroy(r->rkey);
-            free(r);
+        while (l->pulls) {
+            ucx_pull *q = l->pulls;
+            l->pulls = q->next;
+            free(q);
         }
+        while (l->sends) {
+            ucx_op *op = l->sends;
+            l->sends = op->lnext;
+            free(op);
+        }
+        rx_free_all(l);
         free(l->down_event);
         free(l);
     }
@@ -1057,15 +1694,9 @@ static void ucx_destroy(kv_transport *t) {
     while (u->locals) {
         ucx_local *lo = u->locals;
         u->locals = lo->next;
-        ucp_rkey_buffer_release(lo->packed);
         ucp_mem_unmap(u->context, lo->memh);
         free(lo);
     }
-    free(u->remotes);
-    if (u->address)
-        ucp_worker_release_address(u->worker, u->address);
-    if (u->worker)
-        ucp_worker_destroy(u->worker);
     if (u->context)
         ucp_cleanup(u->context);
     if (u->epoll_fd >= 0)

@@ -1,0 +1,310 @@
+/* Standalone test of the UCX transport's target-side checks (cython_src/csrc/kv_ucx.c).
+ *
+ * 1. kv_ucx_check, the pure check every incoming message passes before a byte
+ *    lands: hand-written hostile headers, then random and mutated headers, each
+ *    accepted one proved to lie inside an exported region (ASan + UBSan watch
+ *    every read of the header and of the region table).
+ * 2. Built with UCX (-DKV_HAVE_UCX): two cores in this process, linked over UCX
+ *    (UCX_TLS as set, default tcp), a valid push and pull through the real
+ *    handler, then forged messages sent with kv_ucx_test_send: each fails the
+ *    link and leaves guard bytes, a canary and an unexported buffer unchanged.
+ *
+ * Same harness as test_kv_core.c: CHECK exits 1 on the first failure; a clean
+ * run ends with "N passed, 0 failed". Built and run by tests/native/run_asan.sh
+ * and tests/test_native_ucx.py.
+ */
+#include "kv_internal.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static const char *g_test = "?";
+#define FAILED_AT(fmt, ...) fprintf(stderr, "%s:%d: [%s] " fmt "\n", __FILE__, __LINE__, g_test, __VA_ARGS__)
+#include "check.h"
+
+#define N 65536u
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint64_t rnd(void) { /* xorshift64* */
+    rng ^= rng >> 12;
+    rng ^= rng << 25;
+    rng ^= rng >> 27;
+    return rng * 0x2545F4914F6CDD1Dull;
+}
+
+static kv_ucx_hdr mk(uint32_t type, uint32_t region, uint64_t off, uint64_t len, uint64_t total) {
+    kv_ucx_hdr h;
+    memset(&h, 0, sizeof h);
+    h.type = type;
+    h.region = region;
+    h.job = 1;
+    h.offset = off;
+    h.len = len;
+    h.total = total;
+    return h;
+}
+
+static uint32_t check(kv_core *c, const void *h, size_t hl, uint64_t dl, uint64_t *addr) {
+    kv_ucx_hdr out;
+    pthread_mutex_lock(&c->lock);
+    uint32_t st = kv_ucx_check(c, h, hl, dl, &out, addr);
+    pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
+static uint8_t arena[3 * N], plain[N];
+
+static void test_check(void) {
+    g_test = "check";
+    kv_core *c;
+    CHECK_EQ(kv_core_new(&c, 1, 1 << 20), KV_LLM_SUCCESS);
+    uint32_t rd, rplain, rpeer, rgone;
+    CHECK_EQ(kv_region_add(c, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)(arena + N), N, KV_REGION_F_EXPORT, &rd), 0);
+    CHECK_EQ(kv_region_add(c, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)plain, N, 0, &rplain), 0);
+    CHECK_EQ(kv_region_add(c, KV_REGION_TCP, 1, 1, N, 0, &rpeer), 0);
+    CHECK_EQ(kv_region_add(c, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)arena, N, KV_REGION_F_EXPORT, &rgone), 0);
+    CHECK_EQ(kv_region_remove(c, rgone), 0);
+    uint64_t addr, base = (uint64_t)(uintptr_t)(arena + N);
+    kv_ucx_hdr h;
+    /* valid ones */
+    h = mk(KV_UCX_PUSH, rd, 0, N, N);
+    CHECK_EQ(check(c, &h, sizeof h, N, &addr), KV_LLM_SUCCESS);
+    CHECK_EQ(addr, base);
+    h = mk(KV_UCX_PUSH, rd, N - 1, 1, 5);
+    CHECK_EQ(check(c, &h, sizeof h, 1, &addr), KV_LLM_SUCCESS);
+    CHECK_EQ(addr, base + N - 1);
+    h = mk(KV_UCX_PULL_REQ, rd, 8, 8, 0);
+    CHECK_EQ(check(c, &h, sizeof h, 0, &addr), KV_LLM_SUCCESS);
+    h = mk(KV_UCX_ACK, 0, 0, 0, 0);
+    CHECK_EQ(check(c, &h, sizeof h, 0, &addr), KV_LLM_SUCCESS);
+    /* hostile ones */
+    struct {
+        kv_ucx_hdr h;
+        size_t hl;
+        uint64_t dl;
+    } bad[] = {
+        {mk(KV_UCX_PUSH, rd, N, 1, 1), 64, 1},
+        {mk(KV_UCX_PUSH, rd, N - 8, 16, 16), 64, 16},
+        {mk(KV_UCX_PUSH, rd, UINT64_MAX - 7, 16, 16), 64, 16},
+        {mk(KV_UCX_PUSH, rd, 8, UINT64_MAX - 3, UINT64_MAX), 64, UINT64_MAX - 3},
+        {mk(KV_UCX_PUSH, rd, 0, 0, 0), 64, 0},
+        {mk(KV_UCX_PUSH, rd, 0, 8, 8), 64, 16},
+        {mk(KV_UCX_PUSH, rd, 0, 16, 8), 64, 16},
+        {mk(KV_UCX_PUSH, rplain, 0, 8, 8), 64, 8},
+        {mk(KV_UCX_PUSH, rpeer, 0, 8, 8), 64, 8},
+        {mk(KV_UCX_PUSH, rgone, 0, 8, 8), 64, 8},
+        {mk(KV_UCX_PUSH, 0, 0, 8, 8), 64, 8},
+        {mk(KV_UCX_PUSH, 99999, 0, 8, 8), 64, 8},
+        {mk(KV_UCX_PUSH, UINT32_MAX, 0, 8, 8), 64, 8},
+        {mk(KV_UCX_PUSH, rd, 0, 8, 8), 63, 8},
+        {mk(KV_UCX_PUSH, rd, 0, 8, 8), 0, 8},
+        {mk(KV_UCX_PULL_REQ, rd, N - 4, 8, 0), 64, 0},
+        {mk(KV_UCX_PULL_REQ, rd, 0, 8, 0), 64, 8},
+        {mk(KV_UCX_PULL_REQ, rd, 0, KV_UCX_MAX_PULL + 1, 0), 64, 0},
+        {mk(KV_UCX_PULL_REQ, rplain, 0, 8, 0), 64, 0},
+        {mk(KV_UCX_PULL_DATA, 0, 0, 8, 0), 64, 16},
+        {mk(KV_UCX_PULL_DATA, 3, 0, 8, 0), 64, 8},
+        {mk(KV_UCX_ACK, 0, 0, 0, 0), 64, 8},
+        {mk(KV_UCX_ABORT, 1, 0, 0, 0), 64, 0},
+        {mk(0, rd, 0, 8, 8), 64, 8},
+        {mk(99, rd, 0, 8, 8), 64, 8},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        uint32_t st = check(c, &bad[i].h, bad[i].hl, bad[i].dl, &addr);
+        if (st == KV_LLM_SUCCESS)
+            FAILED_AT("hostile header %zu accepted", i);
+        CHECK(st != KV_LLM_SUCCESS);
+    }
+    CHECK(check(c, NULL, 64, 0, &addr) != KV_LLM_SUCCESS);
+    /* random and mutated headers: whatever passes lies inside the exported region */
+    unsigned accepted = 0;
+    for (int it = 0; it < 200000; it++) {
+        uint8_t buf[80];
+        kv_ucx_hdr v = mk(KV_UCX_PUSH, rd, rnd() % N, 1 + rnd() % 64, 0);
+        v.total = v.len + rnd() % 4;
+        memcpy(buf, &v, sizeof v);
+        int mode = (int)(rnd() % 3);
+        if (mode == 0) {
+            for (size_t k = 0; k < sizeof buf; k++)
+                buf[k] = (uint8_t)rnd();
+            if (rnd() % 2)
+                memcpy(buf + 16, &(uint32_t){1 + (uint32_t)(rnd() % 6)}, 4);
+            if (rnd() % 2)
+                memcpy(buf + 20, &rd, 4);
+        } else if (mode == 1) {
+            for (int k = (int)(rnd() % 4); k >= 0; k--)
+                buf[16 + rnd() % 48] ^= (uint8_t)(1u << (rnd() % 8));
+        }
+        size_t hl = rnd() % 8 == 0 ? (size_t)(rnd() % 80) : sizeof(kv_ucx_hdr);
+        kv_ucx_hdr got;
+        memcpy(&got, buf, sizeof got);
+        uint64_t dl = rnd() % 4 == 0 ? rnd() : got.len;
+        uint32_t st = check(c, buf, hl, dl, &addr);
+        if (st == KV_LLM_SUCCESS && (got.type == KV_UCX_PUSH || got.type == KV_UCX_PULL_REQ)) {
+            accepted++;
+            CHECK(hl == sizeof(kv_ucx_hdr) && got.region == rd);
+            CHECK(got.len > 0 && addr >= base && addr - base == got.offset);
+            CHECK(got.offset <= N && got.len <= N - got.offset);
+            memset((void *)(uintptr_t)addr, 0x5A, (size_t)got.len); /* ASan: inside `arena` */
+        }
+    }
+    CHECK(accepted > 1000);
+    for (unsigned k = 0; k < N; k++)
+        CHECK(arena[k] == 0 && arena[2 * N + k] == 0 && plain[k] == 0); /* the guards */
+    kv_core_close(c);
+    kv_core_free(c);
+}
+
+#ifdef KV_HAVE_UCX
+
+#define WAIT_MS 10000
+
+static uint64_t ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* Poll `c` until a record with id `id` comes (1) or WAIT_MS passes (0). */
+static int wait_for(kv_core *c, uint64_t id, kv_completion *out) {
+    uint64_t end = ms() + WAIT_MS;
+    while (ms() < end) {
+        kv_completion buf[16];
+        size_t n = kv_core_poll(c, buf, 16);
+        for (size_t i = 0; i < n; i++)
+            if (buf[i].job_id == id) {
+                if (out)
+                    *out = buf[i];
+                return 1;
+            }
+        usleep(1000);
+    }
+    return 0;
+}
+
+static uint64_t stat_of(kv_core *c, size_t off) {
+    kv_stats s;
+    kv_core_stats(c, &s);
+    return *(uint64_t *)((char *)&s + off);
+}
+
+static int wait_stat(kv_core *c, size_t off, uint64_t above) {
+    uint64_t end = ms() + WAIT_MS;
+    while (ms() < end) {
+        if (stat_of(c, off) > above)
+            return 1;
+        usleep(1000);
+    }
+    return 0;
+}
+
+static uint8_t src[N], back[N], canary[N];
+
+static void pair(kv_core **a, kv_core **b, uint8_t *ta, uint8_t *tb) {
+    uint8_t addr_a[KV_UCX_MAX_BLOB], addr_b[KV_UCX_MAX_BLOB];
+    size_t la = sizeof addr_a, lb = sizeof addr_b;
+    CHECK_EQ(kv_core_new(a, 1, 1 << 20), 0);
+    CHECK_EQ(kv_core_new(b, 1, 1 << 20), 0);
+    CHECK_EQ(kv_ucx_address(*a, addr_a, &la), 0);
+    CHECK_EQ(kv_ucx_address(*b, addr_b, &lb), 0);
+    for (int i = 0; i < KV_UCX_TOKEN; i++) {
+        ta[i] = (uint8_t)rnd();
+        tb[i] = (uint8_t)rnd();
+    }
+    CHECK_EQ(kv_ucx_link_add(*a, 1, addr_b, lb, ta, tb, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
+    CHECK_EQ(kv_ucx_link_add(*b, 1, addr_a, la, tb, ta, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
+}
+
+static void test_loopback(void) {
+    g_test = "loopback";
+    if (!getenv("UCX_TLS"))
+        setenv("UCX_TLS", "tcp", 1);
+    kv_core *a, *b;
+    uint8_t ta[KV_UCX_TOKEN], tb[KV_UCX_TOKEN];
+    pair(&a, &b, ta, tb);
+    memset(arena, 0xAB, sizeof arena);
+    memset(arena + N, 0, N);
+    memset(canary, 0xCD, N);
+    memset(plain, 0xEE, N);
+    for (unsigned k = 0; k < N; k++)
+        src[k] = (uint8_t)(k * 7 + 1);
+    uint32_t rs, rd, rplain, rr, rb, rback;
+    CHECK_EQ(kv_region_add(a, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)src, N, KV_REGION_F_EXPORT, &rs), 0);
+    CHECK_EQ(kv_region_add(a, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)back, N, KV_REGION_F_EXPORT, &rback), 0);
+    CHECK_EQ(kv_region_add(b, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)(arena + N), N, KV_REGION_F_EXPORT, &rd), 0);
+    CHECK_EQ(kv_region_add(b, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)plain, N, 0, &rplain), 0);
+    CHECK_EQ(kv_ucx_mem_map(a, rs), 0);
+    CHECK_EQ(kv_ucx_mem_map(b, rd), 0);
+    CHECK(kv_ucx_mem_map(b, rplain) != 0);
+    CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 1, rd, N, 0, &rr), 0);
+    (void)rb;
+    /* a valid push (rendezvous: 64 KiB) and a pull back */
+    uint64_t seg[5] = {rs, 0, rr, 0, N};
+    int done;
+    uint64_t nb;
+    CHECK_EQ(kv_core_submit(a, 11, seg, 1, 0, &done, &nb), 0);
+    kv_completion cp;
+    CHECK(wait_for(a, 11, &cp));
+    CHECK_EQ(cp.status, 0);
+    CHECK_EQ(cp.nbytes, N);
+    CHECK(memcmp(arena + N, src, N) == 0);
+    uint64_t seg2[5] = {rr, 0, rback, 0, N};
+    CHECK_EQ(kv_core_submit(a, 12, seg2, 1, 0, &done, &nb), 0);
+    CHECK(wait_for(a, 12, &cp));
+    CHECK_EQ(cp.status, 0);
+    CHECK(memcmp(back, src, N) == 0);
+    /* a stranger's token: dropped, the link stays */
+    kv_ucx_hdr h = mk(KV_UCX_PUSH, rd, 0, 8, 8);
+    memset(h.token, 0x42, KV_UCX_TOKEN);
+    uint8_t pay[16];
+    memset(pay, 0x99, sizeof pay);
+    uint64_t refused = stat_of(b, offsetof(kv_stats, ucx_refused));
+    CHECK_EQ(kv_ucx_test_send(a, 1, (uint8_t *)&h, sizeof h, pay, 8, 0), 0);
+    CHECK(wait_stat(b, offsetof(kv_stats, ucx_refused), refused));
+    /* out of range with the right token: the link fails, nothing is written */
+    uint8_t snap[3 * N];
+    memcpy(snap, arena, sizeof snap);
+    h = mk(KV_UCX_PUSH, rd, N - 8, 16, 16);
+    memcpy(h.token, tb, KV_UCX_TOKEN);
+    CHECK_EQ(kv_ucx_test_send(a, 1, (uint8_t *)&h, sizeof h, pay, 16, 0), 0);
+    CHECK(wait_for(b, KV_EVENT_LINK_DOWN | 1, NULL));
+    CHECK_EQ(stat_of(b, offsetof(kv_stats, ucx_bad_msgs)), 1);
+    CHECK(memcmp(snap, arena, sizeof snap) == 0);
+    for (unsigned k = 0; k < N; k++)
+        CHECK(canary[k] == 0xCD && plain[k] == 0xEE);
+    kv_core_close(a);
+    kv_core_close(b);
+    kv_core_free(a);
+    kv_core_free(b);
+}
+#endif
+
+static void on_alarm(int sig) {
+    (void)sig;
+    static const char msg[] = "watchdog: test_kv_ucx took too long\n";
+    ssize_t r = write(2, msg, sizeof msg - 1);
+    (void)r;
+    _exit(2);
+}
+
+int main(void) {
+    signal(SIGALRM, on_alarm);
+    alarm(120);
+    int passed = 0;
+    test_check();
+    passed++;
+#ifdef KV_HAVE_UCX
+    test_loopback();
+    passed++;
+#else
+    printf("(built without UCX: the loopback test did not run)\n");
+#endif
+    printf("%d passed, 0 failed (%lu checks)\n", passed, g_checks);
+    return 0;
+}
