@@ -178,10 +178,7 @@ uint32_t kv_core_submit_job(kv_core *core, uint64_t job_id, const uint64_t *segs
 uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status);
 
 /* ---- TCP data plane (kv_tcp.c). One epoll I/O thread per core, started by
- * the first call below. Frames: docs/protocol.md. A push of at most 16
- * segments and 256 KiB submitted onto an idle link is written by the
- * submitting thread (one non-blocking sendmsg inside kv_core_submit*); the I/O
- * thread finishes what the socket did not take and handles everything else. */
+ * the first call below. Frames: docs/protocol.md. */
 
 /* Listen for data connections on ip:port (port 0 picks one). Once per core:
  * a second call returns KV_LLM_PARAM_INVALID. */

@@ -885,7 +885,7 @@ start:
  * becomes the connection's current frame. Returns 1 if the loop must be
  * signalled; arms EPOLLOUT when the socket is full. */
 static int send_ctrl(kv_net *n, kv_conn *k) {
-    if (k->dead || __atomic_load_n(&k->out_busy, __ATOMIC_ACQUIRE) || k->ctrl_count == 0)
+    if (k->dead || k->out_busy || k->ctrl_count == 0)
         return 0;
     struct iovec iov[KV_CTRL_BATCH];
     int cnt = 0;
@@ -918,20 +918,18 @@ static int send_ctrl(kv_net *n, kv_conn *k) {
     }
     k->tx_progress_ns = n->round_ns;
     size_t whole = (size_t)r / sizeof(kv_frame), part = (size_t)r % sizeof(kv_frame);
-    size_t head = (k->ctrl_head + whole) % k->ctrl_capacity;
+    k->ctrl_head = (k->ctrl_head + whole) % k->ctrl_capacity;
+    k->ctrl_count -= whole;
     if (part) { /* the rest of this frame goes out first, through conn_send */
-        k->out = k->ctrl_ring[head];
-        head = (head + 1) % k->ctrl_capacity;
+        k->out = k->ctrl_ring[k->ctrl_head];
+        k->ctrl_head = (k->ctrl_head + 1) % k->ctrl_capacity;
+        k->ctrl_count--;
         k->out_payload = NULL;
         k->out_payload_len = 0;
         k->out_payload_sent = 0;
         k->out_header_sent = part;
-        /* busy before the count drops: fast_push (another thread, under c->lock)
-         * writes only while neither says a frame is part-way out */
-        __atomic_store_n(&k->out_busy, 1, __ATOMIC_RELEASE);
+        k->out_busy = 1;
     }
-    k->ctrl_head = head;
-    __atomic_store_n(&k->ctrl_count, k->ctrl_count - whole - (part ? 1 : 0), __ATOMIC_RELEASE);
     if (k->ctrl_count || k->out_busy)
         arm_output(n, k, 1);
     return 0;
@@ -941,9 +939,9 @@ static int conn_send(kv_net *n, kv_conn *k) {
     kv_core *c = n->core;
     int sig = send_ctrl(n, k);
     for (int budget = 0; budget < 256 && !k->dead; budget++) {
-        if (!__atomic_load_n(&k->out_busy, __ATOMIC_ACQUIRE)) { /* (acquire: a frame fast_push left) */
+        if (!k->out_busy) {
             pthread_mutex_lock(&c->lock);
-            int got = k->out_busy || next_frame(n, k); /* (fast_push may have left a frame since) */
+            int got = next_frame(n, k);
             pthread_mutex_unlock(&c->lock);
             if (!got) {
                 arm_output(n, k, 0);
@@ -984,8 +982,8 @@ static int conn_send(kv_net *n, kv_conn *k) {
             while (k->out_vi < k->out_vn && k->out_vec[k->out_vi].iov_len == 0)
                 k->out_vi++;
             if (k->out_vi == k->out_vn) {
-                k->out_vn = 0; /* before out_busy: fast_push may set both as soon as it reads 0 */
-                __atomic_store_n(&k->out_busy, 0, __ATOMIC_RELEASE);
+                k->out_busy = 0;
+                k->out_vn = 0;
             }
             continue;
         }
@@ -1029,7 +1027,7 @@ static int conn_send(kv_net *n, kv_conn *k) {
         if (k->out.type == F_DATA || k->out.type == F_RDATA)
             n->sent += got;
         if (k->out_payload_sent == k->out_payload_len) {
-            __atomic_store_n(&k->out_busy, 0, __ATOMIC_RELEASE);
+            k->out_busy = 0;
             if (k->out_region_ref) {
                 pthread_mutex_lock(&c->lock);
                 kv__region_unref(c, k->out_region_ref);
@@ -2133,111 +2131,6 @@ uint32_t kv_tcp_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
 
 /* ------------------------------------------------- the transport interface */
 
-#define KV_FAST_MAX_FRAMES 16         /* a push written by the submitting thread: at most this many frames */
-#define KV_FAST_MAX_BYTES (256u << 10) /* and bytes */
-
-/* A small push written by the submitting thread itself, when its link is idle:
- * no thread hand-off before the first byte goes out. Only when nothing could
- * come before it in the link's order (no job queued or in the inbox) and a
- * stream is idle (no frame half-sent, no control frame or READ answer
- * waiting, a lease granted to the peer), and the window takes every frame (as
- * next_frame would send them). Its DATA frames (one per segment) go in one
- * sendmsg, under c->lock: the I/O thread picks a frame (next_frame) and takes
- * control frames only under it, and writes only when out_busy or control frames
- * say so, so no other write can interleave. What the socket did not take stays
- * as the stream's current frame (out_busy, the DATAV vector path) for the I/O
- * thread to finish. Returns 1 if the push is on its way (SENT), 0 if it was not
- * started (the caller queues it as usual). Caller holds c->lock. */
-static int fast_push(kv_net *n, kv_tcp_job *j) {
-    kv_core *c = n->core;
-    size_t ns = j->job.nsegments;
-    if (j->is_pull || n->inbox_head || ns > KV_FAST_MAX_FRAMES || j->job.total_bytes > KV_FAST_MAX_BYTES)
-        return 0;
-    for (size_t i = 0; i < ns; i++)
-        if (j->job.segments[i].rows != 1 || j->job.segments[i].len > c->chunk_bytes)
-            return 0;
-    kv_link *l = link_find(n, j->link_id);
-    if (!l || l->dead || l->send_head || (l->window && l->window - (l->wire_bytes < l->window ? l->wire_bytes : l->window) <
-                                                           j->job.total_bytes - j->job.segments[ns - 1].len + 1))
-        return 0; /* every frame but the last must leave the window open, as next_frame checks */
-    kv_conn *k = NULL;
-    for (int i = 0; i < l->nconns && !k; i++) {
-        kv_conn *o = l->conns[i];
-        if (!o->dead && !o->broken && o->state == C_UP && o->granted_at && !__atomic_load_n(&o->out_busy, __ATOMIC_ACQUIRE) &&
-            !__atomic_load_n(&o->ctrl_count, __ATOMIC_ACQUIRE) && !o->serve_head)
-            k = o;
-    }
-    if (!k)
-        return 0;
-    if (!k->out_vec) {
-        k->out_vec = malloc((KV_MAX_PIECES + 2) * sizeof *k->out_vec);
-        k->out_list = malloc(KV_MAX_PIECES * sizeof *k->out_list);
-        if (!k->out_vec || !k->out_list) {
-            free(k->out_vec);
-            free(k->out_list);
-            k->out_vec = NULL;
-            k->out_list = NULL;
-            return 0;
-        }
-    }
-    kv_frame *hdr = (kv_frame *)(void *)k->out_list; /* 16 KiB: room for KV_FAST_MAX_FRAMES headers */
-    struct iovec *vec = k->out_vec;
-    for (size_t i = 0; i < ns; i++) {
-        const kv_segment *sg = &j->job.segments[i];
-        hdr[i] = frame_new(F_DATA, 0, j->job.record.id);
-        hdr[i].region = sg->remote_region;
-        hdr[i].offset = sg->dst;
-        hdr[i].length = sg->len;
-        hdr[i].total = j->job.total_bytes;
-        vec[2 * i].iov_base = &hdr[i];
-        vec[2 * i].iov_len = sizeof hdr[i];
-        vec[2 * i + 1].iov_base = (void *)(uintptr_t)sg->src;
-        vec[2 * i + 1].iov_len = (size_t)sg->len;
-    }
-    struct msghdr m;
-    memset(&m, 0, sizeof m);
-    m.msg_iov = vec;
-    m.msg_iovlen = 2 * ns;
-    ssize_t r;
-    do
-        r = sendmsg(k->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-    while (r < 0 && errno == EINTR);
-    if (r <= 0)
-        return 0; /* nothing went out (full, or an error the I/O thread will see): queue it */
-    job_set_state(j, KV_JS_SENDING);
-    j->job.claim_segment = ns;
-    j->job.claim_offset = 0;
-    j->frames = ns;
-    job_set_state(j, KV_JS_SENT);
-    l->wire_bytes += j->job.total_bytes;
-    k->tx_progress_ns = now_ns();
-    uint64_t got = (uint64_t)r, payload = 0;
-    size_t vi = 0;
-    while (vi < 2 * ns && got >= vec[vi].iov_len) { /* whole iovecs sent */
-        got -= vec[vi].iov_len;
-        payload += vi % 2 ? vec[vi].iov_len : 0;
-        vi++;
-    }
-    if (vi < 2 * ns) { /* the rest is the stream's current frame, finished by the I/O thread */
-        payload += vi % 2 ? got : 0;
-        vec[vi].iov_base = (char *)vec[vi].iov_base + got;
-        vec[vi].iov_len -= (size_t)got;
-        uint64_t head = 0;
-        for (size_t q = vi; q < 2 * ns; q += 1)
-            head += q % 2 ? 0 : vec[q].iov_len;
-        k->out = hdr[ns - 1]; /* a DATA frame of this push is still going out (data_in_flight) */
-        k->out_vn = 2 * ns;
-        k->out_vi = vi;
-        k->out_vhead = head;
-        k->out_payload = NULL;
-        k->out_payload_len = 0;
-        __atomic_store_n(&k->out_busy, 1, __ATOMIC_RELEASE); /* last: the I/O thread reads it without the lock */
-        wake_io_thread(n);
-    }
-    c->stats.tcp_bytes_sent += payload;
-    return 1;
-}
-
 static uint32_t tcp_submit(kv_transport *t, kv_job *job) {
     kv_net *n = (kv_net *)t;
     kv_tcp_job *j = (kv_tcp_job *)job; /* allocated tcp_ops.job_size */
@@ -2252,8 +2145,6 @@ static uint32_t tcp_submit(kv_transport *t, kv_job *job) {
         return KV_LLM_OUT_OF_MEMORY;
     kv__job_hash(c, job);
     j->job.state = KV_JS_INBOX;
-    if (!n->stop_requested && fast_push(n, j))
-        return KV_LLM_SUCCESS;
     j->inbox_next = NULL;
     j->inbox_prev = n->inbox_tail;
     if (n->inbox_tail)

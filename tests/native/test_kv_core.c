@@ -1874,72 +1874,6 @@ static void test_large_copy(void) {
     xunmap(want, N);
 }
 
-
-/* Small pushes written by the submitting thread (an idle link): one to
- * sixteen segments up to 256 KiB, alone and in bursts (later ones queue behind
- * the first), over a stream with a small send buffer so that the socket takes
- * part of a frame and the I/O thread finishes it; each byte-exact. */
-static void test_tcp_small_pushes(void) {
-    const uint64_t N = 4 * MiB, ms = 1000000;
-    kv_core *a = mk(1, 256 * KiB), *b = mk(1, 256 * KiB);
-    uint16_t port = tcp_listen_local(a);
-    uint8_t tok[KV_TOKEN_BYTES];
-    for (int i = 0; i < KV_TOKEN_BYTES; i++)
-        tok[i] = (uint8_t)(i * 5 + 3);
-    CHECK_EQ(kv_tcp_link_add(a, 6, tok, 1, 0, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
-    CHECK_EQ(kv_tcp_link_add(b, 6, tok, 1, 0, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
-    int fd = tcp_connect(port), small = 4096;
-    CHECK(setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &small, sizeof small) == 0);
-    CHECK_EQ(kv_tcp_conn_add(b, fd, 6), KV_LLM_SUCCESS);
-    CHECK_EQ(wait_one(b, KV_EVENT_LINK_READY | 6).status, KV_LLM_SUCCESS);
-    uint8_t *src = xmap(N), *dst = xmap(N), *want = xmap(N);
-    fill(src, N, 61);
-    memset(dst, 0x5A, (size_t)N);
-    memcpy(want, dst, (size_t)N);
-    uint32_t rd = add_region(a, KV_REGION_LOCAL, 0, dst, N, KV_REGION_F_EXPORT);
-    uint32_t rs = add_local(b, src, N), rr = 0;
-    CHECK_EQ(kv_region_add(b, KV_REGION_TCP, 6, rd, N, 0, &rr), KV_LLM_SUCCESS);
-    uint64_t id = 1, at = 0;
-    for (int round = 0; round < 40; round++) {
-        int burst = 1 + round % 4;
-        uint64_t first = id, sizes[4];
-        if (at + 4 * (256 * KiB + 16 * 8) > N) { /* nothing in flight: start over */
-            at = 0;
-            memset(dst, 0x5A, (size_t)N);
-            memcpy(want, dst, (size_t)N);
-        }
-        for (int q = 0; q < burst; q++, id++) {
-            uint64_t w[16 * KV_SEG_WORDS], total = 0;
-            size_t ns = 1 + (size_t)((round * 7 + q) % 16);
-            for (size_t i = 0; i < ns; i++) {
-                uint64_t len = 1 + ((round * 131 + q * 17 + i * 4099) % (256 * KiB / ns));
-                uint64_t so = (round * 7919 + i * 104729) % (N - len);
-                seg(w + i * KV_SEG_WORDS, rs, so, rr, at, len);
-                memcpy(want + at, src + so, (size_t)len);
-                at += len + 7;
-                total += len;
-            }
-            int done;
-            uint64_t nb;
-            CHECK_EQ(kv_core_submit(b, id, w, ns, 0, &done, &nb), KV_LLM_SUCCESS);
-            sizes[q] = total;
-        }
-        for (int q = 0; q < burst; q++) {
-            kv_completion cp = wait_one(b, first + (uint64_t)q);
-            CHECK_EQ(cp.status, KV_LLM_SUCCESS);
-            CHECK_EQ(cp.nbytes, sizes[q]);
-        }
-        CHECK(memcmp(dst, want, (size_t)N) == 0);
-    }
-    CHECK_EQ(stats(a).tcp_bad_frames, 0);
-    CHECK_EQ(stats(b).tcp_links_failed, 0);
-    kv_core_free(b);
-    kv_core_free(a);
-    xunmap(src, N);
-    xunmap(dst, N);
-    xunmap(want, N);
-}
-
 /* Two cores over TCP (loopback): pushes of many small segments (DATAV frames,
  * many pieces a frame), of 2-D segments (native rows), pulls of 2-D segments
  * (expanded into rows by the core): byte-exact, guards untouched. */
@@ -2054,7 +1988,6 @@ int main(int argc, char **argv) {
         {"seg2d_abort", test_seg2d_abort},
         {"large_copy", test_large_copy},
         {"tcp_2d", test_tcp_2d},
-        {"tcp_small_pushes", test_tcp_small_pushes},
     };
     const size_t nt = sizeof tests / sizeof tests[0];
     setvbuf(stdout, NULL, _IOLBF, 0);
