@@ -9,6 +9,7 @@ guard bytes included. The C-level checks (overflow, CMA, abort) are in
 tests/native/test_kv_core.c.
 """
 
+import secrets
 import select
 import socket
 import time
@@ -200,17 +201,16 @@ def test_ucx_gets_2d_segments_expanded_into_rows(monkeypatch):
         sa, addr_a = a.ucx_address()
         sb, addr_b = b.ucx_address()
         assert sa == sb == S.LLM_SUCCESS
-        assert a.ucx_link_add(1, addr_b, 0, 1.0) == S.LLM_SUCCESS
-        assert b.ucx_link_add(1, addr_a, 0, 1.0) == S.LLM_SUCCESS
+        ta, tb = secrets.token_bytes(_native.UCX_TOKEN), secrets.token_bytes(_native.UCX_TOKEN)
+        assert a.ucx_link_add(1, addr_b, ta, tb, 0, 1.0) == S.LLM_SUCCESS
+        assert b.ucx_link_add(1, addr_a, tb, ta, 0, 1.0) == S.LLM_SUCCESS
         rng = np.random.default_rng(3)
         src = rng.integers(0, 256, 1 << 18, dtype=np.uint8)
         back = np.full(1 << 18, GUARD, dtype=np.uint8)
         dst = np.full(1 << 18, GUARD, dtype=np.uint8)
         rs, rback = _region(a, src, _native.F_EXPORT), _region(a, back, _native.F_EXPORT)
         rd = _region(b, dst, _native.F_EXPORT)
-        st, rkey = b.ucx_mem_map(rd)
-        assert st == S.LLM_SUCCESS
-        st, rr = a.ucx_rkey_add(1, dst.ctypes.data, dst.nbytes, rkey)
+        st, rr = a.region_add(_native.REGION_UCX, 1, rd, dst.nbytes, 0)   # b's region, as a names it
         assert st == S.LLM_SUCCESS
         push = [(rs, 5, rr, 3, 1000, 200, 1100, 1003)]
         want = _model(dst.copy(), src, [(0, 5, 0, 3, 1000, 200, 1100, 1003)])
