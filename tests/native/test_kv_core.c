@@ -1820,10 +1820,14 @@ static void test_seg2d_abort(void) {
     int done;
     uint64_t nb;
     CHECK_EQ(submit2(c, 1, w, 1, 0, &done, &nb), KV_LLM_SUCCESS);
-    CHECK_EQ(kv_core_abort(c, 1, KV_LLM_TIMEOUT), KV_LLM_SUCCESS);
+    /* 96 MiB: the abort nearly always lands while the movers copy; on a loaded host
+     * this thread may lose its CPU until the job is done (the abort then finds no
+     * live job, and the job completed whole) */
+    uint32_t ab = kv_core_abort(c, 1, KV_LLM_TIMEOUT);
+    CHECK(ab == KV_LLM_SUCCESS || ab == KV_LLM_PARAM_INVALID);
     kv_completion cp = wait_one(c, 1);
-    CHECK_EQ(cp.status, KV_LLM_TIMEOUT);
-    CHECK(cp.nbytes <= ROW * ROWS);
+    CHECK_EQ(cp.status, ab == KV_LLM_SUCCESS ? KV_LLM_TIMEOUT : KV_LLM_SUCCESS);
+    CHECK(ab == KV_LLM_SUCCESS ? cp.nbytes <= ROW * ROWS : cp.nbytes == ROW * ROWS);
     for (uint64_t r = 0; r < ROWS; r++) { /* the gaps between rows: never written */
         CHECK(all_eq(dst + r * DS + ROW, DS - ROW, 0x5A));
         CHECK(all_eq(dst + r * DS, ROW, 0x5A) || all_eq(dst + r * DS, ROW, 0x11) || r * ROW < cp.nbytes + 2 * 64 * KiB);
