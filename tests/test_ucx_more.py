@@ -124,10 +124,10 @@ STATUS_BOUND = DEADLINE + HB["heartbeat_timeout"] + HB["heartbeat_interval"] + 1
 WINDOW = 2.0                     # observation window after the stopped peer resumes
 
 
-@pytest.mark.xfail(strict=True, reason="kv_ucx.c's puts (at 9504edc): over UCX_TLS=tcp the flush completes "
-                   "once the bytes are in the local socket, so the push resolves LLM_TIMEOUT while the stopped "
-                   "peer still has MiBs to apply, and applies them when resumed (measured: 4.2-4.7 MB after the "
-                   "status). strict: XPASS (a failure here) once the pushes are fenced; then drop the mark")
+@pytest.mark.xfail(strict=False, reason="issue 14, open: a rendezvous receive the stopped target had posted "
+                   "into place before the stop still completes when it resumes (active messages, lease: 61 KB and "
+                   "2.06 MB landed after the status in two runs, against 4.2-4.7 MB with the old one-sided puts); "
+                   "not strict: how much is in flight at the stop varies, and none now and then is not the fix")
 async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypatch):
     """A 256 MiB push into a SIGSTOPped peer over UCX_TLS=tcp resolves LLM_TIMEOUT or
     LLM_LINK_FAILED within deadline + heartbeat_timeout (+ slack), and once the peer
