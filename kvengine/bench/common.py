@@ -162,6 +162,31 @@ def record_timing(out: Report, t_setup: float, t_meas: float, snap0: Snapshot, c
     out["columns"] = columns
 
 
+async def interleaved_rounds(out: Report, t_setup: float, configs: list[str], rounds: int, label: str,
+                             run: Callable[[str, int], Coroutine[Any, Any, list[float]]],
+                             reverse: bool = False) -> dict[str, list[float]]:
+    """``rounds`` rounds over every column, each round's order rotated (or, with ``reverse``,
+    reversed every other round) so no column always goes first; ``run(column, round)`` gives
+    that round's samples (its warm-up is the caller's). The run's timing goes into ``out``
+    (:func:`record_timing`). Returns every column's samples."""
+    lat: dict[str, list[float]] = {n: [] for n in configs}
+    bar = Progress(rounds * len(configs), label, every=len(configs))
+    snap0, t_meas = cpu_snapshot(), time.perf_counter()
+    try:
+        for r in range(rounds):
+            if reverse:
+                order = configs if r % 2 == 0 else configs[::-1]
+            else:
+                order = configs[r % len(configs):] + configs[:r % len(configs)]
+            for name in order:
+                lat[name] += await run(name, r)
+                bar.step(f"round {r + 1} {name}")
+    finally:
+        bar.close()
+    record_timing(out, t_setup, t_meas, snap0, configs)
+    return lat
+
+
 def load_line(ld: Report) -> str:
     return (f"other processes used {ld['other_cpu_s']:.1f} CPU-s during the {fmt_seconds(ld['wall_s'])} measured "
             f"({ld['other_vcpu_fraction'] * 100:.0f}% of one vCPU; this benchmark {ld['own_cpu_s']:.1f} CPU-s, "

@@ -39,8 +39,8 @@ from numpy.typing import NDArray
 
 from . import peers as P
 from .baselines import RawSocket, Streams
-from .common import (KiB, Progress, Report, busy_processes, cpu_snapshot, fmt_seconds, get_runner, meta,
-                     record_timing, save_outputs)
+from .common import (KiB, Report, busy_processes, fmt_seconds, get_runner, interleaved_rounds, meta,
+                     save_outputs)
 from .harness import KvSide, close_all, footer, ratio, summary, table, us
 from .throughput import KV, MEMCPY, RAW, STREAMS, add_common_args, col_name, resolve_common
 
@@ -153,20 +153,11 @@ async def run(args: argparse.Namespace) -> Report:
         per = max(1, args.n // ROUNDS)
         say(f"setup {time.perf_counter() - t_setup:.1f} s; measuring: {len(configs)} columns x {ROUNDS} rounds x "
             f"{per} samples, interleaved (columns: {', '.join(col_name(n, T) for n in configs)})", flush=True)
-        lat: dict[str, list[float]] = {n: [] for n in configs}
-        bar = Progress(ROUNDS * len(configs), f"latency {T}", every=len(configs))
-        snap0 = cpu_snapshot()
-        t_meas = time.perf_counter()
-        try:
-            for r in range(ROUNDS):
-                k = r % len(configs)
-                for name in configs[k:] + configs[:k]:
-                    await samples(name, 200 if r == 0 else 20)          # warm-up
-                    lat[name] += await samples(name, per)
-                    bar.step(f"round {r + 1} {name}")
-        finally:
-            bar.close()
-        record_timing(out, t_setup, t_meas, snap0, configs)
+        async def round_of(name: str, r: int) -> list[float]:
+            await samples(name, 200 if r == 0 else 20)          # warm-up
+            return list(await samples(name, per))
+
+        lat = await interleaved_rounds(out, t_setup, configs, ROUNDS, f"latency {T}", round_of)
         out["results"] = {n: summary(v) for n, v in lat.items()}
         out["samples_us"] = {n: sorted(x * 1e6 for x in v) for n, v in lat.items()}
         kvr = out["results"][KV]

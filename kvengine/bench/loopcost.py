@@ -28,7 +28,6 @@ here is a baseline of another engine: see ``kvengine bench latency`` for those.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import resource
 import statistics

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from .common import KiB, MiB, Progress, Report, busy_processes, cpu_snapshot, fmt_seconds, get_runner, meta, \
-    record_timing, save_outputs
+from .common import KiB, MiB, Report, busy_processes, fmt_seconds, get_runner, interleaved_rounds, meta, \
+    save_outputs
 from .harness import KvSide, close_all, footer, summary, table, us
 from .throughput import add_common_args, resolve_common
 
@@ -117,20 +117,11 @@ async def run(args: argparse.Namespace) -> Report:
         per = max(1, args.n // ROUNDS)
         say(f"setup {time.perf_counter() - t_setup:.1f} s; measuring: 2 columns x {ROUNDS} rounds x {per} samples, "
             f"interleaved; one layer = {layer_bytes // KiB} KiB", flush=True)
-        lat: dict[str, list[float]] = {n: [] for n in configs}
-        bar = Progress(ROUNDS * len(configs), f"paged latency {T}", every=len(configs))
-        snap0 = cpu_snapshot()
-        t_meas = time.perf_counter()
-        try:
-            for r in range(ROUNDS):
-                order = configs if r % 2 == 0 else configs[::-1]
-                for name in order:
-                    await samples(name, 50 if r == 0 else 5, 0)           # warm-up
-                    lat[name] += await samples(name, per, r * per)
-                    bar.step(f"round {r + 1} {name}")
-        finally:
-            bar.close()
-        record_timing(out, t_setup, t_meas, snap0, configs)
+        async def round_of(name: str, r: int) -> list[float]:
+            await samples(name, 50 if r == 0 else 5, 0)           # warm-up
+            return await samples(name, per, r * per)
+
+        lat = await interleaved_rounds(out, t_setup, configs, ROUNDS, f"paged latency {T}", round_of, reverse=True)
         out["results"] = {n: summary(v) for n, v in lat.items()}
         out["samples_us"] = {n: sorted(x * 1e6 for x in v) for n, v in lat.items()}
         res = out["results"]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from . import peers as P
 from . import ucxpeers as U
-from .common import Progress, Report, cpu_snapshot, record_timing, short_bytes
+from .common import Progress, Report, cpu_snapshot, interleaved_rounds, record_timing, short_bytes
 from .harness import KvSide, close_all, model_label, summary
 
 if TYPE_CHECKING:
@@ -208,19 +208,11 @@ async def run_latency(args: argparse.Namespace) -> Report:
         configs = [KV, KV_TCP] + list(pairs)
         per = max(1, args.n // ROUNDS)
         say(f"measuring: {len(configs)} columns x {ROUNDS} rounds x {per} samples, interleaved", flush=True)
-        lat: dict[str, list[float]] = {n: [] for n in configs}
-        bar = Progress(ROUNDS * len(configs), f"latency ucx ({tls})", every=len(configs))
-        snap0, t_meas = cpu_snapshot(), time.perf_counter()
-        try:
-            for r in range(ROUNDS):
-                k = r % len(configs)
-                for name in configs[k:] + configs[:k]:
-                    await samples(name, 200 if r == 0 else 20)          # warm-up
-                    lat[name] += await samples(name, per)
-                    bar.step(f"round {r + 1} {name}")
-        finally:
-            bar.close()
-        record_timing(out, t_setup, t_meas, snap0, configs)
+        async def round_of(name: str, r: int) -> list[float]:
+            await samples(name, 200 if r == 0 else 20)          # warm-up
+            return await samples(name, per)
+
+        lat = await interleaved_rounds(out, t_setup, configs, ROUNDS, f"latency ucx ({tls})", round_of)
         try:
             out["floor"] = await asyncio.to_thread(U.perftest, "ucp_put_lat", 2 * HALF, max(1000, per))
         except P.PeerError as e:
