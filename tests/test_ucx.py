@@ -26,8 +26,10 @@ from test_cross_process import (  # noqa: E402,F401
     test_pull_and_pull_size, test_push_with_layer_ranges_byte_exact, test_timeout_fenced_across_processes)
 
 # UCX_TLS per case: tcp only; shared memory (posix/sysv, cma for zero copy, self); tcp with cma;
-# "default": UCX_TLS unset, kvengine's default (every transport but UCX's tcp).
-TLS = {"tcp": "tcp", "sm": "sm,self", "tcpcma": "tcp,cma", "default": None}
+# "default": UCX_TLS unset, kvengine's default (every transport but UCX's tcp). "-nopeer":
+# KVENGINE_UCX_PEER_ERRORS=0 (endpoints without UCX's error handling: zero-copy rendezvous).
+TLS = {"tcp": "tcp", "sm": "sm,self", "tcpcma": "tcp,cma", "default": None,
+       "tcp-nopeer": "tcp", "tcpcma-nopeer": "tcp,cma"}
 
 
 @pytest.fixture(params=sorted(TLS))
@@ -36,6 +38,10 @@ def xtransport(request, monkeypatch):
         monkeypatch.delenv("UCX_TLS", raising=False)
     else:
         monkeypatch.setenv("UCX_TLS", TLS[request.param])
+    if request.param.endswith("-nopeer"):
+        monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", "0")
+    else:
+        monkeypatch.delenv("KVENGINE_UCX_PEER_ERRORS", raising=False)
     return "ucx"
 
 
@@ -185,7 +191,7 @@ async def test_cancel_is_fenced(monkeypatch):
         await d.close()
 
 
-@pytest.mark.parametrize("tls", ["tcp", "sm,self"])
+@pytest.mark.parametrize("tls", ["tcp", "sm,self", "tcp-nopeer", "tcp,cma-nopeer"])
 async def test_peer_killed_link_failed_within_the_heartbeat_bound(tls, monkeypatch):
     """SIGKILL of the decode process with pushes and a pull in flight: every transfer
     resolves (LLM_LINK_FAILED, or LLM_SUCCESS for what had completed) within
@@ -193,6 +199,9 @@ async def test_peer_killed_link_failed_within_the_heartbeat_bound(tls, monkeypat
     is left in the core."""
     import time
     from kvengine._peer import PeerProcess
+    if tls.endswith("-nopeer"):   # KVENGINE_UCX_PEER_ERRORS=0: the control channel reports the death
+        tls = tls[: -len("-nopeer")]
+        monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", "0")
     monkeypatch.setenv("UCX_TLS", tls)
     opts = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
     p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0",
@@ -218,3 +227,51 @@ async def test_peer_killed_link_failed_within_the_heartbeat_bound(tls, monkeypat
     finally:
         await p.close()
         await d.close()
+
+
+_RNDV_PROBE = r"""
+import numpy as np, secrets, time
+from kvengine.native import _native
+a, b = _native.Core(), _native.Core()
+ta, tb = secrets.token_bytes(_native.UCX_TOKEN), secrets.token_bytes(_native.UCX_TOKEN)
+assert a.ucx_link_add(1, b.ucx_address()[1], ta, tb, 0, 1.0) == 0
+assert b.ucx_link_add(1, a.ucx_address()[1], tb, ta, 0, 1.0) == 0
+src, dst = np.full(1 << 20, 7, np.uint8), np.zeros(1 << 20, np.uint8)
+_, rs = a.region_add(_native.REGION_LOCAL, 0, src.ctypes.data, src.nbytes, _native.F_EXPORT)
+_, rd = b.region_add(_native.REGION_LOCAL, 0, dst.ctypes.data, dst.nbytes, _native.F_EXPORT)
+assert a.ucx_mem_map(rs) == 0 and b.ucx_mem_map(rd) == 0
+_, rr = a.region_add(_native.REGION_UCX, 1, rd, dst.nbytes, 0)
+st, done, _ = a.submit(11, np.array([rs, 0, rr, 0, dst.nbytes], dtype=np.uint64), 0)
+out, end = [], time.monotonic() + 10
+while not out and time.monotonic() < end:
+    out += a.poll()
+    time.sleep(0.002)
+assert out and out[0][:3] == (11, 0, dst.nbytes) and (dst == 7).all(), out
+for c in (a, b):
+    c.close()
+    c.release()
+"""
+
+
+@pytest.mark.parametrize("peer_errors", ["1", "0"])
+def test_peer_errors_off_gives_zero_copy_rendezvous(peer_errors):
+    """KVENGINE_UCX_PEER_ERRORS=0: endpoints without UCX's error handling, and UCX picks
+    a zero-copy rendezvous for our active messages over its tcp transport; with error
+    handling (the default) it can only copy fragments over the tcp lane
+    (docs/benchmarks.md, "UCX throughput, tuned"). The push lands either way."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, UCX_TLS="tcp", UCX_PROTO_INFO="y", KVENGINE_UCX_PEER_ERRORS=peer_errors)
+    r = subprocess.run([sys.executable, "-c", _RNDV_PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stderr.splitlines()
+    at = [i for i, s in enumerate(lines) if "ucp_am_send*(rndv)" in s]
+    assert at, r.stderr[-2000:]
+    table = "\n".join(lines[at[0]: at[0] + 8])
+    big = [s for s in table.splitlines() if "..inf" in s]
+    assert big, table
+    if peer_errors == "0":
+        assert "zero-copy" in big[0] and "copy-in copy-out" not in big[0], table
+    else:
+        assert "copy-in copy-out" in big[0], table

@@ -244,6 +244,7 @@ struct kv_ucx {
     ucp_address_t *address;
     size_t address_len;
     uint64_t uid;          /* our worker's unique id */
+    int peer_errors;       /* endpoints ask for UCP_ERR_HANDLING_MODE_PEER (else NONE) */
     /* under c->lock */
     ucx_link *links;
     ucx_local *locals;
@@ -353,6 +354,12 @@ static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
         .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
         .mt_workers_shared = 1, /* ucp_mem_map/unmap from the API threads, the worker on ours */
     };
+    /* error handling mode PEER makes UCP leave out every rendezvous lane whose
+     * memory domain cannot invalidate (cma, tcp): rendezvous payloads then go as
+     * copied fragments over the tcp lane, 4-5x slower. KVENGINE_UCX_PEER_ERRORS=0
+     * trades UCX's own peer-failure reports for the zero-copy protocols */
+    const char *pe = getenv("KVENGINE_UCX_PEER_ERRORS");
+    u->peer_errors = !(pe && strcmp(pe, "0") == 0);
     ucp_config_t *config = NULL;
     if (ucp_config_read(NULL, NULL, &config) != UCS_OK)
         goto fail;
@@ -1097,8 +1104,10 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
             .err_handler = {.cb = ep_error, .arg = l},
         };
         l->peer_errors = 1;
-        if (ucp_ep_create(u->worker, &ep, &l->ep) != UCS_OK) {
-            /* the transports in use cannot report a peer failure (shared memory:
+        if (!u->peer_errors || ucp_ep_create(u->worker, &ep, &l->ep) != UCS_OK) {
+            /* asked for (KVENGINE_UCX_PEER_ERRORS=0: UCX then picks its zero-copy
+             * rendezvous, docs/benchmarks.md "UCX throughput, tuned"), or the
+             * transports in use cannot report a peer failure (shared memory:
              * posix, sysv): an endpoint without error handling; the control
              * channel reports the peer's death then (docs/protocol.md, "UCX links") */
             ep.field_mask &= ~(uint64_t)UCP_EP_PARAM_FIELD_ERR_HANDLER;
