@@ -10,7 +10,7 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Coroutine, Protocol, TypeVar
+from typing import Any, Callable, Coroutine, Protocol, Sequence, TypeVar
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -185,6 +185,28 @@ async def interleaved_rounds(out: Report, t_setup: float, configs: list[str], ro
         bar.close()
     record_timing(out, t_setup, t_meas, snap0, configs)
     return lat
+
+
+async def interleaved_sizes(out: Report, t_setup: float, configs: list[str], cases: Sequence[Any], reps: int,
+                            label: str, measure: Callable[[str, Any], Coroutine[Any, Any, float]]
+                            ) -> dict[tuple[int, str], list[float]]:
+    """``reps`` repetitions of every size (``cases[k].nbytes``) over every column, the column
+    order rotated per size and repetition; ``measure(column, case)`` gives one figure. The
+    run's timing goes into ``out`` (:func:`record_timing`). Returns ``{(k, column): figures}``."""
+    secs: dict[tuple[int, str], list[float]] = {(k, n): [] for k in range(len(cases)) for n in configs}
+    bar = Progress(reps * len(cases) * len(configs), label)
+    snap0, t_meas = cpu_snapshot(), time.perf_counter()
+    try:
+        for rep in range(reps):
+            for k, c in enumerate(cases):
+                r = (rep + k) % len(configs)
+                for name in configs[r:] + configs[:r]:
+                    secs[(k, name)].append(await measure(name, c))
+                    bar.step(f"rep {rep + 1} {short_bytes(c.nbytes)} {name}")
+    finally:
+        bar.close()
+    record_timing(out, t_setup, t_meas, snap0, configs)
+    return secs
 
 
 def load_line(ld: Report) -> str:

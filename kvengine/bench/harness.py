@@ -154,6 +154,18 @@ def summary(samples_s: list[float]) -> dict[str, float]:
             "mean_us": sum(us) / len(us) if us else float("nan")}
 
 
+def latency_results(out: Report, lat: dict[str, list[float]], base: str | None = None) -> None:
+    """A latency run's figures into ``out``: each column's :func:`summary` (``results``), its
+    sorted samples in us (``samples_us``) and, with ``base``, each other column's percentiles
+    over the base column's (``kv_over``)."""
+    out["results"] = {n: summary(v) for n, v in lat.items()}
+    out["samples_us"] = {n: sorted(x * 1e6 for x in v) for n, v in lat.items()}
+    if base is not None:
+        b = out["results"][base]
+        out["kv_over"] = {n: {q: r[q] / b[q] for q in ("p50_us", "p99_us", "p999_us")}
+                          for n, r in out["results"].items() if n != base}
+
+
 def table(rows: list[list[str]], header: list[str], align: str | None = None) -> str:
     """Plain-text table: first column left-aligned, the rest right-aligned (align: 'l'/'r' per column)."""
     align = align or "l" + "r" * (len(header) - 1)

@@ -41,7 +41,7 @@ from . import peers as P
 from .baselines import RawSocket, Streams
 from .common import (KiB, Report, busy_processes, fmt_seconds, get_runner, interleaved_rounds, meta,
                      save_outputs)
-from .harness import KvSide, close_all, footer, ratio, summary, table, us
+from .harness import KvSide, close_all, footer, latency_results, ratio, table, us
 from .throughput import KV, MEMCPY, RAW, STREAMS, add_common_args, col_name, resolve_common
 
 LAYERS = 32
@@ -82,16 +82,8 @@ async def run(args: argparse.Namespace) -> Report:
         payload = np.ascontiguousarray(np.concatenate(rows[:2])).data
         plans = [(f"l{i}", [(2 * i * HALF, HALF), ((2 * i + 1) * HALF, HALF)]) for i in range(LAYERS)]
         keys = [k for k, _ in plans]
-        for name, pair in list(pairs.items()):
-            try:
-                pair.prepare(plans)
-                if not await asyncio.to_thread(pair.verify, keys, 2 * HALF):
-                    raise P.PeerError("the layer did not land as sent")
-            except P.PeerError as e:
-                say(f"  {name}: {e}; left out")
-                out["peers"][name] = f"failed: {e}"
-                pair.close()
-                del pairs[name]
+        P.prepare_peers(pairs, plans, out, say)
+        await P.check_peers(pairs, lambda pair: pair.verify(keys, 2 * HALF), "the layer", out, {}, say)
         if not await kvs.verify(src, idx):
             raise RuntimeError("kvengine: pushed cache differs from the source")
 
@@ -153,16 +145,13 @@ async def run(args: argparse.Namespace) -> Report:
         per = max(1, args.n // ROUNDS)
         say(f"setup {time.perf_counter() - t_setup:.1f} s; measuring: {len(configs)} columns x {ROUNDS} rounds x "
             f"{per} samples, interleaved (columns: {', '.join(col_name(n, T) for n in configs)})", flush=True)
+
         async def round_of(name: str, r: int) -> list[float]:
             await samples(name, 200 if r == 0 else 20)          # warm-up
             return list(await samples(name, per))
 
         lat = await interleaved_rounds(out, t_setup, configs, ROUNDS, f"latency {T}", round_of)
-        out["results"] = {n: summary(v) for n, v in lat.items()}
-        out["samples_us"] = {n: sorted(x * 1e6 for x in v) for n, v in lat.items()}
-        kvr = out["results"][KV]
-        out["kv_over"] = {n: {q: out["results"][n][q] / kvr[q] for q in ("p50_us", "p99_us", "p999_us")}
-                          for n in configs if n != KV}
+        latency_results(out, lat, KV)
         here, there = await kvs.stats()
         out["engine_stats"] = {"prefill": here, "decode": there}
         out["peer_env"] = {n: p.env for n, p in pairs.items()}

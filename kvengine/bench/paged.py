@@ -94,15 +94,8 @@ async def run(args: argparse.Namespace) -> Report:
         tabs = {nb: [(rng.permutation(pool)[:nb], rng.permutation(pool)[:nb]) for _ in range(VARIANTS)]
                 for nb in args.tables}
         contig = {nb: (np.arange(nb), np.arange(nb)) for nb in args.tables}
-        for name, pair in list(pairs.items()):
-            try:
-                pair.prepare([(f"p{nb}-{k}", segments(sb, db, pool)) for nb in args.tables
-                              for k, (sb, db) in enumerate(tabs[nb])])
-            except P.PeerError as err:
-                say(f"  {name}: prepare failed ({err}); left out")
-                out["peers"][name] = f"failed: {err}"
-                pair.close()
-                del pairs[name]
+        P.prepare_peers(pairs, [(f"p{nb}-{k}", segments(sb, db, pool)) for nb in args.tables
+                                for k, (sb, db) in enumerate(tabs[nb])], out, say)
 
         say(f"setup {time.perf_counter() - t_setup:.1f} s; byte-for-byte check of one table per size ...", flush=True)
         srows = row_digests(src.tensors)

@@ -34,7 +34,7 @@ import numpy as np
 
 from .common import KiB, MiB, Report, busy_processes, fmt_seconds, get_runner, interleaved_rounds, meta, \
     save_outputs
-from .harness import KvSide, close_all, footer, summary, table, us
+from .harness import KvSide, close_all, footer, latency_results, table, us
 from .throughput import add_common_args, resolve_common
 
 LAYERS = 4                                  # layers in the pool (a push moves one; cycled)
@@ -117,13 +117,13 @@ async def run(args: argparse.Namespace) -> Report:
         per = max(1, args.n // ROUNDS)
         say(f"setup {time.perf_counter() - t_setup:.1f} s; measuring: 2 columns x {ROUNDS} rounds x {per} samples, "
             f"interleaved; one layer = {layer_bytes // KiB} KiB", flush=True)
+
         async def round_of(name: str, r: int) -> list[float]:
             await samples(name, 50 if r == 0 else 5, 0)           # warm-up
             return await samples(name, per, r * per)
 
         lat = await interleaved_rounds(out, t_setup, configs, ROUNDS, f"paged latency {T}", round_of, reverse=True)
-        out["results"] = {n: summary(v) for n, v in lat.items()}
-        out["samples_us"] = {n: sorted(x * 1e6 for x in v) for n, v in lat.items()}
+        latency_results(out, lat)
         res = out["results"]
         out["paged_over_contiguous"] = {q: res[PAGED][q] / res[CONTIG][q] for q in ("p50_us", "p99_us", "p999_us")}
         x = out["paged_over_contiguous"]["p50_us"]

@@ -418,6 +418,19 @@ def start_peers(names: list[str], size: int, transport: str, log_path: str | Non
     return pairs, missing
 
 
+def prepare_peers(pairs: dict[str, PeerPair], plans: Any, out: dict[str, Any],
+                  say: Callable[[str], object] = print) -> None:
+    """Give each pair the run's plans; a pair whose prepare fails is closed and left out."""
+    for name, pair in list(pairs.items()):
+        try:
+            pair.prepare(plans)
+        except PeerError as e:
+            say(f"  {name}: prepare failed ({e}); left out")
+            out["peers"][name] = f"failed: {e}"
+            pair.close()
+            del pairs[name]
+
+
 async def check_peers(pairs: dict[str, PeerPair], check: Callable[[PeerPair], bool], what: str,
                       out: dict[str, Any], verify: dict[str, list[bool]],
                       say: Callable[[str], object] = print) -> None:

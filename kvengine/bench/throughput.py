@@ -45,8 +45,8 @@ from numpy.typing import NDArray
 
 from . import peers as P
 from .baselines import ParallelMemcpy, RawSocket, Streams, memcpy_seconds
-from .common import (KiB, MiB, Progress, Report, busy_processes, cpu_snapshot, fmt_bytes, fmt_seconds, get_runner,
-                     meta, out_paths, parse_bytes, record_timing, save_outputs, short_bytes)
+from .common import (KiB, MiB, Report, busy_processes, fmt_bytes, fmt_seconds, get_runner, interleaved_sizes, meta,
+                     out_paths, parse_bytes, save_outputs)
 from .harness import MODEL, TRANSPORTS, KvSide, close_all, footer, gbps, model_label, ratio, table
 
 if TYPE_CHECKING:
@@ -133,14 +133,7 @@ async def run(args: argparse.Namespace) -> Report:
                 case.memcpy_dst = [np.ones(row, np.uint8) for _ in range(tensors)]   # pre-faulted
             cases.append(case)
         plans = [(c.key, [(i * c.row, c.row) for i in range(c.tensors)]) for c in cases]
-        for name, pair in list(pairs.items()):
-            try:
-                pair.prepare(plans)
-            except P.PeerError as e:
-                say(f"  {name}: prepare failed ({e}); left out")
-                out["peers"][name] = f"failed: {e}"
-                pair.close()
-                del pairs[name]
+        P.prepare_peers(pairs, plans, out, say)
 
         # warm-up, and every engine's transfer checked byte for byte at every size
         say(f"setup {time.perf_counter() - t_setup:.1f} s; warm-up and byte-for-byte check ...", flush=True)
@@ -187,23 +180,9 @@ async def run(args: argparse.Namespace) -> Report:
                 s = await asyncio.to_thread(pairs[name].run, c.key, n, True)
             return s / n
 
-        secs: dict[tuple[int, str], list[float]] = {(k, n): [] for k in range(len(cases)) for n in configs}
-        total = args.reps * len(cases) * len(configs)
         say(f"measuring: {len(configs)} columns x {len(cases)} sizes x {args.reps} repetitions, interleaved "
             f"(columns: {', '.join(col_name(n, T) for n in configs)})", flush=True)
-        bar = Progress(total, f"throughput {T}")
-        snap0 = cpu_snapshot()
-        t_meas = time.perf_counter()
-        try:
-            for rep in range(args.reps):
-                for k, c in enumerate(cases):
-                    r = (rep + k) % len(configs)
-                    for name in configs[r:] + configs[:r]:
-                        secs[(k, name)].append(await measure(name, c))
-                        bar.step(f"rep {rep + 1} {short_bytes(c.nbytes)} {name}")
-        finally:
-            bar.close()
-        record_timing(out, t_setup, t_meas, snap0, configs)
+        secs = await interleaved_sizes(out, t_setup, configs, cases, args.reps, f"throughput {T}", measure)
 
         for k, c in enumerate(cases):
             res: Report = {}

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 from . import peers as P
 from . import ucxpeers as U
-from .common import Progress, Report, cpu_snapshot, interleaved_rounds, record_timing, short_bytes
-from .harness import KvSide, close_all, model_label, summary
+from .common import Report, interleaved_rounds, interleaved_sizes
+from .harness import KvSide, close_all, latency_results, model_label
 
 if TYPE_CHECKING:
     from kvengine import Cache, CacheIndex
@@ -99,8 +99,7 @@ async def run_throughput(args: argparse.Namespace) -> Report:
                                burst(tensors * row), f"s{k}"))
         plans = [(c.key, [(i * c.row, c.row) for i in range(c.tensors)]) for c in cases]
         verify: dict[str, list[bool]] = {}
-        for name, pair in list(pairs.items()):
-            pair.prepare(plans)
+        P.prepare_peers(pairs, plans, out, say)
         for c in cases:
             for name, (side, s, i) in c.kv.items():
                 ok = await side.verify(s, i)
@@ -127,21 +126,9 @@ async def run_throughput(args: argparse.Namespace) -> Report:
                 return c.nbytes / (r["MBps"] * (1 << 20))
             return await asyncio.to_thread(pairs[name].run, c.key, n, True) / n
 
-        secs: dict[tuple[int, str], list[float]] = {(k, c): [] for k in range(len(cases)) for c in configs}
         say(f"measuring: {len(configs)} columns x {len(cases)} sizes x {args.reps} repetitions, interleaved "
             f"(columns: {', '.join(configs)})", flush=True)
-        bar = Progress(args.reps * len(cases) * len(configs), f"throughput ucx ({tls})")
-        snap0, t_meas = cpu_snapshot(), time.perf_counter()
-        try:
-            for rep in range(args.reps):
-                for k, c in enumerate(cases):
-                    r = (rep + k) % len(configs)
-                    for name in configs[r:] + configs[:r]:
-                        secs[(k, name)].append(await measure(name, c))
-                        bar.step(f"rep {rep + 1} {short_bytes(c.nbytes)} {name}")
-        finally:
-            bar.close()
-        record_timing(out, t_setup, t_meas, snap0, configs)
+        secs = await interleaved_sizes(out, t_setup, configs, cases, args.reps, f"throughput ucx ({tls})", measure)
         for k, c in enumerate(cases):
             nb = c.nbytes
             res: Report = {}
@@ -178,13 +165,8 @@ async def run_latency(args: argparse.Namespace) -> Report:
         await _start(args, out, 2 * LAYERS * HALF, kvs, kvt, pairs)
         plans = [(f"l{i}", [(2 * i * HALF, HALF), ((2 * i + 1) * HALF, HALF)]) for i in range(LAYERS)]
         keys = [k for k, _ in plans]
-        for name, pair in list(pairs.items()):
-            pair.prepare(plans)
-            if not await asyncio.to_thread(pair.verify, keys, 2 * HALF):
-                say(f"  {name}: the layer did not land as sent; left out")
-                out["peers"][name] = "failed the byte check"
-                pair.close()
-                del pairs[name]
+        P.prepare_peers(pairs, plans, out, say)
+        await P.check_peers(pairs, lambda pair: pair.verify(keys, 2 * HALF), "the layer", out, {}, say)
         exts = [kv.KvCacheExtParam((i, i), (i, i), 2) for i in range(LAYERS)]
         sides = {}
         for name, side in ((KV, kvs), (KV_TCP, kvt)):
@@ -208,6 +190,7 @@ async def run_latency(args: argparse.Namespace) -> Report:
         configs = [KV, KV_TCP] + list(pairs)
         per = max(1, args.n // ROUNDS)
         say(f"measuring: {len(configs)} columns x {ROUNDS} rounds x {per} samples, interleaved", flush=True)
+
         async def round_of(name: str, r: int) -> list[float]:
             await samples(name, 200 if r == 0 else 20)          # warm-up
             return await samples(name, per)
@@ -217,11 +200,7 @@ async def run_latency(args: argparse.Namespace) -> Report:
             out["floor"] = await asyncio.to_thread(U.perftest, "ucp_put_lat", 2 * HALF, max(1000, per))
         except P.PeerError as e:
             out["floor"] = {"error": str(e)}
-        out["results"] = {n: summary(v) for n, v in lat.items()}
-        out["samples_us"] = {n: sorted(x * 1e6 for x in v) for n, v in lat.items()}
-        kvr = out["results"][KV]
-        out["kv_over"] = {n: {q: out["results"][n][q] / kvr[q] for q in ("p50_us", "p99_us", "p999_us")}
-                          for n in configs if n != KV}
+        latency_results(out, lat, KV)
         here, there = await kvs.stats()
         out["engine_stats"] = {"prefill": here, "decode": there}
         out["peer_env"] = {n: p.env for n, p in pairs.items()}
