@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
-from .layout import SEG1, submit_form
+from .layout import submit_form
 from .native import _native
 from .stats import Accounting
 from .status import LLMStatusCode as S, to_status
@@ -140,16 +140,14 @@ class Scheduler:
         kvengine/link.py, "mover lease"), 0 for none."""
         t = Transfer(self, what)
         t._lease = lease
-        words: tuple[int, ...] = ()
         if isinstance(segs, np.ndarray) and segs.ndim == 2:   # 2-D segments (kvengine/layout.py)
             segs, t._words = submit_form(segs)
-            words = () if t._words == SEG1 else (t._words,)
         opts = self._options
         if total <= opts.inline_threshold and link.transport not in ("tcp", "ucx"):
             # below a thread hand-off's cost: copy now, on this thread (local and shm only)
             t._link, t._notify = link, notify
             t._t_queued = t._t_started = perf_counter()   # latency: a fine clock (uvloop's ticks in ms)
-            st, done, nbytes = self._core.submit(next(self._jobs), segs, opts.inline_threshold, 0, lease, *words)
+            st, done, nbytes = self._core.submit(next(self._jobs), segs, opts.inline_threshold, 0, lease, t._words)
             assert done or st, "kv_core_submit copies a local job of at most inline_max bytes inline"
             t._finish(st, nbytes)
             return t
@@ -175,7 +173,7 @@ class Scheduler:
     def _hand_over(self, link: "Link", t: Transfer, segs: "Packed", n: int) -> bool:
         """Give the core one piece (``n`` bytes) of ``t``; False if it refused it (``t`` aborts)."""
         job = next(self._jobs)
-        st, _, _ = self._core.submit(job, segs, 0, t._rank, t._lease, *(() if t._words == SEG1 else (t._words,)))
+        st, _, _ = self._core.submit(job, segs, 0, t._rank, t._lease, t._words)
         if not t._t_started:
             t._t_started = perf_counter()
         if st:
