@@ -880,6 +880,32 @@ start:
     return 1;
 }
 
+/* One non-blocking sendmsg of `cnt` iovecs on `k` (EINTR retried). Returns the
+ * bytes sent (progress noted), or -1 when nothing can go now: the socket is full
+ * (EPOLLOUT armed), or the connection failed (fail_conn; its signal or-ed into *sig). */
+static ssize_t conn_write(kv_net *n, kv_conn *k, struct iovec *iov, size_t cnt, int *sig) {
+    struct msghdr m;
+    memset(&m, 0, sizeof m);
+    m.msg_iov = iov;
+    m.msg_iovlen = cnt;
+    ssize_t r;
+    do
+        r = sendmsg(k->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (r < 0 && errno == EINTR);
+    if (r >= 0) {
+        k->tx_progress_ns = n->round_ns;
+        return r;
+    }
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        arm_output(n, k, 1);
+    } else {
+        pthread_mutex_lock(&n->core->lock);
+        *sig |= fail_conn(n, k, 0);
+        pthread_mutex_unlock(&n->core->lock);
+    }
+    return -1;
+}
+
 /* Write queued payload-less control frames (CREDIT, ACK, ABORT, ...) in one
  * sendmsg, when no frame is half-sent on this connection. A frame cut short
  * becomes the connection's current frame. Returns 1 if the loop must be
@@ -898,25 +924,10 @@ static int send_ctrl(kv_net *n, kv_conn *k) {
     }
     if (cnt == 0)
         return 0;
-    struct msghdr m;
-    memset(&m, 0, sizeof m);
-    m.msg_iov = iov;
-    m.msg_iovlen = (size_t)cnt;
-    ssize_t r;
-    do
-        r = sendmsg(k->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-    while (r < 0 && errno == EINTR);
-    if (r < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            arm_output(n, k, 1);
-            return 0;
-        }
-        pthread_mutex_lock(&n->core->lock);
-        int sig = fail_conn(n, k, 0);
-        pthread_mutex_unlock(&n->core->lock);
+    int sig = 0;
+    ssize_t r = conn_write(n, k, iov, (size_t)cnt, &sig);
+    if (r < 0)
         return sig;
-    }
-    k->tx_progress_ns = n->round_ns;
     size_t whole = (size_t)r / sizeof(kv_frame), part = (size_t)r % sizeof(kv_frame);
     k->ctrl_head = (k->ctrl_head + whole) % k->ctrl_capacity;
     k->ctrl_count -= whole;
@@ -949,24 +960,10 @@ static int conn_send(kv_net *n, kv_conn *k) {
             }
         }
         if (k->out_vn) { /* DATAV: header, list and payload runs, gathered */
-            struct msghdr m;
-            memset(&m, 0, sizeof m);
-            m.msg_iov = k->out_vec + k->out_vi;
-            m.msg_iovlen = k->out_vn - k->out_vi < KV_SEND_IOV ? k->out_vn - k->out_vi : KV_SEND_IOV;
-            ssize_t r = sendmsg(k->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-            if (r < 0) {
-                if (errno == EINTR)
-                    continue;
-                if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                    arm_output(n, k, 1);
-                    return sig;
-                }
-                pthread_mutex_lock(&c->lock);
-                sig |= fail_conn(n, k, 0);
-                pthread_mutex_unlock(&c->lock);
+            size_t left = k->out_vn - k->out_vi;
+            ssize_t r = conn_write(n, k, k->out_vec + k->out_vi, left < KV_SEND_IOV ? left : KV_SEND_IOV, &sig);
+            if (r < 0)
                 return sig;
-            }
-            k->tx_progress_ns = n->round_ns;
             uint64_t got = (uint64_t)r, head = got < k->out_vhead ? got : k->out_vhead;
             k->out_vhead -= head;
             n->sent += got - head;
@@ -997,24 +994,9 @@ static int conn_send(kv_net *n, kv_conn *k) {
             iov[cnt].iov_base = (void *)(uintptr_t)(k->out_payload + k->out_payload_sent);
             iov[cnt++].iov_len = (size_t)(k->out_payload_len - k->out_payload_sent);
         }
-        struct msghdr m;
-        memset(&m, 0, sizeof m);
-        m.msg_iov = iov;
-        m.msg_iovlen = (size_t)cnt;
-        ssize_t r = sendmsg(k->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                arm_output(n, k, 1);
-                return sig;
-            }
-            pthread_mutex_lock(&c->lock);
-            sig |= fail_conn(n, k, 0);
-            pthread_mutex_unlock(&c->lock);
+        ssize_t r = conn_write(n, k, iov, (size_t)cnt, &sig);
+        if (r < 0)
             return sig;
-        }
-        k->tx_progress_ns = n->round_ns;
         uint64_t got = (uint64_t)r;
         uint64_t h = sizeof k->out - k->out_header_sent;
         if (got < h) {
