@@ -194,7 +194,7 @@ struct ucx_link {
     uint32_t id;
     int dead;
     int closing;          /* 1: close request outstanding, 2: closed (ep gone) */
-    int peer_errors;      /* UCP_ERR_HANDLING_MODE_PEER (else NONE; closed with force either way) */
+    int peer_errors;      /* UCP_ERR_HANDLING_MODE_PEER (a forced close is allowed) */
     ucp_ep_h ep;
     uint8_t rx_token[KV_UCX_TOKEN]; /* what the peer's headers must carry */
     uint8_t tx_token[KV_UCX_TOKEN]; /* what ours carry */
@@ -779,12 +779,13 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
         sig |= job_maybe_done(u, j);
     }
     if (l->ep) {
-        /* forced also without UCX's error handling (#28): a flush would wait forever
-         * for a dead peer, and with it every request of the endpoint; a live peer
-         * sees what it sees when we crash */
+        /* forced where the endpoint has UCX's error handling: UCX 1.22 refuses a forced
+         * close without it (UCS_ERR_INVALID_PARAM, the endpoint left open), and its
+         * flush then waits for a dead peer for good; the receives were abandoned above,
+         * so all that stays is UCX's requests and their staging (docs/decisions.md #29) */
         ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                                                  UCP_OP_ATTR_FIELD_USER_DATA,
-                                 .flags = UCP_EP_CLOSE_FLAG_FORCE,
+                                 .flags = l->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0,
                                  .cb.send = close_done, .user_data = l};
         ucs_status_ptr_t r = ucp_ep_close_nbx(l->ep, &p);
         l->ep = NULL;
