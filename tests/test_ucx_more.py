@@ -171,7 +171,7 @@ async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypa
         t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=DEADLINE)
         end = time.monotonic() + 5     # spin (no await: the I/O threads move the bytes) until some landed
         while np.array_equal(netbed.read_remote(peer.pid, addrs[:1], 1 << 20)[0], before):
-            assert time.monotonic() < end, "nothing landed within 5 s"
+            assert time.monotonic() < end, f"nothing landed within 5 s: {t.done() and t.status!r} {p.stats()}"
             time.sleep(0.0002)
         os.kill(peer.pid, signal.SIGSTOP)
         assert not t.done(), f"the push finished before its peer was stopped: {t.status!r}"
