@@ -158,7 +158,9 @@ async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypa
                           opts(**HB, chunk_bytes=chunk, tcp_window_bytes=window)).start()
     loop = asyncio.get_running_loop()
     try:
+        # filled before the link: 256 MiB take long enough on a busy machine for a heartbeat to be missed
         dst = (await peer.call("alloc", n=2, shape=[1, 128 << 20], dtype="uint8", fill=7))["cache_id"]
+        src = filled(p, row, seed=8)
         st, per = await p.link_clusters([kv.ClusterInfo(2, peer.address)])
         assert st == S.LLM_SUCCESS, per
         await p.wait_remote_cache(2, dst, timeout=5)
@@ -166,12 +168,13 @@ async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypa
         addrs, size = info["addrs"], info["size"]
         initial = netbed.read_remote(peer.pid, addrs, size)
         before = initial[0][: 1 << 20]
-        src = filled(p, row, seed=8)
         t0 = loop.time()
         t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=DEADLINE)
         end = time.monotonic() + 5     # spin (no await: the I/O threads move the bytes) until some landed
         while np.array_equal(netbed.read_remote(peer.pid, addrs[:1], 1 << 20)[0], before):
-            assert time.monotonic() < end, f"nothing landed within 5 s: {t.done() and t.status!r} {p.stats()}"
+            if time.monotonic() > end:
+                pytest.fail(f"nothing landed within 5 s: {t.done() and t.status!r}, the peer's stats "
+                            f"{await _peer_stats(peer)}")
             time.sleep(0.0002)
         os.kill(peer.pid, signal.SIGSTOP)
         assert not t.done(), f"the push finished before its peer was stopped: {t.status!r}"
@@ -225,10 +228,10 @@ async def test_killed_pusher_without_peer_errors_leaves_nothing_pending(monkeypa
     try:
         dst = d.allocate_cache(kv.CacheDesc(2, (1, 128 << 20), np.uint8))
         dst2 = d.allocate_cache(kv.CacheDesc(2, (1, 4 << 20), np.uint8))
-        for peer in (killed, other):
-            assert (await peer.call("link", cluster_id=2, address=d.address))["status"] == 0
         src = (await killed.call("alloc", n=2, shape=[1, 128 << 20], dtype="uint8", fill=5))["cache_id"]
         src2 = (await other.call("alloc", n=2, shape=[1, 4 << 20], dtype="uint8", fill=6))["cache_id"]
+        for peer in (killed, other):   # linked after the 256 MiB fill (a busy loop misses heartbeats)
+            assert (await peer.call("link", cluster_id=2, address=d.address))["status"] == 0
         await killed.call("push_start", cache_id=src, cluster_id=2, dst_cache_id=dst.cache_id, deadline=30)
         end = time.monotonic() + 10    # spin (no await: native threads move the bytes) until a receive is on
         while not (d.stats()["native"]["ucx_rx_pending"] and dst.tensors[0].any()):

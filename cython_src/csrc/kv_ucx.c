@@ -208,6 +208,7 @@ struct ucx_link {
     uint64_t lease_seq;                 /* our last LEASE_REQ */
     uint64_t lease_asked[8];            /* when we sent LEASE_REQ seq (by seq % 8) */
     uint64_t lease_seen;                /* the highest seq granted */
+    int peer_leased;                    /* the peer said (in a LEASE_REQ) that it holds a grant of ours */
     kv_job *send_head, *send_tail; /* jobs with chunks left to post, by rank */
     ucx_job *active;      /* jobs taken off the inbox and not complete */
     ucx_pull *pulls;      /* our pull requests outstanding */
@@ -1235,6 +1236,8 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
     }
     case KV_UCX_LEASE_REQ: /* the peer asks us for a lease: granted now, by our clock */
         l->last_grant = now_ns();
+        if (h.offset) /* the highest of our grants it has received: it will take our pushes */
+            l->peer_leased = 1;
         c->stats.ucx_lease_grants++;
         send_ctl(l, KV_UCX_LEASE, 0, 0, 0, 0, h.tag);
         break;
@@ -1244,6 +1247,8 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
             break;
         }
         if (h.tag > l->lease_seen) {
+            if (!l->lease_seen)
+                l->next_lease_req = 0; /* tell the peer at once (the next round's LEASE_REQ) */
             l->lease_seen = h.tag;
             l->lease_until = l->lease_asked[h.tag % 8] + l->lease_ns;
         }
@@ -1443,8 +1448,9 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
             u->aborts = 1;
             continue;
         }
-        if (!j->is_pull && !l->last_grant)
-            break; /* the peer has no lease of ours yet: it would drop the data (its first request comes at once) */
+        if (!j->is_pull && !l->peer_leased)
+            break; /* the peer holds no lease of ours yet: it would drop the data. A grant is not
+                      enough: UCX may deliver our first PUSH before the LEASE (another lane) */
         size_t si = j->job.claim_segment;
         const kv_segment *s = &j->job.segments[si];
         uint64_t off = j->job.claim_offset, n = s->len - off;
@@ -1585,7 +1591,7 @@ static int timers(kv_ucx *u, uint64_t now) {
             l->next_lease_req = now + l->lease_ns / 4;
             l->lease_seq++;
             l->lease_asked[l->lease_seq % 8] = now;
-            send_ctl(l, KV_UCX_LEASE_REQ, 0, 0, 0, 0, l->lease_seq);
+            send_ctl(l, KV_UCX_LEASE_REQ, 0, 0, l->lease_seen, 0, l->lease_seq); /* offset: our last grant */
         }
         for (ucx_job *j = l->active; j; j = j->next)
             if (j->job.state == KV_JS_ABORTING && j->due && j->due <= now) {
