@@ -324,6 +324,9 @@ def add_common_args(ap: argparse.ArgumentParser, what: str) -> None:
                     help="shm: same host (memfd mapped by the peer); tcp: forced TCP on loopback; ucx: "
                          "transport='ucx' beside kvengine tcp, NIXL, UCXX, ucx_perftest (bench/ucxbench.py)")
     ap.add_argument("--ucx-tls", default="tcp", help="ucx: UCX_TLS, tcp, sm (sm,self), cma (cma,tcp,self) or as written")
+    ap.add_argument("--memory", choices=["numpy", "engine", "both"], default="numpy",
+                    help="ucx: kvengine's caches: numpy (register_kv_cache of numpy arrays, as a serving framework "
+                         "registers its tensors), engine (allocate_cache: memfd shared memory), both (two columns)")
     ap.add_argument("--quick", action="store_true", help="fewer sizes, repetitions and samples")
     ap.add_argument("--json", default=None, metavar="PATH", help="where to write the JSON (default PREFIX.json)")
     ap.add_argument("--out", default=None, metavar="PREFIX",
