@@ -96,6 +96,14 @@ def test_bench_ucx_throughput_and_latency_beside_kvengine_tcp_and_the_floor(tmp_
     check_png(prefix, out)
 
 
+def test_bench_memory_is_an_option_of_the_ucx_runs_only():
+    """--memory picks the memory of kvengine's caches in the ucx runs; elsewhere the
+    command refuses it rather than ignore it."""
+    r = subprocess.run([sys.executable, "-m", "kvengine", "bench", "throughput", "--transport", "shm",
+                        "--memory", "numpy"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--memory: with --transport ucx only" in r.stderr
+
+
 def test_bench_soak_samples_at_rest_and_says_flat(tmp_path):
     """A short soak (4 cycles of 1 s): the rest samples, the verdict, the notification
     accounting (each successful notified push received and consumed once)."""

@@ -64,7 +64,7 @@ def memories(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
     """(column, memory, over tcp) of the kvengine columns: ``--memory`` numpy (the default: what
     a serving framework does, register_kv_cache of its own tensors), engine (allocate_cache), both
     (the ucx column once more on engine memory)."""
-    mem = getattr(args, "memory", "numpy")
+    mem = getattr(args, "memory", None) or "numpy"
     first = "engine" if mem == "engine" else "numpy"
     cols = [(KV, first, False), (KV_TCP, first, True)]
     return cols + ([(KV_ENGINE_MEM, "engine", False)] if mem == "both" else [])
@@ -92,7 +92,7 @@ async def run_throughput(args: argparse.Namespace) -> Report:
     sizes = args.sizes
     say = print
     out: Report = {"transport": "ucx", "ucx_tls": tls, "sizes": [], "loop": args.loop_name,
-                   "memory": getattr(args, "memory", "numpy")}
+                   "memory": getattr(args, "memory", None) or "numpy"}
     t_setup = time.perf_counter()
     say(f"setup: UCX_TLS={tls}; decode engines in child processes (ucx, tcp), NIXL, UCXX ...", flush=True)
     kvs, kvt = KvSide("ucx", args.movers), KvSide("tcp", args.movers)
@@ -172,7 +172,7 @@ async def run_latency(args: argparse.Namespace) -> Report:
     tls = set_tls(args)
     say = print
     out: Report = {"transport": "ucx", "ucx_tls": tls, "layer_bytes": 2 * HALF, "layers": LAYERS,
-                   "loop": args.loop_name, "memory": getattr(args, "memory", "numpy")}
+                   "loop": args.loop_name, "memory": getattr(args, "memory", None) or "numpy"}
     t_setup = time.perf_counter()
     say(f"setup: UCX_TLS={tls}; decode engines in child processes (ucx, tcp), NIXL, UCXX ...", flush=True)
     kvs, kvt = KvSide("ucx", args.movers), KvSide("tcp", args.movers)
