@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import numpy as np
 import pytest
@@ -15,13 +14,8 @@ from kvengine.compat.llm_datadist import (CacheDesc, CacheKey, DataType, LLMConf
                                           LLMRole, LLMStatusCode as S, Placement)
 
 import llm_datadist_programs as prog
+from ports import listen_port
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((prog.IP, 0))
-        return int(s.getsockname()[1])
 
 
 def two(program: str, arg) -> dict:
@@ -56,7 +50,7 @@ def expected(seed_base, n, shape):
 
 
 def test_push_cache_by_id_and_index():
-    out = two("push_cache", free_port())
+    out = two("push_cache", listen_port(prog.IP))
     got, sent = out["p"], out["d"]
     for t in range(4):
         assert np.array_equal(got[t][0], sent[t][0])           # whole row 0 -> row 0
@@ -67,7 +61,7 @@ def test_push_cache_by_id_and_index():
 
 
 def test_pull_cache_by_request_key():
-    out = two("pull_cache_by_key", free_port())
+    out = two("pull_cache_by_key", listen_port(prog.IP))
     src, dst = out["p"], out["d"]
     for s, d in zip(src, dst):
         assert np.array_equal(d[0], s[2]) and np.array_equal(d[3], s[0])
@@ -76,7 +70,7 @@ def test_pull_cache_by_request_key():
 
 
 def test_push_blocks_pull_blocks_and_swap_blocks():
-    out = two("blocks", free_port())
+    out = two("blocks", listen_port(prog.IP))
     src = out["p"]
     got, swapped = out["d"]
     for t in range(4):
@@ -92,7 +86,7 @@ def test_push_blocks_pull_blocks_and_swap_blocks():
 
 
 def test_transfer_cache_async_with_a_layer_synchronizer():
-    out = two("transfer_cache_async", free_port())
+    out = two("transfer_cache_async", listen_port(prog.IP))
     results, status, asked, sent = out["p"]
     assert results == [S.LLM_SUCCESS] and status == S.LLM_SUCCESS
     assert asked == [0, 1, 2, 3]
@@ -102,7 +96,7 @@ def test_transfer_cache_async_with_a_layer_synchronizer():
 
 
 def test_switch_role():
-    out = two("switch_role", (free_port(), free_port()))
+    out = two("switch_role", (listen_port(prog.IP), listen_port(prog.IP)))
     p_sent, p_first, p_second = out["p"]
     d_sent, d_first, d_second = out["d"]
     for t in range(2):
@@ -112,7 +106,7 @@ def test_switch_role():
 
 
 def test_unlink_force_on_both_ends():
-    out = two("unlink_force", free_port())
+    out = two("unlink_force", listen_port(prog.IP))
     p_ret, p_rets, p_arrays = out["p"]
     (d_ret, d_rets), after, relinked, d_arrays = out["d"]
     # a forced unlink drops one end; the other end notices the closed channel and drops itself,

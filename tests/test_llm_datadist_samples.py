@@ -7,22 +7,16 @@ received and fails otherwise."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import listen_port
 
 pytest.importorskip("torch")
 
 SAMPLES = Path(__file__).resolve().parent.parent / "examples" / "llm_datadist"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("sample, checks", [
@@ -31,7 +25,7 @@ def free_port() -> int:
     ("transfer_cache_async_sample.py", "every layer holds what the prompt computed"),
 ])
 def test_llm_datadist_sample_runs_as_two_processes(sample, checks):
-    env = dict(os.environ, MASTER_PORT=str(free_port()), SAMPLE_PORT=str(free_port()))
+    env = dict(os.environ, MASTER_PORT=str(listen_port()), SAMPLE_PORT=str(listen_port()))
     procs = [subprocess.Popen([sys.executable, str(SAMPLES / sample), "--role", role], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for role in ("p", "d")]

@@ -106,6 +106,8 @@ def run_prompt_sample(datadist, local_host_ip, remote_host_ip):
     ret, _ = datadist.unlink_clusters([cluster], 5000)
     if ret != LLMStatusCode.LLM_SUCCESS:
         raise Exception("unlink failed")
+    dist.barrier()  # unlink end (kvengine: the decoder waits for it: had it finalized first, its close
+    #                 would have taken the link down, and this unlink would find none: LLM_NOT_YET_LINK)
     cache_manager.unregister_cache(cache.cache_id)
     datadist.finalize()
 
@@ -123,6 +125,7 @@ def run_decoder_sample(datadist):
         assert (tensors[2 * layer].cpu() == 10 * layer + 1).all() and (tensors[2 * layer + 1].cpu() == 10 * layer + 2).all()
     logging.info("every layer holds what the prompt computed")
     dist.barrier()  # checked
+    dist.barrier()  # unlink end
     cache_manager.unregister_cache(cache.cache_id)
     datadist.finalize()
 
