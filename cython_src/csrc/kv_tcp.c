@@ -246,6 +246,7 @@ typedef struct kv_net {
     uint64_t accept_resume;
     int stopped;             /* stop acted on: links failed, waiting for the fenced pushes */
     /* under c->lock */
+    int sleeping;            /* the I/O thread is (about to be) blocked in epoll_wait: wake_io_thread writes */
     int listen_fd;
     kv_command *commands_head, *commands_tail;
     kv_tcp_job *inbox_head, *inbox_tail; /* INBOX jobs, in submission order */
@@ -270,7 +271,13 @@ static uint64_t now_ns(void) {
 
 static uint64_t add_saturating(uint64_t a, uint64_t b) { return a + b < a ? UINT64_MAX : a + b; }
 
+/* Caller holds c->lock. A polling I/O thread takes the lock every round and sees
+ * the new work then, so only a sleeping one is woken (a write and a read saved
+ * per submit while it polls). */
 static void wake_io_thread(kv_net *n) {
+    if (!n->sleeping)
+        return;
+    n->sleeping = 0;
     uint64_t one = 1;
     ssize_t r;
     do
@@ -1872,6 +1879,14 @@ static void *io_main(void *arg) {
         int tmo = 0;
         if (!spin)
             tmo = next_due <= t0 ? 0 : (int)((next_due - t0 + 999999) / 1000000);
+        if (tmo) { /* about to block: from here on a submit, command or abort writes wake_fd */
+            pthread_mutex_lock(&c->lock);
+            if (n->commands_head || n->inbox_head || n->abort_head || (n->stop_requested && !n->stopped))
+                tmo = 0;
+            else
+                n->sleeping = 1;
+            pthread_mutex_unlock(&c->lock);
+        }
         int ne = epoll_wait(n->epoll_fd, evs, 64, tmo);
         if (ne < 0)
             ne = 0;
@@ -1882,6 +1897,9 @@ static void *io_main(void *arg) {
             sched_yield();
         int sig = 0;
         pthread_mutex_lock(&c->lock);
+        n->sleeping = 0;
+        if (n->commands_head || n->inbox_head || n->abort_head) /* new work is activity: keep polling */
+            last_busy = n->round_ns;
         kv_command *cmds = n->commands_head;
         n->commands_head = n->commands_tail = NULL;
         int stop = n->stop_requested, lfd = n->listen_fd;
