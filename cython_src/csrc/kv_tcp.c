@@ -48,6 +48,10 @@ typedef struct {
     uint64_t offset, len; /* in the frame's region */
 } kv_piece;
 #define KV_SEND_IOV 1024 /* iovecs one sendmsg takes at most (IOV_MAX) */
+#ifndef KV_SEND_MAX
+#define KV_SEND_MAX (256u << 10)        /* a push of at most KV_SEND_SMALL: payload bytes per sendmsg */
+#endif
+#define KV_SEND_SMALL (4ull << 20)      /* (docs/tuning.md, "sendmsg size") */
 #define KV_RECV_IOV 64   /* pieces one readv scatters into at most */
 
 #define KV_MAX_FRAME (64ull << 20)   /* payload bytes of one frame */
@@ -953,6 +957,14 @@ static int send_ctrl(kv_net *n, kv_conn *k) {
     return 0;
 }
 
+/* Payload bytes one sendmsg of k's current frame may take: a push of at most
+ * KV_SEND_SMALL goes out in KV_SEND_MAX pieces, so the receiver copies the
+ * first while the sender copies the next (docs/tuning.md, "sendmsg size");
+ * larger pushes and pull answers whole. */
+static uint64_t send_max(const kv_conn *k) {
+    return (k->out.type == F_DATA || k->out.type == F_DATAV) && k->out.total <= KV_SEND_SMALL ? KV_SEND_MAX : UINT64_MAX;
+}
+
 static int conn_send(kv_net *n, kv_conn *k) {
     kv_core *c = n->core;
     int sig = send_ctrl(n, k);
@@ -967,8 +979,21 @@ static int conn_send(kv_net *n, kv_conn *k) {
             }
         }
         if (k->out_vn) { /* DATAV: header, list and payload runs, gathered */
-            size_t left = k->out_vn - k->out_vi;
-            ssize_t r = conn_write(n, k, k->out_vec + k->out_vi, left < KV_SEND_IOV ? left : KV_SEND_IOV, &sig);
+            /* at most KV_SEND_IOV iovecs and send_max() payload bytes: the last
+             * iovec taken is shortened for this call and restored after it */
+            size_t left = k->out_vn - k->out_vi, cnt = 0, cut_len = 0;
+            uint64_t bytes = 0, most = send_max(k);
+            most = most > UINT64_MAX - k->out_vhead ? UINT64_MAX : most + k->out_vhead;
+            struct iovec *v0 = k->out_vec + k->out_vi;
+            while (cnt < left && cnt < KV_SEND_IOV && bytes < most)
+                bytes += v0[cnt++].iov_len;
+            if (bytes > most) {
+                cut_len = v0[cnt - 1].iov_len;
+                v0[cnt - 1].iov_len -= (size_t)(bytes - most);
+            }
+            ssize_t r = conn_write(n, k, v0, cnt, &sig);
+            if (cut_len)
+                v0[cnt - 1].iov_len = cut_len;
             if (r < 0)
                 return sig;
             uint64_t got = (uint64_t)r, head = got < k->out_vhead ? got : k->out_vhead;
@@ -998,8 +1023,9 @@ static int conn_send(kv_net *n, kv_conn *k) {
             iov[cnt++].iov_len = sizeof k->out - k->out_header_sent;
         }
         if (k->out_payload_sent < k->out_payload_len) {
+            uint64_t rest = k->out_payload_len - k->out_payload_sent, most = send_max(k);
             iov[cnt].iov_base = (void *)(uintptr_t)(k->out_payload + k->out_payload_sent);
-            iov[cnt++].iov_len = (size_t)(k->out_payload_len - k->out_payload_sent);
+            iov[cnt++].iov_len = (size_t)(rest < most ? rest : most);
         }
         ssize_t r = conn_write(n, k, iov, (size_t)cnt, &sig);
         if (r < 0)
