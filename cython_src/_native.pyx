@@ -293,7 +293,8 @@ cdef class Core:
             "tcp_stalled": s.tcp_stalled, "tcp_accept_paused": s.tcp_accept_paused,
             "ucx_bad_msgs": s.ucx_bad_msgs, "ucx_refused": s.ucx_refused, "ucx_dropped": s.ucx_dropped,
             "ucx_bytes_sent": s.ucx_bytes_sent, "ucx_bytes_received": s.ucx_bytes_received,
-            "ucx_lease_grants": s.ucx_lease_grants,
+            "ucx_lease_grants": s.ucx_lease_grants, "ucx_late_dropped": s.ucx_late_dropped,
+            "ucx_rx_pending": s.ucx_rx_pending, "ucx_rx_orphans": s.ucx_rx_orphans,
         }
 
 

@@ -155,7 +155,12 @@ class _Server:
             if op == "alloc":
                 cache = e.allocate_cache(desc, cache_keys=keys)
             else:
-                bufs = [np.zeros(desc.shape, dtype=desc.dtype.numpy_dtype) for _ in range(desc.num_tensors)]
+                if m.get("one_buffer"):   # one array sliced into the tensors (numpy's huge pages where THP allows)
+                    n = int(np.prod(desc.shape))
+                    flat = np.zeros(n * desc.num_tensors, desc.dtype.numpy_dtype)
+                    bufs = [flat[i * n:(i + 1) * n].reshape(desc.shape) for i in range(desc.num_tensors)]
+                else:
+                    bufs = [np.zeros(desc.shape, dtype=desc.dtype.numpy_dtype) for _ in range(desc.num_tensors)]
                 if m.get("layout") == "flashinfer":   # (blocks, 2, ...) per layer: K, V interleaved
                     bufs = kv.layout.kv_tensors([np.zeros((desc.shape[0], 2, *desc.shape[1:]), desc.dtype.numpy_dtype)
                                                  for _ in range(desc.num_tensors // 2)], "flashinfer")

@@ -304,16 +304,16 @@ class SyncKvEngine:
         return self._submit(lambda: e.submit_pull_kv_cache(src_index, cache, batch_index, size, ext_param,
                                                            timeout, priority))
 
-    def submit_push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: Sequence[int],
-                              dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
+    def submit_push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: BlockTable,
+                              dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
                               timeout: float | None = None, priority: int = 0,
                               notify: bytes | None = None) -> TransferFuture:
         e = self.engine
         return self._submit(lambda: e.submit_push_kv_blocks(cache, dst_key, src_blocks, dst_blocks, ext_param,
                                                             timeout, priority, notify))
 
-    def submit_pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: Sequence[int],
-                              dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
+    def submit_pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: BlockTable,
+                              dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
                               timeout: float | None = None, priority: int = 0) -> TransferFuture:
         e = self.engine
         return self._submit(lambda: e.submit_pull_kv_blocks(src_key, cache, src_blocks, dst_blocks, ext_param,
@@ -333,15 +333,15 @@ class SyncKvEngine:
         return self._wait(self.submit_pull_kv_cache(src_index, cache, batch_index, size, ext_param,
                                                     timeout, priority))
 
-    def push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: Sequence[int],
-                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
+    def push_kv_blocks(self, cache: Cache, dst_key: BlocksCacheKey, src_blocks: BlockTable,
+                       dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
                        timeout: float | None = None, priority: int = 0,
                        notify: bytes | None = None) -> S:
         return self._wait(self.submit_push_kv_blocks(cache, dst_key, src_blocks, dst_blocks, ext_param,
                                                      timeout, priority, notify))
 
-    def pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: Sequence[int],
-                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None,
+    def pull_kv_blocks(self, src_key: BlocksCacheKey, cache: Cache, src_blocks: BlockTable,
+                       dst_blocks: BlockTable, ext_param: KvCacheExtParam | None = None,
                        timeout: float | None = None, priority: int = 0) -> S:
         return self._wait(self.submit_pull_kv_blocks(src_key, cache, src_blocks, dst_blocks, ext_param,
                                                      timeout, priority))

@@ -70,17 +70,18 @@ def _ucx_built() -> bool:
 def test_bench_ucx_throughput_and_latency_beside_kvengine_tcp_and_the_floor(tmp_path):
     """--transport ucx: kvengine over UCX and over tcp in the same run (both byte-checked),
     ucx_perftest as the floor when the libucx wheel ships it, the peers named even when
-    not run; latency prints the floor and the goal line."""
+    not run; latency prints the floor and the goal line. --memory both: kvengine-ucx also on
+    allocate_cache's memory (its own column, byte-checked); the default is numpy arrays."""
     from kvengine.bench.ucxpeers import perftest_binary
     floor = perftest_binary()[0] is not None
     prefix = tmp_path / "tp-ucx"
     out = bench("throughput", "--transport", "ucx", "--ucx-tls", "tcp", "--quick", "--sizes", "2x32K,4x256K",
-                "--reps", "2", "--peers", "none", "--out", str(prefix))
+                "--reps", "2", "--peers", "none", "--memory", "both", "--out", str(prefix))
     assert "UCX_TLS=tcp" in out and "x kvengine tcp" in out and "UCXX" in out
     r = json.loads((tmp_path / "tp-ucx.json").read_text())
-    assert r["transport"] == "ucx" and r["ucx_tls"] == "tcp"
-    assert r["verify"]["kvengine"] == r["verify"]["kvengine tcp"] == [True, True]
-    want = ["kvengine tcp"] + (["ucx_perftest"] if floor else [])
+    assert r["transport"] == "ucx" and r["ucx_tls"] == "tcp" and r["memory"] == "both"
+    assert r["verify"]["kvengine"] == r["verify"]["kvengine tcp"] == r["verify"]["kvengine engine-mem"] == [True, True]
+    want = ["kvengine tcp", "kvengine engine-mem"] + (["ucx_perftest"] if floor else [])
     for s in r["sizes"]:
         assert sorted(s["kv_over"]) == sorted(want) and all(v > 0 for v in s["kv_over"].values())
     check_png(prefix, out)
@@ -90,8 +91,17 @@ def test_bench_ucx_throughput_and_latency_beside_kvengine_tcp_and_the_floor(tmp_
     assert "floor: ucx_perftest" in out and "goal: kvengine" in out
     r = json.loads((tmp_path / "lat-ucx.json").read_text())
     assert r["results"]["kvengine"]["n"] == 300 and set(r["kv_over"]) == {"kvengine tcp"}
+    assert r["memory"] == "numpy"
     assert ("p50_us" in r["floor"]) == floor
     check_png(prefix, out)
+
+
+def test_bench_memory_is_an_option_of_the_ucx_runs_only():
+    """--memory picks the memory of kvengine's caches in the ucx runs; elsewhere the
+    command refuses it rather than ignore it."""
+    r = subprocess.run([sys.executable, "-m", "kvengine", "bench", "throughput", "--transport", "shm",
+                        "--memory", "numpy"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--memory: with --transport ucx only" in r.stderr
 
 
 def test_bench_soak_samples_at_rest_and_says_flat(tmp_path):

@@ -296,13 +296,27 @@ static int process_gone(int pidfd) {
  * reads later, not this thread, so writing around the cache leaves it to the
  * source's reads. On this VM's EPYC: contiguous 256 MiB pushes about 1.3x
  * faster, paged (random 32 KiB blocks) about 1.05x (docs/benchmarks.md, issue
- * 12). Runs below KV_STREAM_MIN_RUN and jobs below KV_STREAM_MIN_JOB (and
- * inline copies) use memmove, as do overlapping runs. Build with
+ * 12). Runs below KV_STREAM_MIN_RUN (unless they are whole, aligned cache lines
+ * of at least KV_STREAM_MIN_LINES) and jobs below KV_STREAM_MIN_JOB (and inline
+ * copies) use memmove, as do overlapping runs. Build with
  * -DKV_STREAM_MIN_JOB=UINT64_MAX to turn it off. */
 #ifndef KV_STREAM_MIN_JOB
 #define KV_STREAM_MIN_JOB (8ull << 20)
 #endif
 #define KV_STREAM_MIN_RUN 4096u
+#define KV_STREAM_MIN_LINES 256u /* a run of whole, aligned cache lines from this size on */
+/* Streamed copies read this far ahead in software, across the end of a run
+ * into the next one (the next row, or the next segment): a paged job's runs
+ * start at scattered blocks, where the hardware prefetcher would learn each
+ * block's stream anew and the first misses of every block wait in full. */
+#define KV_PREFETCH_AHEAD 4096u
+
+/* Stream this run? Long runs always; shorter ones (a head range's rows, 1 KiB
+ * for 4 of 8 heads of 128 fp16) when they are whole cache lines, so no line is
+ * written partly around the cache (that would cost a read of the line). */
+static inline int stream_run(uint64_t dst, uint64_t t) {
+    return t >= KV_STREAM_MIN_RUN || (t >= KV_STREAM_MIN_LINES && ((dst | t) & 63) == 0);
+}
 
 #ifdef KV_HAVE_STREAM
 static pthread_once_t g_stream_once = PTHREAD_ONCE_INIT;
@@ -318,51 +332,90 @@ static int stream_available(void) {
     return g_stream_ok;
 }
 
+/* 128 bytes from s to d, d 32-byte aligned, around the cache. */
+__attribute__((target("avx2"))) static inline void stream_128(uint8_t *d, const uint8_t *s) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)s);
+    __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(s + 32));
+    __m256i c = _mm256_loadu_si256((const __m256i *)(const void *)(s + 64));
+    __m256i e = _mm256_loadu_si256((const __m256i *)(const void *)(s + 96));
+    _mm256_stream_si256((__m256i *)(void *)d, a);
+    _mm256_stream_si256((__m256i *)(void *)(d + 32), b);
+    _mm256_stream_si256((__m256i *)(void *)(d + 64), c);
+    _mm256_stream_si256((__m256i *)(void *)(d + 96), e);
+}
+
 /* n bytes from s to d with 32-byte aligned streaming stores (the ragged ends
- * with memcpy). The caller fences (sfence) before anyone is told. */
-__attribute__((target("avx2"))) static void copy_stream(uint8_t *d, const uint8_t *s, size_t n) {
+ * with memcpy), reading KV_PREFETCH_AHEAD bytes ahead: in this run, then in
+ * the next run (`next_len` bytes at `next`; 0 for none). A prefetch never faults. The caller
+ * fences (sfence) before anyone is told. */
+__attribute__((target("avx2"))) static void copy_stream(uint8_t *d, const uint8_t *s, size_t n, const uint8_t *next, size_t next_len) {
     size_t head = (32 - ((uintptr_t)d & 31)) & 31;
-    if (head > n)
-        head = n;
-    memcpy(d, s, head);
-    d += head;
-    s += head;
-    n -= head;
+    if (head) {
+        if (head > n)
+            head = n;
+        memcpy(d, s, head);
+        d += head;
+        s += head;
+        n -= head;
+    }
+    for (; n >= 128 + KV_PREFETCH_AHEAD; d += 128, s += 128, n -= 128) {
+        _mm_prefetch((const char *)s + KV_PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)s + KV_PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        stream_128(d, s);
+    }
     for (; n >= 128; d += 128, s += 128, n -= 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)s);
-        __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(s + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(const void *)(s + 64));
-        __m256i e = _mm256_loadu_si256((const __m256i *)(const void *)(s + 96));
-        _mm256_stream_si256((__m256i *)(void *)d, a);
-        _mm256_stream_si256((__m256i *)(void *)(d + 32), b);
-        _mm256_stream_si256((__m256i *)(void *)(d + 64), c);
-        _mm256_stream_si256((__m256i *)(void *)(d + 96), e);
+        /* the ahead point: still in this run, or (near its end) in the next
+         * (not past the next run's end: a short row's neighbour is not read) */
+        const char *p = n > KV_PREFETCH_AHEAD ? (const char *)s + KV_PREFETCH_AHEAD
+                        : KV_PREFETCH_AHEAD - n < next_len ? (const char *)next + (KV_PREFETCH_AHEAD - n) : NULL;
+        if (p) {
+            _mm_prefetch(p, _MM_HINT_T0);
+            _mm_prefetch(p + 64, _MM_HINT_T0);
+        }
+        stream_128(d, s);
     }
     for (; n >= 32; d += 32, s += 32, n -= 32)
         _mm256_stream_si256((__m256i *)(void *)d, _mm256_loadu_si256((const __m256i *)(const void *)s));
-    memcpy(d, s, n);
+    if (n)
+        memcpy(d, s, n);
 }
 
 static void stream_fence(void) { _mm_sfence(); }
 #else
 static int stream_available(void) { return 0; }
-static void copy_stream(uint8_t *d, const uint8_t *s, size_t n) { memcpy(d, s, n); }
+static void copy_stream(uint8_t *d, const uint8_t *s, size_t n, const uint8_t *next, size_t next_len) {
+    (void)next;
+    (void)next_len;
+    memcpy(d, s, n);
+}
 static void stream_fence(void) {}
 #endif
 
 /* Copy `n` bytes from byte `off` (row order) of segment `s`. `stream`: with
- * streaming stores where a run is long enough (the caller fences). No locks held. */
-static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int stream) {
+ * streaming stores where a run is long enough (the caller fences); `next`: the
+ * segment copied after this one (for the read-ahead), or NULL. No locks held. */
+static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int stream, const kv_segment *next) {
     uint64_t src, dst, t;
     if (s->src_kind == KV_REGION_LOCAL && s->dst_kind == KV_REGION_LOCAL) {
-        for (; n; off += t, n -= t) {
-            t = kv_seg_run(s, off, n, &src, &dst);
-            if (stream && t >= KV_STREAM_MIN_RUN && (dst >= src + t || src >= dst + t))
-                copy_stream((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, (size_t)t);
+        /* row by row from the run at `off` on (one division, not one per row:
+         * a head range's rows are 1 KiB) */
+        uint64_t next_src = next && next->src_kind == KV_REGION_LOCAL ? next->src : 0;
+        size_t next_len = next_src ? (size_t)next->len : 0;
+        t = kv_seg_run(s, off, n, &src, &dst);
+        for (;;) {
+            /* the next row's start (if this run ends its row and more is left) */
+            uint64_t nsrc = src + t + s->src_stride - s->len, ndst = dst + t + s->dst_stride - s->len;
+            if (stream && stream_run(dst, t) && (dst >= src + t || src >= dst + t))
+                copy_stream((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, (size_t)t,
+                            (const uint8_t *)(uintptr_t)(n > t ? nsrc : next_src), n > t ? (size_t)s->len : next_len);
             else /* regions may be one and the same */
                 memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)t);
+            if (!(n -= t))
+                return KV_LLM_SUCCESS;
+            src = nsrc;
+            dst = ndst;
+            t = n < s->len ? n : s->len;
         }
-        return KV_LLM_SUCCESS;
     }
     /* CMA: one call for up to KV_CMA_IOV rows (local and remote iovecs pair up) */
     struct iovec local[KV_CMA_IOV], remote[KV_CMA_IOV];
@@ -586,7 +639,7 @@ static void *mover_main(void *arg) {
             uint64_t take = kv_seg_bytes(&j->segments[i]) - off;
             if (take > n - done)
                 take = n - done;
-            st = copy_chunk(&j->segments[i], off, take, stream);
+            st = copy_chunk(&j->segments[i], off, take, stream, i + 1 < j->nsegments ? &j->segments[i + 1] : NULL);
             if (st != KV_LLM_SUCCESS)
                 break;
             done += take;
@@ -711,7 +764,7 @@ uint32_t kv_core_submit_ranked(kv_core *c, uint64_t job_id, const uint64_t *segs
 static uint32_t copy_inline(const kv_segment *segs, size_t nsegs, uint64_t *nbytes) {
     uint32_t st = KV_LLM_SUCCESS;
     for (size_t i = 0; i < nsegs && st == KV_LLM_SUCCESS; i++) {
-        st = copy_chunk(&segs[i], 0, kv_seg_bytes(&segs[i]), 0);
+        st = copy_chunk(&segs[i], 0, kv_seg_bytes(&segs[i]), 0, NULL);
         if (st == KV_LLM_SUCCESS)
             *nbytes += kv_seg_bytes(&segs[i]);
     }

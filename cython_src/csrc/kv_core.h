@@ -88,6 +88,10 @@ typedef struct {
     uint64_t ucx_bytes_sent;    /* UCX payload bytes */
     uint64_t ucx_bytes_received;
     uint64_t ucx_lease_grants;  /* UCX lease requests we granted (a peer may write our pushes) */
+    uint64_t ucx_late_dropped;  /* UCX push payloads (eager, or received into staging) not or not all
+                                   landed: our lease from the pusher ran out first (the link fails) */
+    uint64_t ucx_rx_pending;    /* now: UCX rendezvous receives of live links in progress or waiting */
+    uint64_t ucx_rx_orphans;    /* now: receives of failed links UCX has not ended (they land nothing) */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a

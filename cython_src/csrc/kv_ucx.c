@@ -118,6 +118,8 @@ uint32_t kv_ucx_test_send(kv_core *c, uint32_t link_id, const uint8_t *hdr, size
 #include <signal.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -132,9 +134,21 @@ uint32_t kv_ucx_test_send(kv_core *c, uint32_t link_id, const uint8_t *hdr, size
 #define UCX_RX_MAX 65536          /* push states a target keeps per link (live + tombstones) */
 #define UCX_TOMBSTONES 4096       /* aborted pushes remembered per link (oldest forgotten first) */
 #define UCX_RX_BUCKETS 64
+#define UCX_LAND_PIECE (1u << 20)        /* a push payload lands in pieces of this, the lease checked before each */
+#define UCX_STAGE_CACHE (32ull << 20)    /* staging buffers kept for reuse, per core */
+#define UCX_STAGE_NO_WINDOW (64ull << 20) /* a link's staging budget when it has no window */
 
 typedef struct ucx_link ucx_link;
 typedef struct ucx_op ucx_op;
+
+/* A staging buffer: a rendezvous payload is received here, not into place, and
+ * copied into place only under the lease (docs/decisions.md #29). */
+typedef struct ucx_stage {
+    void *buf;
+    size_t cap;
+    int fd;                 /* the memfd `buf` maps (landed with pread), or -1 (plain memory) */
+    struct ucx_stage *next; /* the core's free list */
+} ucx_stage;
 
 /* One of our exported regions, mapped once (ucp_mem_map) so that messages from
  * and into it are zero copy: its memh goes into the nbx params. */
@@ -194,6 +208,7 @@ struct ucx_link {
     uint64_t lease_seq;                 /* our last LEASE_REQ */
     uint64_t lease_asked[8];            /* when we sent LEASE_REQ seq (by seq % 8) */
     uint64_t lease_seen;                /* the highest seq granted */
+    int peer_leased;                    /* the peer said (in a LEASE_REQ) that it holds a grant of ours */
     kv_job *send_head, *send_tail; /* jobs with chunks left to post, by rank */
     ucx_job *active;      /* jobs taken off the inbox and not complete */
     ucx_pull *pulls;      /* our pull requests outstanding */
@@ -203,6 +218,9 @@ struct ucx_link {
     ucx_rx *tomb_head, *tomb_tail;
     int rx_ops;           /* receives into our memory in progress, and sends from it (PULL_DATA) */
     ucx_op *sends;        /* push sends not complete */
+    ucx_op *recvs;        /* rendezvous receives into staging in progress */
+    ucx_op *defer_head, *defer_tail; /* rendezvous messages waiting for staging (UCX keeps them) */
+    uint64_t staged;      /* bytes of staging the receives in progress use */
     kv_event *down_event;
     uint32_t down_status;
     struct ucx_link *next;
@@ -217,8 +235,13 @@ struct ucx_op {
     ucx_rx *rx;          /* push receive: the push's state */
     uint32_t region;     /* a region ref held for the request (0: none) */
     uint64_t len;
+    uint64_t dst;        /* receive: where the payload lands (checked by am_recv) */
+    ucx_stage *stage;    /* receive: where UCX writes it */
+    void *desc;          /* receive waiting for staging: UCX's descriptor of the message */
     kv_ucx_hdr hdr;      /* a send's header (valid until the send completes) */
-    struct ucx_op *lnext, *lprev; /* push sends: the link's list (job NULL once detached) */
+    struct ucx_op *lnext, *lprev; /* push sends: the link's list (job NULL once detached); receives:
+                                   * the link's list, or the core's orphans once abandoned (link NULL);
+                                   * receives waiting for staging: the link's FIFO (lnext) */
 };
 
 enum { CMD_LINK_ADD = 1, CMD_LINK_CLOSE, CMD_TEST_SEND };
@@ -252,6 +275,11 @@ struct kv_ucx {
     ucx_job *inbox_head, *inbox_tail;
     int aborts;           /* ABORT_REQ jobs may exist: the round looks for them */
     ucx_local *unmap;     /* released regions to unmap at the next round (on the I/O thread) */
+    ucx_op *orphans;      /* receives of failed links UCX has not ended: they land nothing */
+    ucx_stage *stages;    /* staging buffers for reuse */
+    pid_t pid;            /* ours (copy_in) */
+    int self_copy;        /* copy_in may use process_vm_writev */
+    uint64_t stage_bytes; /* their capacity */
     pthread_cond_t cmd_done;
     int stop_requested, stopped;
     /* I/O thread only: it holds c->lock now (UCP may call our callbacks from inside
@@ -346,6 +374,8 @@ static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
     u->core = c;
     u->epoll_fd = u->wake_fd = -1;
     pthread_cond_init(&u->cmd_done, NULL);
+    u->pid = getpid();
+    u->self_copy = 1;
     /* no UCP_FEATURE_RMA: UCP then installs no handler that would put or get at
      * an address a peer names (its software RMA emulation); every byte a peer
      * sends us goes through am_recv's checks */
@@ -631,6 +661,120 @@ static void job_detach(ucx_link *l, ucx_job *j) {
     j->ops_pending = 0;
 }
 
+/* A staging buffer of at least `len` bytes (reused when one is free). */
+static ucx_stage *stage_get(kv_ucx *u, uint64_t len) {
+    for (ucx_stage **p = &u->stages; *p; p = &(*p)->next)
+        if ((*p)->cap >= len) {
+            ucx_stage *st = *p;
+            *p = st->next;
+            u->stage_bytes -= st->cap;
+            return st;
+        }
+    ucx_stage *st = calloc(1, sizeof *st);
+    size_t cap = (size_t)((len + 4095) & ~4095ull);
+    if (!st)
+        return NULL;
+    st->cap = cap;
+    /* a memfd, so that a piece lands with one pread (copy_in) */
+    st->fd = memfd_create("kvengine-ucx-stage", MFD_CLOEXEC);
+    if (st->fd >= 0) {
+        void *m = MAP_FAILED;
+        if (ftruncate(st->fd, (off_t)cap) == 0)
+            m = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_SHARED, st->fd, 0);
+        if (m != MAP_FAILED) {
+            st->buf = m;
+            return st;
+        }
+        close(st->fd);
+        st->fd = -1;
+    }
+    st->fd = -1;
+    if (posix_memalign(&st->buf, 4096, cap) != 0) {
+        free(st);
+        return NULL;
+    }
+    return st;
+}
+
+static void stage_free(ucx_stage *st) {
+    if (st->fd >= 0) {
+        munmap(st->buf, st->cap);
+        close(st->fd);
+    } else {
+        free(st->buf);
+    }
+    free(st);
+}
+
+static void stage_put(kv_ucx *u, ucx_stage *st) {
+    if (!st)
+        return;
+    if (u->stage_bytes + st->cap <= UCX_STAGE_CACHE) {
+        st->next = u->stages;
+        u->stages = st;
+        u->stage_bytes += st->cap;
+        return;
+    }
+    stage_free(st);
+}
+
+static void op_push(ucx_op **head, ucx_op *op) {
+    op->lprev = NULL;
+    op->lnext = *head;
+    if (*head)
+        (*head)->lprev = op;
+    *head = op;
+}
+
+static void op_del(ucx_op **head, ucx_op *op) {
+    if (op->lprev)
+        op->lprev->lnext = op->lnext;
+    else
+        *head = op->lnext;
+    if (op->lnext)
+        op->lnext->lprev = op->lprev;
+    op->lnext = op->lprev = NULL;
+}
+
+/* The link failed: its receives stop counting. Messages waiting for staging are
+ * released to UCX unreceived; receives in progress become orphans: UCX may still
+ * write their staging buffers (until it ends them), but they land nothing, hold
+ * no region and no push or pull waits for them. Caller holds c->lock. */
+static void recvs_abandon(kv_ucx *u, ucx_link *l) {
+    kv_core *c = u->core;
+    while (l->defer_head || l->recvs) {
+        ucx_op *op = l->defer_head;
+        if (op) {
+            l->defer_head = op->lnext;
+            if (!l->defer_head)
+                l->defer_tail = NULL;
+        } else {
+            op = l->recvs;
+            op_del(&l->recvs, op);
+            l->staged -= op->len;
+        }
+        l->rx_ops--;
+        c->stats.ucx_rx_pending--;
+        if (op->rx)
+            op->rx->receiving--;
+        if (op->pull)
+            op->pull->receiving = 0; /* dropped with its job below */
+        if (op->region)
+            kv__region_unref(c, op->region);
+        op->rx = NULL;
+        op->pull = NULL;
+        op->region = 0;
+        if (op->desc) { /* never posted */
+            ucp_am_data_release(u->worker, op->desc);
+            free(op);
+            continue;
+        }
+        op->link = NULL;
+        c->stats.ucx_rx_orphans++;
+        op_push(&u->orphans, op);
+    }
+}
+
 /* The link fails (caller holds c->lock, I/O thread): from now on the handler
  * writes nothing for it; queued jobs end at once, jobs with requests
  * outstanding when the forced close has completed them. */
@@ -640,6 +784,7 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
     if (l->dead)
         return 0;
     l->dead = 1;
+    recvs_abandon(u, l); /* before the jobs: a pull no longer waits for its receive */
     for (ucx_job *j = l->active, *next; j; j = next) {
         next = j->next;
         if (j->job.record.status == KV_LLM_SUCCESS)
@@ -662,6 +807,10 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
         sig |= job_maybe_done(u, j);
     }
     if (l->ep) {
+        /* forced where the endpoint has UCX's error handling: UCX 1.22 refuses a forced
+         * close without it (UCS_ERR_INVALID_PARAM, the endpoint left open), and its
+         * flush then waits for a dead peer for good; the receives were abandoned above,
+         * so all that stays is UCX's requests and their staging (docs/decisions.md #29) */
         ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                                                  UCP_OP_ATTR_FIELD_USER_DATA,
                                  .flags = l->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0,
@@ -775,22 +924,87 @@ static void rx_settle(ucx_link *l, ucx_rx *r) {
     }
 }
 
-/* A rendezvous receive into our memory ended (push data or a pull's answer). */
+/* Copy `n` bytes into place with one system call where it can: a stop (SIGSTOP,
+ * a paused VM) takes effect only when the call returns, so a copy is never cut
+ * in two by one, half before and half after the resume, as a memcpy can be.
+ * From a staging memfd (`fd` >= 0, `sp` its mapping at `foff`): pread, about
+ * half of memcpy's speed here; else process_vm_writev into our own process
+ * (eager payloads, in UCX's buffers), about a third; where the kernel refuses
+ * that (a sandbox), memcpy. */
+static void copy_in(kv_ucx *u, uint8_t *d, const uint8_t *sp, uint64_t n, int fd, uint64_t foff) {
+    uint64_t done = 0;
+    if (fd >= 0) {
+        ssize_t r = pread(fd, d, n, (off_t)foff);
+        if (r > 0)
+            done = (uint64_t)r;
+    } else if (u->self_copy) {
+        struct iovec lo = {.iov_base = (void *)(uintptr_t)sp, .iov_len = n}, re = {.iov_base = d, .iov_len = n};
+        ssize_t r = process_vm_writev(u->pid, &lo, 1, &re, 1, 0);
+        if (r > 0)
+            done = (uint64_t)r;
+        else if (errno == EPERM || errno == ENOSYS)
+            u->self_copy = 0;
+    }
+    if (done < n)
+        memcpy(d + done, sp + done, n - done);
+}
+
+/* Land `len` bytes of a push at `dst` (checked by am_recv) from `src` (an eager
+ * payload, or the staging buffer `st`): piece by piece, each copied only while
+ * our lease from the pusher holds (the pusher may report the push failed from
+ * then on), each one system call (copy_in). Returns 1 if every byte landed; 0 if
+ * the lease ran out first (the rest is dropped and the link fails at the next
+ * round). Caller holds c->lock. */
+static int land_checked(kv_ucx *u, ucx_link *l, uint64_t dst, const void *src, uint64_t len, const ucx_stage *st) {
+    kv_core *c = u->core;
+    uint8_t *d = (uint8_t *)(uintptr_t)dst;
+    const uint8_t *sp = src;
+    for (uint64_t off = 0; off < len; off += UCX_LAND_PIECE) {
+        uint64_t n = len - off < UCX_LAND_PIECE ? len - off : UCX_LAND_PIECE;
+        if (l->dead || now_ns() >= l->lease_until) {
+            c->stats.ucx_late_dropped++;
+            if (!l->dead && !l->down_status) { /* failed by the round: not from inside UCX's callback */
+                c->stats.tcp_lease_expired++;
+                l->down_status = KV_LLM_LINK_FAILED;
+            }
+            return 0;
+        }
+        copy_in(u, d + off, sp + off, n, st ? st->fd : -1, off);
+    }
+    return 1;
+}
+
+/* A rendezvous receive into staging ended (push data or a pull's answer): its
+ * payload lands now if it still may. */
 static void recv_done(void *request, ucs_status_t status, size_t length, void *user_data) {
     (void)length; /* the receive was posted for exactly op->len bytes */
     ucx_op *op = user_data;
     kv_ucx *u = op->u;
+    kv_core *c = u->core;
     int own = cb_lock(u);
     ucx_link *l = op->link;
     int sig = 0;
+    if (!l) { /* abandoned when its link failed: nothing lands */
+        op_del(&u->orphans, op);
+        c->stats.ucx_rx_orphans--;
+        goto out;
+    }
+    op_del(&l->recvs, op);
+    l->staged -= op->len;
     l->rx_ops--;
+    c->stats.ucx_rx_pending--;
     if (op->rx) {
-        op->rx->receiving--;
-        if (status == UCS_OK && !op->rx->aborted)
-            op->rx->landed += op->len;
+        ucx_rx *r = op->rx;
+        r->receiving--;
+        if (status == UCS_OK && r->aborted)
+            c->stats.ucx_dropped++; /* data of a push aborted while it was received */
+        else if (status == UCS_OK && land_checked(u, l, op->dst, op->stage->buf, op->len, op->stage))
+            r->landed += op->len;
         if (!l->dead)
-            rx_settle(l, op->rx);
+            rx_settle(l, r);
     } else if (op->pull) {
+        /* a pull's answer: its job still waits for it (a job stops waiting only when
+         * its link fails, and that abandoned this receive) */
         ucx_pull *q = op->pull;
         for (ucx_pull **p = &l->pulls; *p; p = &(*p)->next)
             if (*p == q) {
@@ -800,30 +1014,75 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
         l->inflight -= q->len;
         if (q->job) {
             q->job->ops_pending--;
-            if (status == UCS_OK)
+            if (status == UCS_OK) {
+                memcpy((void *)(uintptr_t)q->dst, op->stage->buf, q->len);
                 q->job->job.bytes_done += q->len;
-            else if (q->job->job.record.status == KV_LLM_SUCCESS)
+            } else if (q->job->job.record.status == KV_LLM_SUCCESS) {
                 q->job->job.record.status = KV_LLM_LINK_FAILED;
+            }
             sig |= job_maybe_done(u, q->job);
         }
         free(q);
     }
     if (op->region)
-        kv__region_unref(u->core, op->region);
+        kv__region_unref(c, op->region);
+out:
+    stage_put(u, op->stage);
     cb_unlock(u, own, sig);
     free(op);
     if (request)
         ucp_request_free(request);
 }
 
-/* Receive `len` bytes of a message into `dst` (checked by the caller): eager
- * payloads are copied here, rendezvous ones received straight into place.
- * Returns the handler's status. Caller holds c->lock. */
+/* Its link's staging budget: the window the pusher keeps to (and one message
+ * over it), or UCX_STAGE_NO_WINDOW. A message waits (UCX holds it) while the
+ * budget is used, unless nothing is staged. */
+static uint64_t stage_budget(kv_ucx *u, ucx_link *l);
+
+/* Post the receive of `op` (its descriptor) into a staging buffer. Caller holds c->lock. */
+static void recv_post(kv_ucx *u, ucx_op *op) {
+    ucx_link *l = op->link;
+    void *desc = op->desc;
+    op->desc = NULL;
+    op->stage = stage_get(u, op->len);
+    op_push(&l->recvs, op);
+    l->staged += op->len;
+    if (!op->stage) {
+        ucp_am_data_release(u->worker, desc);
+        recv_done(NULL, UCS_ERR_NO_MEMORY, 0, op);
+        return;
+    }
+    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                             .cb.recv_am = recv_done, .user_data = op};
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(u->worker, desc, op->stage->buf, op->len, &p);
+    if (r == NULL)
+        recv_done(NULL, UCS_OK, op->len, op); /* under the lock: recv_done sees io_locked */
+    else if (UCS_PTR_IS_ERR(r))
+        recv_done(NULL, UCS_PTR_STATUS(r), 0, op);
+}
+
+/* Post the messages that waited for staging, as the budget allows (the round). */
+static void recv_post_deferred(kv_ucx *u, ucx_link *l) {
+    while (l->defer_head && (!l->staged || l->staged + l->defer_head->len <= stage_budget(u, l))) {
+        ucx_op *op = l->defer_head;
+        l->defer_head = op->lnext;
+        if (!l->defer_head)
+            l->defer_tail = NULL;
+        op->lnext = NULL;
+        recv_post(u, op);
+    }
+}
+
+/* Receive `len` bytes of a message for `dst` (checked by the caller): eager
+ * payloads are copied into place here (the caller checked the lease just
+ * before), rendezvous ones are received into staging and land when complete
+ * (recv_done), never straight into place: UCX would go on writing a receive it
+ * started whatever our lease says (a target stopped and resumed), and it cannot
+ * cancel one. Returns the handler's status. Caller holds c->lock. */
 static ucs_status_t land(kv_ucx *u, ucx_link *l, void *data, uint64_t len, const ucp_am_recv_param_t *param,
                          uint64_t dst, uint32_t region, ucx_rx *rx, ucx_pull *pull) {
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        memcpy((void *)(uintptr_t)dst, data, len);
-        if (rx)
+        if (rx && land_checked(u, l, dst, data, len, NULL))
             rx->landed += len;
         return UCS_OK;
     }
@@ -835,26 +1094,25 @@ static ucs_status_t land(kv_ucx *u, ucx_link *l, void *data, uint64_t len, const
     op->rx = rx;
     op->pull = pull;
     op->len = len;
+    op->dst = dst;
     op->region = region;
-    kv__region_ref(u->core, region); /* the memory stays mapped while UCX writes it */
-    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-                             .cb.recv_am = recv_done, .user_data = op};
-    ucp_mem_h mh = memh_of(u, region);
-    if (mh) {
-        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-        p.memh = mh;
-    }
+    op->desc = data;
+    kv__region_ref(u->core, region); /* the memory stays mapped until the payload landed */
     l->rx_ops++;
+    u->core->stats.ucx_rx_pending++;
     if (rx)
         rx->receiving++;
     if (pull)
         pull->receiving = 1;
-    ucs_status_ptr_t r = ucp_am_recv_data_nbx(u->worker, data, (void *)(uintptr_t)dst, len, &p);
-    if (r == NULL) {
-        recv_done(NULL, UCS_OK, len, op); /* under the lock: recv_done sees io_locked */
-    } else if (UCS_PTR_IS_ERR(r)) {
-        recv_done(NULL, UCS_PTR_STATUS(r), 0, op);
+    if (l->defer_head || (l->staged && l->staged + len > stage_budget(u, l))) {
+        if (l->defer_tail) /* wait for staging: recv_post_deferred */
+            l->defer_tail->lnext = op;
+        else
+            l->defer_head = op;
+        l->defer_tail = op;
+        return UCS_INPROGRESS;
     }
+    recv_post(u, op);
     return UCS_INPROGRESS;
 }
 
@@ -978,6 +1236,8 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
     }
     case KV_UCX_LEASE_REQ: /* the peer asks us for a lease: granted now, by our clock */
         l->last_grant = now_ns();
+        if (h.offset) /* the highest of our grants it has received: it will take our pushes */
+            l->peer_leased = 1;
         c->stats.ucx_lease_grants++;
         send_ctl(l, KV_UCX_LEASE, 0, 0, 0, 0, h.tag);
         break;
@@ -987,6 +1247,8 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
             break;
         }
         if (h.tag > l->lease_seen) {
+            if (!l->lease_seen)
+                l->next_lease_req = 0; /* tell the peer at once (the next round's LEASE_REQ) */
             l->lease_seen = h.tag;
             l->lease_until = l->lease_asked[h.tag % 8] + l->lease_ns;
         }
@@ -1170,6 +1432,10 @@ static uint64_t msg_max(kv_ucx *u, ucx_link *l) {
     return w > n ? w : n;
 }
 
+static uint64_t stage_budget(kv_ucx *u, ucx_link *l) {
+    return l->window ? l->window + msg_max(u, l) : UCX_STAGE_NO_WINDOW;
+}
+
 /* Post chunks of the link's most urgent jobs while the window allows. Caller
  * holds c->lock (ucp_am_send_nbx calls nothing back here). */
 static int post_chunks(kv_ucx *u, ucx_link *l) {
@@ -1182,8 +1448,9 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
             u->aborts = 1;
             continue;
         }
-        if (!j->is_pull && !l->last_grant)
-            break; /* the peer has no lease of ours yet: it would drop the data (its first request comes at once) */
+        if (!j->is_pull && !l->peer_leased)
+            break; /* the peer holds no lease of ours yet: it would drop the data. A grant is not
+                      enough: UCX may deliver our first PUSH before the LEASE (another lane) */
         size_t si = j->job.claim_segment;
         const kv_segment *s = &j->job.segments[si];
         uint64_t off = j->job.claim_offset, n = s->len - off;
@@ -1324,7 +1591,7 @@ static int timers(kv_ucx *u, uint64_t now) {
             l->next_lease_req = now + l->lease_ns / 4;
             l->lease_seq++;
             l->lease_asked[l->lease_seq % 8] = now;
-            send_ctl(l, KV_UCX_LEASE_REQ, 0, 0, 0, 0, l->lease_seq);
+            send_ctl(l, KV_UCX_LEASE_REQ, 0, 0, l->lease_seen, 0, l->lease_seq); /* offset: our last grant */
         }
         for (ucx_job *j = l->active; j; j = j->next)
             if (j->job.state == KV_JS_ABORTING && j->due && j->due <= now) {
@@ -1405,8 +1672,11 @@ static void *io_main(void *arg) {
                 sig |= link_fail(u, l, KV_LLM_ENGINE_FINALIZED, 0);
         }
         sig |= timers(u, now);
-        for (ucx_link *l = u->links; l; l = l->next)
+        for (ucx_link *l = u->links; l; l = l->next) {
+            if (!l->dead)
+                recv_post_deferred(u, l);
             sig |= post_chunks(u, l);
+        }
         int working = busy(u);
         if (stop && (!working || now - stop_at > UCX_CLOSE_WAIT_NS)) {
             /* every job ended (or a close never completed: complete what is left) */
@@ -1690,9 +1960,30 @@ static void ucx_destroy(kv_transport *t) {
             l->sends = op->lnext;
             free(op);
         }
+        while (l->recvs || l->defer_head) { /* left by a stop that did not end them */
+            ucx_op *op = l->recvs ? l->recvs : l->defer_head;
+            if (op == l->recvs)
+                l->recvs = op->lnext;
+            else
+                l->defer_head = op->lnext;
+            if (op->stage)
+                stage_free(op->stage);
+            free(op);
+        }
         rx_free_all(l);
         free(l->down_event);
         free(l);
+    }
+    while (u->orphans) {
+        ucx_op *op = u->orphans;
+        u->orphans = op->lnext;
+        stage_put(u, op->stage);
+        free(op);
+    }
+    while (u->stages) {
+        ucx_stage *st = u->stages;
+        u->stages = st->next;
+        stage_free(st);
     }
     while (u->unmap) {
         ucx_local *lo = u->unmap;

@@ -63,17 +63,24 @@ class KvSide:
         if link["transport"] != self.transport:
             raise RuntimeError(f"kvengine: link transport {link['transport']!r}, not {self.transport!r}")
 
-    async def alloc(self, tensors: int, row: int, seed: int) -> tuple[Cache, CacheIndex]:
+    async def alloc(self, tensors: int, row: int, seed: int, memory: str = "engine") -> tuple[Cache, CacheIndex]:
         """A source cache here (tensors x (1, row) bytes, filled) and its destination in the child:
-        (src cache, destination CacheIndex)."""
+        (src cache, destination CacheIndex). ``memory``: "engine" (allocate_cache on both ends:
+        memfd shared memory) or "numpy" (register_kv_cache of one numpy array per end, sliced
+        into the tensors, as a serving framework registers its own tensors)."""
         import kvengine as kv
         from kvengine._peer import fill_pattern
         engine, peer = self.started()
         desc = kv.CacheDesc(tensors, (1, row), np.uint8)
-        src = await engine.allocate_cache_async(desc)
+        if memory == "numpy":
+            flat = np.empty(tensors * row, np.uint8)
+            src = engine.register_kv_cache(desc, [flat[i * row:(i + 1) * row].reshape(1, row) for i in range(tensors)])
+        else:
+            src = await engine.allocate_cache_async(desc)
         for i, t in enumerate(src.tensors):
             fill_pattern(t, seed, i)
-        dst = (await peer.call("alloc", n=tensors, shape=[1, row], dtype="uint8", timeout=120))["cache_id"]
+        op = "register" if memory == "numpy" else "alloc"
+        dst = (await peer.call(op, n=tensors, shape=[1, row], dtype="uint8", one_buffer=True, timeout=120))["cache_id"]
         await engine.wait_remote_cache(2, dst, timeout=30)
         self.caches.append(src)
         return src, kv.CacheIndex(2, dst, 0)

@@ -163,7 +163,7 @@ async def run(args: argparse.Namespace) -> Report:
 def report(r: Report) -> list[str]:
     T = r["transport"]
     res, cols = r["results"], r["columns"]
-    tls = f" (UCX_TLS={r['ucx_tls']})" if "ucx_tls" in r else ""
+    tls = f" (UCX_TLS={r['ucx_tls']}; kvengine's caches: {r.get('memory', 'numpy')} memory)" if "ucx_tls" in r else ""
     lines = [f"kvengine bench latency --transport {T}{tls}: one-layer push (K + V = 2 x 32 KiB = 64 KiB), awaited one "
              f"at a time, {res[KV]['n']} samples per column in {ROUNDS} interleaved rounds ({r['loop']} here); "
              f"'x kv' = that column's percentile / kvengine's (> 1: kvengine faster)", ""]

@@ -230,7 +230,7 @@ def report(r: Report, reps: int) -> list[str]:
     cols = r["columns"]
     others = [c for c in cols if c != KV]
     absent = [n for n in P.ENGINES if n not in cols]
-    tls = f" (UCX_TLS={r['ucx_tls']})" if "ucx_tls" in r else ""
+    tls = f" (UCX_TLS={r['ucx_tls']}; kvengine's caches: {r.get('memory', 'numpy')} memory)" if "ucx_tls" in r else ""
     lines = [f"kvengine bench throughput --transport {T}{tls}: push of row 0 of a model-shaped cache into a decode "
              f"engine in another process ({r['loop']} here), median GB/s (1e9 B/s) of {reps} interleaved "
              f"repetitions; 'x col' = kvengine / that column, the median over repetitions of the same "
@@ -324,6 +324,9 @@ def add_common_args(ap: argparse.ArgumentParser, what: str) -> None:
                     help="shm: same host (memfd mapped by the peer); tcp: forced TCP on loopback; ucx: "
                          "transport='ucx' beside kvengine tcp, NIXL, UCXX, ucx_perftest (bench/ucxbench.py)")
     ap.add_argument("--ucx-tls", default="tcp", help="ucx: UCX_TLS, tcp, sm (sm,self), cma (cma,tcp,self) or as written")
+    ap.add_argument("--memory", choices=["numpy", "engine", "both"], default=None,
+                    help="ucx: kvengine's caches: numpy (the default: register_kv_cache of numpy arrays, as a serving "
+                         "framework registers its tensors), engine (allocate_cache: memfd shared memory), both")
     ap.add_argument("--quick", action="store_true", help="fewer sizes, repetitions and samples")
     ap.add_argument("--json", default=None, metavar="PATH", help="where to write the JSON (default PREFIX.json)")
     ap.add_argument("--out", default=None, metavar="PREFIX",
@@ -338,6 +341,8 @@ def add_common_args(ap: argparse.ArgumentParser, what: str) -> None:
 def resolve_common(ap: argparse.ArgumentParser, args: argparse.Namespace, what: str) -> None:
     if args.transport == "ucx" and "paged" in what:
         ap.error("--layout paged: --transport shm or tcp")
+    if args.memory is not None and args.transport != "ucx":
+        ap.error("--memory: with --transport ucx only")
     tls = f"-{args.ucx_tls.replace(',', '+')}" if args.transport == "ucx" else ""
     args.out = args.out or os.path.join("kvengine-bench", f"{what}-{args.transport}{tls}")
     args.json_path, args.png_path = out_paths(args.out, args.json)

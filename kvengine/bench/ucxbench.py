@@ -9,7 +9,10 @@ and ``ucx_perftest`` as the floor (throughput: ``ucp_put_bw`` of the whole size 
 one put; latency: ``ucp_put_lat`` of 64 KiB, half a round trip). The tables,
 ratios, JSON and PNG are those of throughput.py and latency.py; the goals of
 issue 14: 256 MiB push >= 1.0x NIXL (tcp and shared memory), one-layer p50
-within 1.5x of NIXL's.
+within 1.5x of NIXL's. ``--memory``: kvengine's caches on both ends are numpy
+arrays given to register_kv_cache (the default: what a serving framework does
+with its own tensors, and the kind of memory NIXL's and UCXX's columns move),
+allocate_cache's memfd shared memory (engine), or both (one more column).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
 
 KV = "kvengine"
 KV_TCP = "kvengine tcp"
+KV_ENGINE_MEM = "kvengine engine-mem"   # --memory both: kvengine-ucx on allocate_cache's memfd memory
 LAT_GOAL = 1.5          # kvengine's one-layer p50 at most 1.5x NIXL's
 
 
@@ -56,6 +60,16 @@ def set_tls(args: argparse.Namespace) -> str:
     return tls
 
 
+def memories(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
+    """(column, memory, over tcp) of the kvengine columns: ``--memory`` numpy (the default: what
+    a serving framework does, register_kv_cache of its own tensors), engine (allocate_cache), both
+    (the ucx column once more on engine memory)."""
+    mem = getattr(args, "memory", None) or "numpy"
+    first = "engine" if mem == "engine" else "numpy"
+    cols = [(KV, first, False), (KV_TCP, first, True)]
+    return cols + ([(KV_ENGINE_MEM, "engine", False)] if mem == "both" else [])
+
+
 async def _start(args: argparse.Namespace, out: Report, size: int, kvs: KvSide, kvt: KvSide,
                  pairs: dict[str, P.PeerPair]) -> None:
     """Start the peers (into ``pairs``) and both kvengine sides."""
@@ -77,7 +91,8 @@ async def run_throughput(args: argparse.Namespace) -> Report:
     tls = set_tls(args)
     sizes = args.sizes
     say = print
-    out: Report = {"transport": "ucx", "ucx_tls": tls, "sizes": [], "loop": args.loop_name}
+    out: Report = {"transport": "ucx", "ucx_tls": tls, "sizes": [], "loop": args.loop_name,
+                   "memory": getattr(args, "memory", None) or "numpy"}
     t_setup = time.perf_counter()
     say(f"setup: UCX_TLS={tls}; decode engines in child processes (ucx, tcp), NIXL, UCXX ...", flush=True)
     kvs, kvt = KvSide("ucx", args.movers), KvSide("tcp", args.movers)
@@ -93,10 +108,11 @@ async def run_throughput(args: argparse.Namespace) -> Report:
         out["perftest"] = "ok" if floor else why
         cases: list[_Case] = []
         for k, (tensors, row) in enumerate(sizes):
-            src, idx = await kvs.alloc(tensors, row, seed=11 + k)
-            srct, idxt = await kvt.alloc(tensors, row, seed=11 + k)
-            cases.append(_Case(tensors, row, {KV: (kvs, src, idx), KV_TCP: (kvt, srct, idxt)},
-                               burst(tensors * row), f"s{k}"))
+            kvc: dict[str, tuple[KvSide, Cache, CacheIndex]] = {}
+            for name, mem, tcp in memories(args):
+                side = kvt if tcp else kvs
+                kvc[name] = (side, *await side.alloc(tensors, row, seed=11 + k, memory=mem))
+            cases.append(_Case(tensors, row, kvc, burst(tensors * row), f"s{k}"))
         plans = [(c.key, [(i * c.row, c.row) for i in range(c.tensors)]) for c in cases]
         verify: dict[str, list[bool]] = {}
         P.prepare_peers(pairs, plans, out, say)
@@ -109,7 +125,7 @@ async def run_throughput(args: argparse.Namespace) -> Report:
             await P.check_peers(pairs, lambda pair: pair.verify(c.key, c.nbytes), f"transfer of {c.nbytes} B",
                                 out, verify, say)
         out["verify"] = verify
-        configs = [KV, KV_TCP] + list(pairs) + ([U.PERFTEST] if floor else [])
+        configs = list(cases[0].kv) + list(pairs) + ([U.PERFTEST] if floor else [])
 
         async def measure(name: str, c: _Case) -> float:
             n = c.n
@@ -156,7 +172,7 @@ async def run_latency(args: argparse.Namespace) -> Report:
     tls = set_tls(args)
     say = print
     out: Report = {"transport": "ucx", "ucx_tls": tls, "layer_bytes": 2 * HALF, "layers": LAYERS,
-                   "loop": args.loop_name}
+                   "loop": args.loop_name, "memory": getattr(args, "memory", None) or "numpy"}
     t_setup = time.perf_counter()
     say(f"setup: UCX_TLS={tls}; decode engines in child processes (ucx, tcp), NIXL, UCXX ...", flush=True)
     kvs, kvt = KvSide("ucx", args.movers), KvSide("tcp", args.movers)
@@ -169,8 +185,9 @@ async def run_latency(args: argparse.Namespace) -> Report:
         await P.check_peers(pairs, lambda pair: pair.verify(keys, 2 * HALF), "the layer", out, {}, say)
         exts = [kv.KvCacheExtParam((i, i), (i, i), 2) for i in range(LAYERS)]
         sides = {}
-        for name, side in ((KV, kvs), (KV_TCP, kvt)):
-            src, idx = await side.alloc(2 * LAYERS, HALF, seed=5)
+        for name, mem, tcp in memories(args):
+            side = kvt if tcp else kvs
+            src, idx = await side.alloc(2 * LAYERS, HALF, seed=5, memory=mem)
             if not await side.verify(src, idx):
                 raise RuntimeError(f"{name}: pushed cache differs from the source")
             sides[name] = (side.started()[0], src, idx)
@@ -187,7 +204,7 @@ async def run_latency(args: argparse.Namespace) -> Report:
                 return s
             return list(await asyncio.to_thread(pairs[name].run, keys, n))
 
-        configs = [KV, KV_TCP] + list(pairs)
+        configs = list(sides) + list(pairs)
         per = max(1, args.n // ROUNDS)
         say(f"measuring: {len(configs)} columns x {ROUNDS} rounds x {per} samples, interleaved", flush=True)
 

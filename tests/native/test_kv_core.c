@@ -1840,8 +1840,9 @@ static void test_seg2d_abort(void) {
 }
 
 
-/* A large mover job (streaming stores where the CPU has AVX2): runs at odd
- * alignments and lengths, short ones, 2-D rows, land byte-exact. */
+/* A large mover job (streaming stores where the CPU has AVX2, reading ahead
+ * across rows and segments): runs at odd alignments and lengths, short ones,
+ * 2-D rows (short whole-line rows too; 1 MiB chunks cut them), land byte-exact. */
 static void test_large_copy(void) {
     const uint64_t N = 24 * MiB;
     kv_core *c = mk(2, 1 * MiB);
@@ -1857,6 +1858,14 @@ static void test_large_copy(void) {
     for (size_t i = 0; i < NS; i++) {
         uint64_t len = i % 10 == 0 ? 1 + i % 97 : 4096 + (i * 7919) % 12000, rows = i % 7 == 3 ? 3 : 1;
         uint64_t so = (i * 104729) % (N - 3 * 20000), ds = len + (i % 5);
+        if (i % 13 == 6) { /* a head range's rows: whole cache lines (streamed when aligned), 16 of them */
+            len = 256 * (1 + i % 8);
+            rows = 16;
+            ds = i % 2 ? len : len + 64;
+            at = (at + 63) & ~(uint64_t)63;
+            at += i % 3 == 0 ? 32 : 0; /* and some not line-aligned (not streamed) */
+            so = (i * 104729) % (N - 16 * 20000);
+        }
         seg2(w + i * KV_SEG2_WORDS, rs, so, rd, at, len, rows, len + 3, ds);
         model2(want, src, w + i * KV_SEG2_WORDS);
         at += (rows - 1) * ds + len + 1 + i % 33;
