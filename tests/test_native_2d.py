@@ -120,10 +120,10 @@ def test_words_must_be_5_or_8_and_divide_the_buffer(core):
     assert core.submit(1, seg, 1 << 30, words=W)[0] == S.LLM_SUCCESS
 
 
-def _linked_pair():
+def _linked_pair(chunk=256 << 10):
     """Core a listens and exports; core b connects two streams. Returns (a, b)."""
-    a = _native.Core(movers=1, chunk_bytes=256 << 10)
-    b = _native.Core(movers=1, chunk_bytes=256 << 10)
+    a = _native.Core(movers=1, chunk_bytes=chunk)
+    b = _native.Core(movers=1, chunk_bytes=chunk)
     st, port = a.tcp_listen("127.0.0.1", 0)
     assert st == S.LLM_SUCCESS
     tok = bytes(range(32))
@@ -184,6 +184,41 @@ def test_tcp_2d_push_and_pull_land_byte_exact():
         # out of the peer's region: refused at submit, the link lives
         bad = [(rb_src, 0, peer_dst, n - 100, 100, 2, 100, 100)]
         assert b.submit(4, _segs(bad), 0, words=W)[0] == S.LLM_PARAM_INVALID
+        assert a.stats()["tcp_bad_frames"] == 0
+        assert b.stats()["tcp_links_failed"] == 0
+    finally:
+        b.close()
+        a.close()
+
+
+def test_tcp_frames_sent_in_pieces_land_byte_exact():
+    """A push of at most 4 MiB goes out in sendmsg calls of at most 256 KiB
+    (kv_tcp.c, send_max): with 1 MiB frames, a DATAV frame's gathered runs and a
+    DATA frame's payload are cut mid-run between calls; every byte still lands
+    in place, once, and nothing beside it."""
+    a, b = _linked_pair(chunk=1 << 20)
+    try:
+        n = 4 << 20
+        rng = np.random.default_rng(11)
+        src = rng.integers(0, 256, n, dtype=np.uint8)
+        dst = np.full(n, GUARD, dtype=np.uint8)
+        ra_dst = _region(a, dst, _native.F_EXPORT)
+        rb_src = _region(b, src)
+        st, peer_dst = b.region_add(_native.REGION_TCP, 5, ra_dst, n)
+        assert st == S.LLM_SUCCESS
+        jid = 0
+        # DATAV: runs of 300001 bytes (not a divisor of 256 KiB), gathered 3 to a 1 MiB
+        # frame, apart on both sides or (even k) back to back at the destination
+        rows = [(rb_src, 7 + k * 310_000, peer_dst, 11 + k * 300_001 + (k // 2) * 49, 300_001) for k in range(9)]
+        # DATA: one contiguous run of 1 MiB + 5 bytes (a full frame and a tail)
+        for segs in (rows, [(rb_src, 100, peer_dst, 2_800_011, (1 << 20) + 5)]):
+            jid += 1
+            want = dst.copy()
+            for _, so, _, do, ln in segs:
+                want[do:do + ln] = src[so:so + ln]
+            assert b.submit(jid, np.array(segs, dtype=np.uint64).reshape(-1), 0)[0] == S.LLM_SUCCESS
+            assert _wait(b, jid) == (S.LLM_SUCCESS, sum(x[4] for x in segs))
+            assert np.array_equal(dst, want)
         assert a.stats()["tcp_bad_frames"] == 0
         assert b.stats()["tcp_links_failed"] == 0
     finally:

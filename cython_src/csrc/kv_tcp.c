@@ -48,6 +48,10 @@ typedef struct {
     uint64_t offset, len; /* in the frame's region */
 } kv_piece;
 #define KV_SEND_IOV 1024 /* iovecs one sendmsg takes at most (IOV_MAX) */
+#ifndef KV_SEND_MAX
+#define KV_SEND_MAX (256u << 10)        /* a push of at most KV_SEND_SMALL: payload bytes per sendmsg */
+#endif
+#define KV_SEND_SMALL (4ull << 20)      /* (docs/tuning.md, "sendmsg size") */
 #define KV_RECV_IOV 64   /* pieces one readv scatters into at most */
 
 #define KV_MAX_FRAME (64ull << 20)   /* payload bytes of one frame */
@@ -246,6 +250,7 @@ typedef struct kv_net {
     uint64_t accept_resume;
     int stopped;             /* stop acted on: links failed, waiting for the fenced pushes */
     /* under c->lock */
+    int sleeping;            /* the I/O thread is (about to be) blocked in epoll_wait: wake_io_thread writes */
     int listen_fd;
     kv_command *commands_head, *commands_tail;
     kv_tcp_job *inbox_head, *inbox_tail; /* INBOX jobs, in submission order */
@@ -270,7 +275,13 @@ static uint64_t now_ns(void) {
 
 static uint64_t add_saturating(uint64_t a, uint64_t b) { return a + b < a ? UINT64_MAX : a + b; }
 
+/* Caller holds c->lock. A polling I/O thread takes the lock every round and sees
+ * the new work then, so only a sleeping one is woken (a write and a read saved
+ * per submit while it polls). */
 static void wake_io_thread(kv_net *n) {
+    if (!n->sleeping)
+        return;
+    n->sleeping = 0;
     uint64_t one = 1;
     ssize_t r;
     do
@@ -946,6 +957,14 @@ static int send_ctrl(kv_net *n, kv_conn *k) {
     return 0;
 }
 
+/* Payload bytes one sendmsg of k's current frame may take: a push of at most
+ * KV_SEND_SMALL goes out in KV_SEND_MAX pieces, so the receiver copies the
+ * first while the sender copies the next (docs/tuning.md, "sendmsg size");
+ * larger pushes and pull answers whole. */
+static uint64_t send_max(const kv_conn *k) {
+    return (k->out.type == F_DATA || k->out.type == F_DATAV) && k->out.total <= KV_SEND_SMALL ? KV_SEND_MAX : UINT64_MAX;
+}
+
 static int conn_send(kv_net *n, kv_conn *k) {
     kv_core *c = n->core;
     int sig = send_ctrl(n, k);
@@ -960,8 +979,21 @@ static int conn_send(kv_net *n, kv_conn *k) {
             }
         }
         if (k->out_vn) { /* DATAV: header, list and payload runs, gathered */
-            size_t left = k->out_vn - k->out_vi;
-            ssize_t r = conn_write(n, k, k->out_vec + k->out_vi, left < KV_SEND_IOV ? left : KV_SEND_IOV, &sig);
+            /* at most KV_SEND_IOV iovecs and send_max() payload bytes: the last
+             * iovec taken is shortened for this call and restored after it */
+            size_t left = k->out_vn - k->out_vi, cnt = 0, cut_len = 0;
+            uint64_t bytes = 0, most = send_max(k);
+            most = most > UINT64_MAX - k->out_vhead ? UINT64_MAX : most + k->out_vhead;
+            struct iovec *v0 = k->out_vec + k->out_vi;
+            while (cnt < left && cnt < KV_SEND_IOV && bytes < most)
+                bytes += v0[cnt++].iov_len;
+            if (bytes > most) {
+                cut_len = v0[cnt - 1].iov_len;
+                v0[cnt - 1].iov_len -= (size_t)(bytes - most);
+            }
+            ssize_t r = conn_write(n, k, v0, cnt, &sig);
+            if (cut_len)
+                v0[cnt - 1].iov_len = cut_len;
             if (r < 0)
                 return sig;
             uint64_t got = (uint64_t)r, head = got < k->out_vhead ? got : k->out_vhead;
@@ -991,8 +1023,9 @@ static int conn_send(kv_net *n, kv_conn *k) {
             iov[cnt++].iov_len = sizeof k->out - k->out_header_sent;
         }
         if (k->out_payload_sent < k->out_payload_len) {
+            uint64_t rest = k->out_payload_len - k->out_payload_sent, most = send_max(k);
             iov[cnt].iov_base = (void *)(uintptr_t)(k->out_payload + k->out_payload_sent);
-            iov[cnt++].iov_len = (size_t)(k->out_payload_len - k->out_payload_sent);
+            iov[cnt++].iov_len = (size_t)(rest < most ? rest : most);
         }
         ssize_t r = conn_write(n, k, iov, (size_t)cnt, &sig);
         if (r < 0)
@@ -1872,6 +1905,14 @@ static void *io_main(void *arg) {
         int tmo = 0;
         if (!spin)
             tmo = next_due <= t0 ? 0 : (int)((next_due - t0 + 999999) / 1000000);
+        if (tmo) { /* about to block: from here on a submit, command or abort writes wake_fd */
+            pthread_mutex_lock(&c->lock);
+            if (n->commands_head || n->inbox_head || n->abort_head || (n->stop_requested && !n->stopped))
+                tmo = 0;
+            else
+                n->sleeping = 1;
+            pthread_mutex_unlock(&c->lock);
+        }
         int ne = epoll_wait(n->epoll_fd, evs, 64, tmo);
         if (ne < 0)
             ne = 0;
@@ -1882,6 +1923,9 @@ static void *io_main(void *arg) {
             sched_yield();
         int sig = 0;
         pthread_mutex_lock(&c->lock);
+        n->sleeping = 0;
+        if (n->commands_head || n->inbox_head || n->abort_head) /* new work is activity: keep polling */
+            last_busy = n->round_ns;
         kv_command *cmds = n->commands_head;
         n->commands_head = n->commands_tail = NULL;
         int stop = n->stop_requested, lfd = n->listen_fd;
