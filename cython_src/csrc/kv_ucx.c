@@ -4,6 +4,8 @@
  * epoll on the worker's event fd and its own wake eventfd. API calls that need
  * the worker (endpoint creation) are commands the thread runs while the caller
  * waits; jobs reach it through an inbox, like kv_tcp.c.
+ * A target's staged push payloads land on a landing thread (land_main), so
+ * that the landing overlaps the next receive; the I/O thread settles them.
  *
  * Nothing is one-sided (docs/decisions.md #27): the UCP context has no RMA
  * feature and no rkey is ever packed for a peer. A push is one active message
