@@ -236,15 +236,17 @@ struct ucx_op {
     ucx_pull *pull;      /* PULL_DATA receive: its request */
     ucx_rx *rx;          /* push receive: the push's state */
     uint32_t region;     /* a region ref held for the request (0: none) */
+    int landing;         /* push receive, received: 1 queued for the landing thread, 2 being landed by
+                          * it, 3 landed in part, 4 every byte landed (3, 4: waiting for the round,
+                          * land_drain); 0 otherwise */
     uint64_t len;
     uint64_t dst;        /* receive: where the payload lands (checked by am_recv) */
     ucx_stage *stage;    /* receive: where UCX writes it */
-    void *desc;          /* receive waiting for staging: UCX's descriptor of the message */
+    union {
+        void *desc;      /* receive waiting for staging: UCX's descriptor of the message */
+        struct ucx_op *qnext; /* landing 1: the landing queue; 3, 4: the done list (posted: desc unused) */
+    };
     kv_ucx_hdr hdr;      /* a send's header (valid until the send completes) */
-    int landing;         /* push receive, received: 1 queued for the landing thread, 2 being landed by
-                          * it, 3 landed (waits for the round: land_drain); 0 otherwise */
-    int landed_all;      /* landing 3: every byte landed */
-    struct ucx_op *qnext; /* landing 1: the landing queue; landing 3: the done list */
     struct ucx_op *lnext, *lprev; /* push sends: the link's list (job NULL once detached); receives:
                                    * the link's list, or the core's orphans once abandoned (link NULL);
                                    * receives waiting for staging: the link's FIFO (lnext) */
@@ -295,6 +297,8 @@ struct kv_ucx {
     pthread_cond_t land_cond;
     ucx_op *land_head, *land_tail; /* received, to land (FIFO) */
     ucx_op *land_done;             /* landed: the round settles them (land_drain) */
+    ucx_op *land_piece;            /* the op whose piece is being copied now (atomic: cleared
+                                    * without the lock when the piece's system call returned) */
     /* I/O thread only: it holds c->lock now (UCP may call our callbacks from inside
      * a call made under the lock: a forced close completes requests inline), and
      * the signal those callbacks owe the loop */
@@ -793,6 +797,10 @@ static void recvs_abandon(kv_ucx *u, ucx_link *l) {
         op->pull = NULL;
         if (op->landing == 2) { /* being landed: land_main sees link NULL before its next piece */
             op->link = NULL;
+            /* and the piece being copied now ends before the link counts as failed (nothing
+             * lands after): one system call of at most UCX_LAND_PIECE bytes */
+            while (__atomic_load_n(&u->land_piece, __ATOMIC_ACQUIRE) == op)
+                sched_yield();
             continue;
         }
         if (op->region)
@@ -1068,8 +1076,10 @@ static void *land_main(void *arg) {
                 ok = 0;
                 break;
             }
+            __atomic_store_n(&u->land_piece, op, __ATOMIC_RELEASE);
             pthread_mutex_unlock(&c->lock);
             copy_into(u->pid, &self_copy, d + off, (const uint8_t *)op->stage->buf + off, n, op->stage->fd, off);
+            __atomic_store_n(&u->land_piece, NULL, __ATOMIC_RELEASE); /* recvs_abandon may wait for this */
             pthread_mutex_lock(&c->lock);
         }
         if (!op->link) { /* abandoned while it landed: recvs_abandon left its region to us */
@@ -1079,8 +1089,7 @@ static void *land_main(void *arg) {
             free(op);
             continue;
         }
-        op->landing = 3;
-        op->landed_all = ok;
+        op->landing = ok ? 4 : 3;
         op->qnext = u->land_done;
         u->land_done = op;
         wake(u);
@@ -1103,7 +1112,7 @@ static void land_drain(kv_ucx *u) {
         l->rx_ops--;
         c->stats.ucx_rx_pending--;
         r->receiving--;
-        if (op->landed_all)
+        if (op->landing == 4)
             r->landed += op->len;
         if (!l->dead)
             rx_settle(l, r);
@@ -1178,7 +1187,7 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
             l->staged += op->len;
             op_push(&l->recvs, op);
             op->landing = 1;
-            op->qnext = NULL;
+            op->qnext = NULL; /* desc: NULL since recv_post */
             if (u->land_tail)
                 u->land_tail->qnext = op;
             else
