@@ -4,6 +4,8 @@
  * epoll on the worker's event fd and its own wake eventfd. API calls that need
  * the worker (endpoint creation) are commands the thread runs while the caller
  * waits; jobs reach it through an inbox, like kv_tcp.c.
+ * A target's staged push payloads land on a landing thread (land_main), so
+ * that the landing overlaps the next receive; the I/O thread settles them.
  *
  * Nothing is one-sided (docs/decisions.md #27): the UCP context has no RMA
  * feature and no rkey is ever packed for a peer. A push is one active message
@@ -234,10 +236,16 @@ struct ucx_op {
     ucx_pull *pull;      /* PULL_DATA receive: its request */
     ucx_rx *rx;          /* push receive: the push's state */
     uint32_t region;     /* a region ref held for the request (0: none) */
+    int landing;         /* push receive, received: 1 queued for the landing thread, 2 being landed by
+                          * it, 3 landed in part, 4 every byte landed (3, 4: waiting for the round,
+                          * land_drain); 0 otherwise */
     uint64_t len;
     uint64_t dst;        /* receive: where the payload lands (checked by am_recv) */
     ucx_stage *stage;    /* receive: where UCX writes it */
-    void *desc;          /* receive waiting for staging: UCX's descriptor of the message */
+    union {
+        void *desc;      /* receive waiting for staging: UCX's descriptor of the message */
+        struct ucx_op *qnext; /* landing 1: the landing queue; 3, 4: the done list (posted: desc unused) */
+    };
     kv_ucx_hdr hdr;      /* a send's header (valid until the send completes) */
     struct ucx_op *lnext, *lprev; /* push sends: the link's list (job NULL once detached); receives:
                                    * the link's list, or the core's orphans once abandoned (link NULL);
@@ -282,6 +290,15 @@ struct kv_ucx {
     uint64_t stage_bytes; /* their capacity */
     pthread_cond_t cmd_done;
     int stop_requested, stopped;
+    /* the landing thread (land_main): staged push payloads land there, off the I/O
+     * thread, so that a landing overlaps the next receive (under c->lock) */
+    pthread_t land_thread;
+    int land_started, land_stop;
+    pthread_cond_t land_cond;
+    ucx_op *land_head, *land_tail; /* received, to land (FIFO) */
+    ucx_op *land_done;             /* landed: the round settles them (land_drain) */
+    ucx_op *land_piece;            /* the op whose piece is being copied now (atomic: cleared
+                                    * without the lock when the piece's system call returned) */
     /* I/O thread only: it holds c->lock now (UCP may call our callbacks from inside
      * a call made under the lock: a forced close completes requests inline), and
      * the signal those callbacks owe the loop */
@@ -352,6 +369,7 @@ static ucp_mem_h memh_of(kv_ucx *u, uint32_t region_id) {
 }
 
 static void *io_main(void *arg);
+static void *land_main(void *arg);
 static ucs_status_t am_recv(void *arg, const void *header, size_t header_length, void *data, size_t length,
                             const ucp_am_recv_param_t *param);
 
@@ -374,6 +392,7 @@ static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
     u->core = c;
     u->epoll_fd = u->wake_fd = -1;
     pthread_cond_init(&u->cmd_done, NULL);
+    pthread_cond_init(&u->land_cond, NULL);
     u->pid = getpid();
     u->self_copy = 1;
     /* no UCP_FEATURE_RMA: UCP then installs no handler that would put or get at
@@ -736,10 +755,25 @@ static void op_del(ucx_op **head, ucx_op *op) {
     op->lnext = op->lprev = NULL;
 }
 
+static void op_unqueue(ucx_op **head, ucx_op **tail, ucx_op *op) {
+    ucx_op *prev = NULL;
+    for (ucx_op **p = head; *p; prev = *p, p = &(*p)->qnext)
+        if (*p == op) {
+            *p = op->qnext;
+            if (tail && *tail == op)
+                *tail = prev;
+            op->qnext = NULL;
+            return;
+        }
+}
+
 /* The link failed: its receives stop counting. Messages waiting for staging are
  * released to UCX unreceived; receives in progress become orphans: UCX may still
  * write their staging buffers (until it ends them), but they land nothing, hold
- * no region and no push or pull waits for them. Caller holds c->lock. */
+ * no region and no push or pull waits for them. Received payloads waiting for the
+ * landing thread (or landed, waiting for the round) are dropped; the one it is
+ * landing now stops after its current piece and keeps its region until then
+ * (land_main frees it). Caller holds c->lock. */
 static void recvs_abandon(kv_ucx *u, ucx_link *l) {
     kv_core *c = u->core;
     while (l->defer_head || l->recvs) {
@@ -759,11 +793,30 @@ static void recvs_abandon(kv_ucx *u, ucx_link *l) {
             op->rx->receiving--;
         if (op->pull)
             op->pull->receiving = 0; /* dropped with its job below */
-        if (op->region)
-            kv__region_unref(c, op->region);
         op->rx = NULL;
         op->pull = NULL;
+        if (op->landing == 2) { /* being landed: land_main sees link NULL before its next piece */
+            op->link = NULL;
+            /* and the piece being copied now ends before the link counts as failed (nothing
+             * lands after): one system call of at most UCX_LAND_PIECE bytes */
+            while (__atomic_load_n(&u->land_piece, __ATOMIC_ACQUIRE) == op)
+                sched_yield();
+            continue;
+        }
+        if (op->region)
+            kv__region_unref(c, op->region);
         op->region = 0;
+        if (op->landing) { /* received: UCX is done with it */
+            if (op->landing == 1) {
+                op_unqueue(&u->land_head, &u->land_tail, op);
+                c->stats.ucx_late_dropped++; /* its bytes never land */
+            } else {
+                op_unqueue(&u->land_done, NULL, op);
+            }
+            stage_put(u, op->stage);
+            free(op);
+            continue;
+        }
         if (op->desc) { /* never posted */
             ucp_am_data_release(u->worker, op->desc);
             free(op);
@@ -931,22 +984,27 @@ static void rx_settle(ucx_link *l, ucx_rx *r) {
  * half of memcpy's speed here; else process_vm_writev into our own process
  * (eager payloads, in UCX's buffers), about a third; where the kernel refuses
  * that (a sandbox), memcpy. */
-static void copy_in(kv_ucx *u, uint8_t *d, const uint8_t *sp, uint64_t n, int fd, uint64_t foff) {
+static void copy_into(pid_t pid, int *self_copy, uint8_t *d, const uint8_t *sp, uint64_t n, int fd,
+                      uint64_t foff) {
     uint64_t done = 0;
     if (fd >= 0) {
         ssize_t r = pread(fd, d, n, (off_t)foff);
         if (r > 0)
             done = (uint64_t)r;
-    } else if (u->self_copy) {
+    } else if (*self_copy) {
         struct iovec lo = {.iov_base = (void *)(uintptr_t)sp, .iov_len = n}, re = {.iov_base = d, .iov_len = n};
-        ssize_t r = process_vm_writev(u->pid, &lo, 1, &re, 1, 0);
+        ssize_t r = process_vm_writev(pid, &lo, 1, &re, 1, 0);
         if (r > 0)
             done = (uint64_t)r;
         else if (errno == EPERM || errno == ENOSYS)
-            u->self_copy = 0;
+            *self_copy = 0;
     }
     if (done < n)
         memcpy(d + done, sp + done, n - done);
+}
+
+static void copy_in(kv_ucx *u, uint8_t *d, const uint8_t *sp, uint64_t n, int fd, uint64_t foff) {
+    copy_into(u->pid, &u->self_copy, d, sp, n, fd, foff);
 }
 
 /* Land `len` bytes of a push at `dst` (checked by am_recv) from `src` (an eager
@@ -974,8 +1032,129 @@ static int land_checked(kv_ucx *u, ucx_link *l, uint64_t dst, const void *src, u
     return 1;
 }
 
-/* A rendezvous receive into staging ended (push data or a pull's answer): its
- * payload lands now if it still may. */
+/* The landing thread: a push's staged payload (recv_done queued it) lands piece
+ * by piece as land_checked does (each copied only while the link is alive, its
+ * push not aborted and our lease holds, checked under c->lock right before the
+ * piece's one system call), while the I/O thread receives the next one. The op
+ * stays a receive in progress of its link and push and keeps its region ref
+ * until the round settles it (land_drain: ACK when due, on the I/O thread, the
+ * only one that sends); a link that fails meanwhile drops what is queued
+ * (recvs_abandon) and the op being landed stops after its current piece. */
+static void *land_main(void *arg) {
+    kv_ucx *u = arg;
+    kv_core *c = u->core;
+    pthread_mutex_lock(&c->lock);
+    for (;;) {
+        while (!u->land_head && !u->land_stop)
+            pthread_cond_wait(&u->land_cond, &c->lock); /* land_join wakes it */
+        if (u->land_stop)
+            break; /* the I/O thread stopped: every link failed, the queue was dropped */
+        ucx_op *op = u->land_head;
+        u->land_head = op->qnext;
+        if (!u->land_head)
+            u->land_tail = NULL;
+        op->qnext = NULL;
+        op->landing = 2;
+        uint8_t *d = (uint8_t *)(uintptr_t)op->dst;
+        int self_copy = u->self_copy;
+        int ok = 1;
+        for (uint64_t off = 0; off < op->len; off += UCX_LAND_PIECE) {
+            uint64_t n = op->len - off < UCX_LAND_PIECE ? op->len - off : UCX_LAND_PIECE;
+            ucx_link *l = op->link; /* NULL: abandoned (the link and its push states may be gone) */
+            if (l && op->rx->aborted) {
+                c->stats.ucx_dropped++; /* aborted while it landed: the rest is dropped */
+                ok = 0;
+                break;
+            }
+            if (!l || l->dead || now_ns() >= l->lease_until) {
+                c->stats.ucx_late_dropped++;
+                if (l && !l->dead && !l->down_status) { /* failed by the round */
+                    c->stats.tcp_lease_expired++;
+                    l->down_status = KV_LLM_LINK_FAILED;
+                    wake(u);
+                }
+                ok = 0;
+                break;
+            }
+            __atomic_store_n(&u->land_piece, op, __ATOMIC_RELEASE);
+            pthread_mutex_unlock(&c->lock);
+            copy_into(u->pid, &self_copy, d + off, (const uint8_t *)op->stage->buf + off, n, op->stage->fd, off);
+            __atomic_store_n(&u->land_piece, NULL, __ATOMIC_RELEASE); /* recvs_abandon may wait for this */
+            pthread_mutex_lock(&c->lock);
+        }
+        if (!op->link) { /* abandoned while it landed: recvs_abandon left its region to us */
+            if (op->region)
+                kv__region_unref(c, op->region);
+            stage_put(u, op->stage);
+            free(op);
+            continue;
+        }
+        op->landing = ok ? 4 : 3;
+        op->qnext = u->land_done;
+        u->land_done = op;
+        wake(u);
+    }
+    pthread_mutex_unlock(&c->lock);
+    return NULL;
+}
+
+/* The round (c->lock held, I/O thread): payloads the landing thread is done with
+ * end their receive; the push is settled (ACK when every byte landed). */
+static void land_drain(kv_ucx *u) {
+    kv_core *c = u->core;
+    while (u->land_done) {
+        ucx_op *op = u->land_done;
+        u->land_done = op->qnext;
+        ucx_link *l = op->link;
+        ucx_rx *r = op->rx;
+        op_del(&l->recvs, op);
+        l->staged -= op->len;
+        l->rx_ops--;
+        c->stats.ucx_rx_pending--;
+        r->receiving--;
+        if (op->landing == 4)
+            r->landed += op->len;
+        if (!l->dead)
+            rx_settle(l, r);
+        if (op->region)
+            kv__region_unref(c, op->region);
+        stage_put(u, op->stage);
+        free(op);
+    }
+}
+
+/* The landing thread, started by the I/O thread when a target first has a
+ * payload to land (a pusher never starts one). 0: it could not be started, or
+ * the engine stops: the caller lands on its own thread as before. */
+static int land_thread_ok(kv_ucx *u) {
+    if (u->land_started)
+        return 1;
+    if (u->stop_requested)
+        return 0;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    u->land_started = pthread_create(&u->land_thread, NULL, land_main, u) == 0;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return u->land_started;
+}
+
+/* Stop and join the landing thread (after the I/O thread, which starts it: its
+ * stop failed every link, so nothing is queued and the op being landed stops
+ * after one piece). */
+static void land_join(kv_ucx *u) {
+    if (!u->land_started)
+        return;
+    pthread_mutex_lock(&u->core->lock);
+    u->land_stop = 1;
+    pthread_cond_broadcast(&u->land_cond);
+    pthread_mutex_unlock(&u->core->lock);
+    pthread_join(u->land_thread, NULL);
+    u->land_started = 0;
+}
+
+/* A rendezvous receive into staging ended (push data or a pull's answer): a
+ * push's payload is queued for the landing thread, a pull's answer lands now. */
 static void recv_done(void *request, ucs_status_t status, size_t length, void *user_data) {
     (void)length; /* the receive was posted for exactly op->len bytes */
     ucx_op *op = user_data;
@@ -996,10 +1175,32 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
     if (op->rx) {
         ucx_rx *r = op->rx;
         r->receiving--;
-        if (status == UCS_OK && r->aborted)
+        if (status == UCS_OK && r->aborted) {
             c->stats.ucx_dropped++; /* data of a push aborted while it was received */
-        else if (status == UCS_OK && land_checked(u, l, op->dst, op->stage->buf, op->len, op->stage))
-            r->landed += op->len;
+        } else if (status == UCS_OK && !l->dead && land_thread_ok(u)) {
+            /* it lands on the landing thread (land_main), the next receive meanwhile on
+             * ours; it stays a receive in progress (its link's, its push's, its staging
+             * budget's, its region ref) until the round settles it (land_drain) */
+            r->receiving++;
+            l->rx_ops++;
+            c->stats.ucx_rx_pending++;
+            l->staged += op->len;
+            op_push(&l->recvs, op);
+            op->landing = 1;
+            op->qnext = NULL; /* desc: NULL since recv_post */
+            if (u->land_tail)
+                u->land_tail->qnext = op;
+            else
+                u->land_head = op;
+            u->land_tail = op;
+            pthread_cond_signal(&u->land_cond);
+            cb_unlock(u, own, sig);
+            if (request)
+                ucp_request_free(request);
+            return;
+        } else if (status == UCS_OK && land_checked(u, l, op->dst, op->stage->buf, op->len, op->stage)) {
+            r->landed += op->len; /* no landing thread: landed here, as before */
+        }
         if (!l->dead)
             rx_settle(l, r);
     } else if (op->pull) {
@@ -1659,6 +1860,7 @@ static void *io_main(void *arg) {
                         sig |= handle_abort(u, j, now);
                 }
         }
+        land_drain(u);
         while (u->unmap) { /* regions released by a completion on this thread */
             ucx_local *lo = u->unmap;
             u->unmap = lo->next;
@@ -1920,6 +2122,7 @@ static void ucx_stop(kv_transport *t) {
     wake(u);
     pthread_mutex_unlock(&c->lock);
     pthread_join(u->thread, NULL);
+    land_join(u);
 }
 
 static void ucx_region_freed(kv_transport *t, uint32_t region_id) {
@@ -1942,6 +2145,7 @@ static void ucx_region_freed(kv_transport *t, uint32_t region_id) {
 
 static void ucx_destroy(kv_transport *t) {
     kv_ucx *u = (kv_ucx *)t;
+    land_join(u); /* joined by ucx_stop already (a no-op then) */
     /* the worker first: destroying it may complete requests whose contexts name links */
     if (u->address)
         ucp_worker_release_address(u->worker, u->address);
@@ -2004,6 +2208,7 @@ static void ucx_destroy(kv_transport *t) {
     if (u->wake_fd >= 0)
         close(u->wake_fd);
     pthread_cond_destroy(&u->cmd_done);
+    pthread_cond_destroy(&u->land_cond);
     free(u);
 }
 
