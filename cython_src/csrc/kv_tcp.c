@@ -275,6 +275,9 @@ static uint64_t now_ns(void) {
 
 static uint64_t add_saturating(uint64_t a, uint64_t b) { return a + b < a ? UINT64_MAX : a + b; }
 
+/* Commands, jobs or aborts wait for the I/O thread's round. Caller holds c->lock. */
+static int work_queued(const kv_net *n) { return n->commands_head || n->inbox_head || n->abort_head; }
+
 /* Caller holds c->lock. A polling I/O thread takes the lock every round and sees
  * the new work then, so only a sleeping one is woken (a write and a read saved
  * per submit while it polls). */
@@ -1907,7 +1910,7 @@ static void *io_main(void *arg) {
             tmo = next_due <= t0 ? 0 : (int)((next_due - t0 + 999999) / 1000000);
         if (tmo) { /* about to block: from here on a submit, command or abort writes wake_fd */
             pthread_mutex_lock(&c->lock);
-            if (n->commands_head || n->inbox_head || n->abort_head || (n->stop_requested && !n->stopped))
+            if (work_queued(n) || (n->stop_requested && !n->stopped))
                 tmo = 0;
             else
                 n->sleeping = 1;
@@ -1924,7 +1927,7 @@ static void *io_main(void *arg) {
         int sig = 0;
         pthread_mutex_lock(&c->lock);
         n->sleeping = 0;
-        if (n->commands_head || n->inbox_head || n->abort_head) /* new work is activity: keep polling */
+        if (work_queued(n)) /* new work is activity: keep polling */
             last_busy = n->round_ns;
         kv_command *cmds = n->commands_head;
         n->commands_head = n->commands_tail = NULL;

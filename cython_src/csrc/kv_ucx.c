@@ -1007,6 +1007,22 @@ static void copy_in(kv_ucx *u, uint8_t *d, const uint8_t *sp, uint64_t n, int fd
     copy_into(u->pid, &u->self_copy, d, sp, n, fd, foff);
 }
 
+/* May the next piece of a push on link `l` (NULL: abandoned) land now: the link
+ * alive and our lease from the pusher held? If not, the drop is counted and a live
+ * link is marked to fail at the next round (*marked = 1: marked by this call; the
+ * round fails it, not a UCX callback). Caller holds c->lock. */
+static int piece_may_land(kv_core *c, ucx_link *l, int *marked) {
+    if (l && !l->dead && now_ns() < l->lease_until)
+        return 1;
+    c->stats.ucx_late_dropped++;
+    if (l && !l->dead && !l->down_status) {
+        c->stats.tcp_lease_expired++;
+        l->down_status = KV_LLM_LINK_FAILED;
+        *marked = 1;
+    }
+    return 0;
+}
+
 /* Land `len` bytes of a push at `dst` (checked by am_recv) from `src` (an eager
  * payload, or the staging buffer `st`): piece by piece, each copied only while
  * our lease from the pusher holds (the pusher may report the push failed from
@@ -1014,19 +1030,13 @@ static void copy_in(kv_ucx *u, uint8_t *d, const uint8_t *sp, uint64_t n, int fd
  * the lease ran out first (the rest is dropped and the link fails at the next
  * round). Caller holds c->lock. */
 static int land_checked(kv_ucx *u, ucx_link *l, uint64_t dst, const void *src, uint64_t len, const ucx_stage *st) {
-    kv_core *c = u->core;
     uint8_t *d = (uint8_t *)(uintptr_t)dst;
     const uint8_t *sp = src;
     for (uint64_t off = 0; off < len; off += UCX_LAND_PIECE) {
         uint64_t n = len - off < UCX_LAND_PIECE ? len - off : UCX_LAND_PIECE;
-        if (l->dead || now_ns() >= l->lease_until) {
-            c->stats.ucx_late_dropped++;
-            if (!l->dead && !l->down_status) { /* failed by the round: not from inside UCX's callback */
-                c->stats.tcp_lease_expired++;
-                l->down_status = KV_LLM_LINK_FAILED;
-            }
+        int marked = 0;
+        if (!piece_may_land(u->core, l, &marked))
             return 0;
-        }
         copy_in(u, d + off, sp + off, n, st ? st->fd : -1, off);
     }
     return 1;
@@ -1066,13 +1076,10 @@ static void *land_main(void *arg) {
                 ok = 0;
                 break;
             }
-            if (!l || l->dead || now_ns() >= l->lease_until) {
-                c->stats.ucx_late_dropped++;
-                if (l && !l->dead && !l->down_status) { /* failed by the round */
-                    c->stats.tcp_lease_expired++;
-                    l->down_status = KV_LLM_LINK_FAILED;
-                    wake(u);
-                }
+            int marked = 0;
+            if (!piece_may_land(c, l, &marked)) {
+                if (marked)
+                    wake(u); /* the round fails the link */
                 ok = 0;
                 break;
             }
