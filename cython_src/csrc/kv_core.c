@@ -380,6 +380,44 @@ __attribute__((target("avx2"))) static void copy_stream(uint8_t *d, const uint8_
         memcpy(d, s, n);
 }
 
+/* Whole rows of a 2-D segment whose rows are short whole cache lines (a head
+ * range's 1 KiB rows: `len` a multiple of 64, below KV_STREAM_MIN_RUN, every
+ * destination row 64-byte aligned): one tight loop, not a copy_stream call per
+ * row, reading the row KV_PREFETCH_AHEAD bytes ahead (near the end, the first
+ * rows of the next segment: `next` rows of `next_len` bytes `next_stride`
+ * apart; next_rows 0 for none). 1.2-1.3x copy_stream row by row in a C loop of
+ * vLLM-shaped head-split blocks on this VM. The caller fences. */
+__attribute__((target("avx2"))) static void copy_rows_stream(uint8_t *d, const uint8_t *s, size_t len, uint64_t ss,
+                                                             uint64_t ds, uint64_t rows, const uint8_t *next,
+                                                             size_t next_len, uint64_t next_stride, uint64_t next_rows) {
+    uint64_t k = (KV_PREFETCH_AHEAD + len - 1) / len; /* rows ahead */
+    for (uint64_t r = 0; r < rows; r++, d += ds, s += ss) {
+        const uint8_t *p = NULL;
+        size_t plen = len;
+        if (r + k < rows) {
+            p = s + k * ss;
+        } else if (r + k - rows < next_rows) {
+            p = next + (r + k - rows) * next_stride;
+            plen = next_len < len ? next_len : len;
+        }
+        size_t o = 0;
+        for (; o + 128 <= len; o += 128) {
+            if (p && o < plen) {
+                _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + o + 64, _MM_HINT_T0);
+            }
+            stream_128(d + o, s + o);
+        }
+        if (o < len) { /* the last 64 bytes */
+            if (p && o < plen)
+                _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+            _mm256_stream_si256((__m256i *)(void *)(d + o), _mm256_loadu_si256((const __m256i *)(const void *)(s + o)));
+            _mm256_stream_si256((__m256i *)(void *)(d + o + 32),
+                                _mm256_loadu_si256((const __m256i *)(const void *)(s + o + 32)));
+        }
+    }
+}
+
 static void stream_fence(void) { _mm_sfence(); }
 #else
 static int stream_available(void) { return 0; }
@@ -403,6 +441,22 @@ static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int st
         size_t next_len = next_src ? (size_t)next->len : 0;
         t = kv_seg_run(s, off, n, &src, &dst);
         for (;;) {
+#ifdef KV_HAVE_STREAM
+            /* whole rows of short whole lines from here on: one tight loop */
+            uint64_t wr = t == s->len ? n / s->len : 0;
+            if (stream && wr >= 2 && s->len >= KV_STREAM_MIN_LINES && s->len < KV_STREAM_MIN_RUN &&
+                ((dst | s->len | s->dst_stride) & 63) == 0 &&
+                (dst >= src + (wr - 1) * s->src_stride + s->len || src >= dst + (wr - 1) * s->dst_stride + s->len)) {
+                copy_rows_stream((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, (size_t)s->len,
+                                 s->src_stride, s->dst_stride, wr, (const uint8_t *)(uintptr_t)next_src, next_len,
+                                 next_src ? next->src_stride : 0, next_src ? next->rows : 0);
+                if (!(n -= wr * s->len))
+                    return KV_LLM_SUCCESS;
+                src += wr * s->src_stride;
+                dst += wr * s->dst_stride;
+                t = n; /* less than a row */
+            }
+#endif
             /* the next row's start (if this run ends its row and more is left) */
             uint64_t nsrc = src + t + s->src_stride - s->len, ndst = dst + t + s->dst_stride - s->len;
             if (stream && stream_run(dst, t) && (dst >= src + t || src >= dst + t))

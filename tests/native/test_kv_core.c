@@ -1859,8 +1859,8 @@ static void test_large_copy(void) {
         uint64_t len = i % 10 == 0 ? 1 + i % 97 : 4096 + (i * 7919) % 12000, rows = i % 7 == 3 ? 3 : 1;
         uint64_t so = (i * 104729) % (N - 3 * 20000), ds = len + (i % 5);
         if (i % 13 == 6) { /* a head range's rows: whole cache lines (streamed when aligned), 16 of them */
-            len = 256 * (1 + i % 8);
-            rows = 16;
+            len = 256 * (1 + i % 8) + (i % 4 == 1 ? 64 : 0); /* some end in half a 128-byte step */
+            rows = i % 26 == 6 ? 16 : 3 + i % 5; /* whole rows in one loop, cut by the 1 MiB chunks */
             ds = i % 2 ? len : len + 64;
             at = (at + 63) & ~(uint64_t)63;
             at += i % 3 == 0 ? 32 : 0; /* and some not line-aligned (not streamed) */
