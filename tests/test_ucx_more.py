@@ -194,6 +194,7 @@ async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypa
         while (stats := await _peer_stats(peer))["ucx_rx_pending"] or stats["ucx_rx_orphans"]:
             assert loop.time() < end, f"the resumed peer's UCX receives did not end: {stats}"
             await asyncio.sleep(0.01)            # polling a condition with a bound, not a synchronisation
+        assert stats["ucx_stage_bytes"] == 0, stats   # every receive gave its staging back
         after = netbed.read_remote(peer.pid, addrs, size)
         n = sum(int(np.count_nonzero(a != b)) for a, b in zip(at_status, after))
         assert n == 0, (f"{n} bytes landed in the destination after the push's status {status.name} "
@@ -214,7 +215,8 @@ async def test_killed_pusher_without_peer_errors_leaves_nothing_pending(monkeypa
     failed, within heartbeat_timeout + heartbeat_interval + 1 s of the kill, the target has
     no receive of it pending (ucx_rx_pending 0; over cma UCX's own requests end too,
     ucx_rx_orphans 0; over tcp they stay, at most the window's messages, writing only
-    staging) and its destination does not change any more; another pusher's push then
+    staging, whose memory went back to the kernel: ucx_stage_bytes 0) and its destination
+    does not change any more; another pusher's push then
     lands byte-exact, and the first destination can be released (no receive holds its
     region)."""
     monkeypatch.setenv("UCX_TLS", tls)
@@ -251,6 +253,7 @@ async def test_killed_pusher_without_peer_errors_leaves_nothing_pending(monkeypa
             assert loop.time() - t0 < bound, f"receives still pending {loop.time() - t0:.2f} s after the kill: {st}"
             await asyncio.sleep(0.005)         # polling a condition with a bound, not a synchronisation
         assert st["ucx_rx_orphans"] <= (4 << 20) // (2 << 20) + 1, st
+        assert st["ucx_stage_bytes"] == 0, st    # no receive in progress; orphans hold no memory
         landed = sum(int(np.count_nonzero(t)) for t in at_down)
         assert 0 < landed < 2 * (128 << 20), landed
         r = await other.call("push", cache_id=src2, cluster_id=2, dst_cache_id=dst2.cache_id, timeout=10)

@@ -92,6 +92,8 @@ typedef struct {
                                    landed: our lease from the pusher ran out first (the link fails) */
     uint64_t ucx_rx_pending;    /* now: UCX rendezvous receives of live links in progress or waiting */
     uint64_t ucx_rx_orphans;    /* now: receives of failed links UCX has not ended (they land nothing) */
+    uint64_t ucx_stage_bytes;   /* now: staging memory UCX receives hold (in progress or landing; an
+                                   orphan's is given back to the kernel); the reuse cache not counted */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a

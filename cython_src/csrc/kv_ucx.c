@@ -116,6 +116,7 @@ uint32_t kv_ucx_test_send(kv_core *c, uint32_t link_id, const uint8_t *hdr, size
 #else
 
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/epoll.h>
@@ -148,7 +149,10 @@ typedef struct ucx_op ucx_op;
 typedef struct ucx_stage {
     void *buf;
     size_t cap;
-    int fd;                 /* the memfd `buf` maps (landed with pread), or -1 (plain memory) */
+    int fd;                 /* the memfd `buf` maps (landed with pread), or -1 */
+    int mapped;             /* `buf` is a mapping (of the memfd, closed once released), not malloc's */
+    int live;               /* counted in ucx_stage_bytes: a receive holds it */
+    int released;           /* an orphan's: its memory given back (stage_release), never reused */
     struct ucx_stage *next; /* the core's free list */
 } ucx_stage;
 
@@ -681,14 +685,25 @@ static void job_detach(ucx_link *l, ucx_job *j) {
 }
 
 /* A staging buffer of at least `len` bytes (reused when one is free). */
+static ucx_stage *stage_new(uint64_t len);
+
 static ucx_stage *stage_get(kv_ucx *u, uint64_t len) {
+    ucx_stage *st = NULL;
     for (ucx_stage **p = &u->stages; *p; p = &(*p)->next)
         if ((*p)->cap >= len) {
-            ucx_stage *st = *p;
+            st = *p;
             *p = st->next;
             u->stage_bytes -= st->cap;
-            return st;
+            break;
         }
+    if (!st && !(st = stage_new(len)))
+        return NULL;
+    st->live = 1;
+    u->core->stats.ucx_stage_bytes += st->cap;
+    return st;
+}
+
+static ucx_stage *stage_new(uint64_t len) {
     ucx_stage *st = calloc(1, sizeof *st);
     size_t cap = (size_t)((len + 4095) & ~4095ull);
     if (!st)
@@ -702,6 +717,7 @@ static ucx_stage *stage_get(kv_ucx *u, uint64_t len) {
             m = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_SHARED, st->fd, 0);
         if (m != MAP_FAILED) {
             st->buf = m;
+            st->mapped = 1;
             return st;
         }
         close(st->fd);
@@ -716,19 +732,47 @@ static ucx_stage *stage_get(kv_ucx *u, uint64_t len) {
 }
 
 static void stage_free(ucx_stage *st) {
-    if (st->fd >= 0) {
+    if (st->mapped)
         munmap(st->buf, st->cap);
-        close(st->fd);
-    } else {
+    else
         free(st->buf);
-    }
+    if (st->fd >= 0)
+        close(st->fd);
     free(st);
+}
+
+/* No receive holds it any more (counted out of ucx_stage_bytes). */
+static void stage_unlive(kv_ucx *u, ucx_stage *st) {
+    if (st->live) {
+        st->live = 0;
+        u->core->stats.ucx_stage_bytes -= st->cap;
+    }
+}
+
+/* An orphan's buffer (its link failed, UCX has not ended the receive and may
+ * still write it): its memory goes back to the kernel and its memfd is closed
+ * (the mapping stays for UCX; a page it writes again is a new page). Freed, not
+ * reused, when UCX ends the receive; with the engine otherwise. A dead pusher
+ * then leaves only UCX's requests and bookkeeping behind, no staging memory. */
+static void stage_release(kv_ucx *u, ucx_stage *st) {
+    if (!st)
+        return;
+    stage_unlive(u, st);
+    if (st->fd >= 0) {
+        (void)fallocate(st->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)st->cap);
+        close(st->fd);
+        st->fd = -1;
+    } else {
+        (void)madvise(st->buf, st->cap, MADV_DONTNEED); /* page-aligned, whole pages */
+    }
+    st->released = 1;
 }
 
 static void stage_put(kv_ucx *u, ucx_stage *st) {
     if (!st)
         return;
-    if (u->stage_bytes + st->cap <= UCX_STAGE_CACHE) {
+    stage_unlive(u, st);
+    if (!st->released && u->stage_bytes + st->cap <= UCX_STAGE_CACHE) {
         st->next = u->stages;
         u->stages = st;
         u->stage_bytes += st->cap;
@@ -824,6 +868,7 @@ static void recvs_abandon(kv_ucx *u, ucx_link *l) {
         }
         op->link = NULL;
         c->stats.ucx_rx_orphans++;
+        stage_release(u, op->stage); /* UCX may still write it; nothing reads it any more */
         op_push(&u->orphans, op);
     }
 }
