@@ -15,6 +15,9 @@
 from libc.math cimport frexp, pow, isfinite
 from libc.string cimport memcpy
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+
+cdef extern from "<time.h>" nogil:
+    enum: CLOCK_BOOTTIME
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.dict cimport PyDict_GetItem
 from cpython.ref cimport PyObject
@@ -31,6 +34,13 @@ cdef inline double _now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
+
+
+cdef inline long long _boot_ns() noexcept nogil:
+    """The mover leases' clock (kvengine/link.py, boot_ns), in ns."""
+    cdef timespec ts
+    clock_gettime(CLOCK_BOOTTIME, &ts)
+    return <long long>ts.tv_sec * 1000000000 + ts.tv_nsec
 
 
 cdef class Histogram:
@@ -202,6 +212,7 @@ cdef class FastPath:
     cdef dict caches, links, memo, plans, by_link
     cdef Counts whole
     cdef readonly uint64_t taken       # transfers the fast path ran
+    cdef long long lease_low_ns        # a shm push with less mover lease left goes the Python way
 
     def __init__(self, loop, Core core, options, jobs, caches, links, memo, Counts whole, peer, failed,
                  t_cache, t_index, t_ext):
@@ -216,6 +227,7 @@ cdef class FastPath:
         self.plans, self.by_link = {}, {}
         self.whole, self.peer, self.failed = whole, peer, failed
         self.t_cache, self.t_index, self.t_ext = t_cache, t_index, t_ext
+        self.lease_low_ns = <long long>(0.75 * options.heartbeat_timeout * 1e9) // 2   # link.lease_low
 
     def push(self, cache, where, src_batch_index, size, ext_param, timeout, priority, notify):
         if notify is not None:
@@ -312,6 +324,8 @@ cdef class FastPath:
         if plan.total > inline_max:
             return None
         cdef uint32_t lease = 0 if pull else link.lease_id
+        if lease and <long long>link.lease_until - _boot_ns() < self.lease_low_ns:
+            return None   # after a stall of our loop: Targets renews the lease first
         cdef uint64_t job = next(self.jobs)
         cdef int done = 0
         cdef uint64_t nbytes = 0

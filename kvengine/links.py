@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable
 
 from .control import ProtocolError
 from .dataplane import DataPlane
-from .link import Key, Link, TaskSet, boot_ns, mover_lease_ns
+from .link import Key, Link, TaskSet, boot_ns, lease_waiters_done, mover_lease_ns
 from .native import _native
 from .notify import Notifier
 from .registry import CacheRegistry, LocalCache
@@ -253,6 +253,17 @@ class LinkManager:
         if link.lease_id and until > link.lease_until:
             link.lease_until = until
             self._core.lease_renew(link.lease_id, until)
+        if link.lease_waiters and link.lease_until > boot_ns():
+            lease_waiters_done(link)
+
+    def renew_lease(self, link: Link) -> asyncio.Future[None]:
+        """Ping now for a mover lease run low (lease_low); done at the pong that renews it,
+        or when the link goes down."""
+        fut: asyncio.Future[None] = self._loop.create_future()
+        if not link.lease_waiters:
+            link.ch.send_nowait({"t": "ping", "ts": boot_ns()})
+        link.lease_waiters.append(fut)
+        return fut
 
     async def _heartbeat(self, link: Link) -> None:
         """Ping every heartbeat_interval; a peer silent for heartbeat_timeout is lost.
@@ -374,6 +385,7 @@ class LinkManager:
         if link.lease_id:   # our movers start no more chunks into the peer's memory
             self._core.lease_remove(link.lease_id)
             link.lease_id = 0
+        lease_waiters_done(link)
         self.data.close(link, status)   # the data streams; the link's jobs complete with `status`
         self._tables.drop(link, status)
         for fut in link.pending.values():

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import plan
-from .link import Key, Link, RemoteCache
+from .link import Key, Link, RemoteCache, lease_low
 from .links import LinkManager
 from .plan import Packed, Planner
 from .registry import CacheRegistry, LocalCache
@@ -71,9 +71,11 @@ class Targets:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def submit(self, op: str, cache: Any, where: Any, name: str, kinds: tuple[type, ...], timeout: Any,
-               priority: Any, notify: Any, segments: Segments, asked: bool = False) -> Transfer:
+               priority: Any, notify: Any, segments: Segments, asked: bool = False,
+               renewed: bool = False) -> Transfer:
         """Check, resolve, plan and launch one push or pull; a failed check is a finished
-        Transfer, an unannounced name one that asks first (``asked``: it did)."""
+        Transfer, an unannounced name one that asks first (``asked``: it did), a push whose
+        mover lease ran low after a stall of ours one that renews it first (``renewed``)."""
         try:
             local = self._registry.get(cache)
             target: CacheIndex | CacheKey | BlocksCacheKey = where   # checked just below
@@ -84,6 +86,11 @@ class Targets:
             link, rc, row, key = self._resolve(target, asked)
             segs, total = segments(self._planner, local, rc, row)
             push = op.startswith("push")
+            if push and not renewed and lease_low(link, self._options.heartbeat_timeout):
+                def renew(left: float) -> Transfer:
+                    return self.submit(op, cache, where, name, kinds, left, priority, notify, segments,
+                                       asked, renewed=True)
+                return self._renew_first(op, link, tmo, renew)
             return self._scheduler.launch(link, (local, rc), segs, total, tmo, prio, note,
                                           (op, link.cluster_id, rc.cache_id, key, row),
                                           link.lease_id if push else 0)
@@ -146,6 +153,17 @@ class Targets:
         task.add_done_callback(self._tasks.discard)
         return t
 
+    def _renew_first(self, op: str, link: Link, timeout: float, again: Callable[[float], Transfer]) -> Transfer:
+        """A push after a stall of our loop: the mover lease is renewed (a ping's pong, or
+        the link goes down) before it starts, within its timeout."""
+        t = _Asking(_AskingOwner(self._scheduler), f"{op} to cluster {link.cluster_id}")
+        t._timeout = timeout
+        t.deadline = self._loop.time() + timeout
+        task = self._loop.create_task(self._then(t, link, "", self._links.renew_lease(link), again))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return t
+
     def _ask(self, link: Link, name: Name, timeout: float) -> asyncio.Future[bool | None]:
         """The question in flight for ``name`` on ``link`` (asked now if none is)."""
         k = (link.serial, name[0], name[1])
@@ -161,9 +179,10 @@ class Targets:
         reply = await self._links.query(link, msg, timeout)
         return None if reply is None else reply.get("found") is True
 
-    async def _then(self, t: _Asking, link: Link, what: str, fut: asyncio.Future[bool | None],
+    async def _then(self, t: _Asking, link: Link, what: str, fut: asyncio.Future[Any],
                     again: Callable[[float], Transfer]) -> None:
-        """After the answer (or the deadline): launch the transfer, or fail it."""
+        """After the answer (or the deadline): launch the transfer, or fail it. ``what``
+        empty: ``fut`` is a lease renewal (done: renewed, or the link went down)."""
         try:
             await asyncio.wait_for(asyncio.shield(fut), max(t.deadline - self._loop.time(), 0.0))
         except asyncio.TimeoutError:
@@ -171,7 +190,12 @@ class Targets:
         if t.done():
             return   # cancelled while asking: nothing was launched
         left = t.deadline - self._loop.time()
-        if not fut.done() or (fut.result() is None and link.up) or left <= 0:
+        if not what and (not fut.done() or left <= 0):
+            t._finish(S.LLM_TIMEOUT, 0, f"{t.what}: the peer did not renew our mover lease (run low "
+                                        f"after a stall of this process) within the transfer's timeout "
+                                        f"({t._timeout:g} s); nothing was sent")
+            return
+        if what and (not fut.done() or (fut.result() is None and link.up) or left <= 0):
             t._finish(S.LLM_TIMEOUT, 0, f"{t.what}: the peer did not say whether it has {what} within "
                                         f"the transfer's timeout ({t._timeout:g} s); nothing was sent")
             return

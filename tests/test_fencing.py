@@ -431,6 +431,35 @@ async def test_shm_stopped_pusher_lands_at_most_one_chunk_per_mover_after_the_li
         await close_all([prefill], [peer])
 
 
+async def test_shm_push_after_a_stall_of_our_loop_renews_the_mover_lease_first():
+    """Our loop blocked longer than the mover lease (0.75 x heartbeat_timeout) but shorter
+    than heartbeat_timeout: the link is healthy, but no pong renewed the lease meanwhile.
+    The next pushes (inline, and by the movers) wait for a renewal (one ping) instead of
+    being refused by the core, which failed them LLM_LINK_FAILED and took the link down."""
+    from conftest import filled, link, make_pair
+    p, d = await make_pair("shm", heartbeat_timeout=2.0)
+    try:
+        await link(p, d)
+        small, big = kv.CacheDesc(2, (1, 32 << 10), np.uint8), kv.CacheDesc(2, (1, 16 << 20), np.uint8)
+        ssrc, bsrc = filled(p.allocate_cache(small), 1), filled(p.allocate_cache(big), 2)
+        sdst, bdst = d.allocate_cache(small), d.allocate_cache(big)
+        for c in (sdst, bdst):
+            await p.wait_remote_cache(2, c.cache_id)
+        await p.push_kv_cache(ssrc, kv.CacheIndex(2, sdst.cache_id, 0))   # the fast path's memo
+        time.sleep(0.75 * 2.0 + 0.1)   # the stall itself (not a synchronisation)
+        await p.push_kv_cache(ssrc, kv.CacheIndex(2, sdst.cache_id, 0), timeout=5)   # awaited: fast path
+        time.sleep(0.75 * 2.0 + 0.1)
+        pushes = [p.submit_push_kv_cache(ssrc, kv.CacheIndex(2, sdst.cache_id, 0), timeout=5),
+                  p.submit_push_kv_cache(bsrc, kv.CacheIndex(2, bdst.cache_id, 0), timeout=5)]
+        assert [await t for t in pushes] == [S.LLM_SUCCESS, S.LLM_SUCCESS], [t.message() for t in pushes]
+        for a, b in ((ssrc, sdst), (bsrc, bdst)):
+            assert all(np.array_equal(x, y) for x, y in zip(a.tensors, b.tensors))
+        assert p.stats()["links"][2]["state"] == "up" and d.stats()["links"][1]["state"] == "up"
+    finally:
+        await p.close()
+        await d.close()
+
+
 async def test_shm_caller_owned_memory_is_not_written_after_unregister_reported_it_released():
     """Beyond finding 5: the stopped shm pusher writes into our *caller-owned* cache with CMA
     (process_vm_writev into this process). Our link to it fails; unregister_kv_cache's
