@@ -855,7 +855,8 @@ static int close_forced(ucx_link *l) {
 
 /* The link fails (caller holds c->lock, I/O thread): from now on the handler
  * writes nothing for it; queued jobs end at once, jobs with requests
- * outstanding when the forced close has completed them. */
+ * outstanding when UCX ended them (a forced close does at once) or at their
+ * due time (timers: the lease bound, or the fence). */
 static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
     kv_core *c = u->core;
     int sig = 0;
