@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -204,6 +205,85 @@ async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypa
             os.kill(peer.pid, signal.SIGCONT)
         await p.close()
         await peer.close()
+
+
+def _scribbled_env() -> dict[str, str]:
+    """Environment for a process whose freed memory reads 0xff: AddressSanitizer's runtime,
+    preloaded (it fills what is freed; its quarantine keeps the block from reuse). A freed
+    UCX tcp endpoint's state byte then reads 255, whose entry in UCX 1.22's state table
+    has no write handler (a call through NULL): a use of the freed endpoint is a crash.
+    (glibc's MALLOC_PERTURB_ cannot do it: glibc writes its free-list links, or its
+    per-thread cache's random key, over the state byte.)"""
+    try:
+        lib = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        lib = ""
+    if not os.path.isabs(lib) or not os.path.exists(lib):
+        pytest.skip("no AddressSanitizer runtime (cc -print-file-name=libasan.so) to scribble freed memory")
+    return {"LD_PRELOAD": lib, "ASAN_OPTIONS": "detect_leaks=0:verify_asan_link_order=0:max_free_fill_size=4096:"
+                                              "free_fill_byte=255"}
+
+
+async def test_closed_endpoint_with_a_send_backlog_survives_the_peers_close(monkeypatch):
+    """UCX_TLS=tcp with UCX's error handling (docs/decisions.md #29): a pusher's link to a
+    SIGSTOPped target fails while UCX still holds part of a message it could not write (32
+    KiB eager messages, copied into UCX's buffer; the socket is full). The pusher is then
+    stopped and the target resumed: the target fails its link and closes its endpoint,
+    which sends UCX's "no more data" packet (CONN_FIN) and drains the socket. When the
+    pusher resumes, its tcp transport sees both in one event, readable and writable.
+    After a forced close UCX 1.22 kept the pusher's tcp endpoint for receiving only; its
+    read handler freed it on the CONN_FIN and its write handler then ran on the freed
+    endpoint (uct_tcp_iface_handle_events): with freed memory scribbled, a crash. The
+    pusher must come through it alive and push to a third process afterwards."""
+    scribbled = _scribbled_env()
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", "1")
+    loop = asyncio.get_running_loop()
+    target, other = await asyncio.gather(
+        PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET, options=dict(HB)),
+        PeerProcess.start(cluster_id=3, transport="ucx", secret=SECRET, options=dict(HB)))
+    with monkeypatch.context() as m:
+        for k, v in scribbled.items():
+            m.setenv(k, v)
+        pusher = await PeerProcess.start(cluster_id=1, transport="ucx", secret=SECRET,
+                                         options=dict(HB, chunk_bytes=32 << 10, tcp_window_bytes=64 << 10))
+    try:
+        dst = (await target.call("alloc", n=2, shape=[1, 128 << 20], dtype="uint8", fill=7))["cache_id"]
+        src = (await pusher.call("alloc", n=2, shape=[1, 128 << 20], dtype="uint8", fill=5))["cache_id"]
+        assert (await pusher.call("link", cluster_id=2, address=target.address))["status"] == 0
+        addrs = (await target.call("addrs", cache_id=dst))["addrs"]
+        before = netbed.read_remote(target.pid, addrs[:1], 1 << 20)[0]
+        h = (await pusher.call("push_start", cache_id=src, cluster_id=2, dst_cache_id=dst, deadline=DEADLINE))["handle"]
+        end = time.monotonic() + 10    # spin until some landed (the pusher's messages are flowing then)
+        while np.array_equal(netbed.read_remote(target.pid, addrs[:1], 1 << 20)[0], before):
+            assert time.monotonic() < end, "nothing landed within 10 s"
+            time.sleep(0.0002)
+        target.signal(signal.SIGSTOP)
+        st = (await pusher.call("push_wait", handle=h, wait=STATUS_BOUND + 5))["status"]
+        assert st in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), st   # its link failed: the endpoint is closed
+        pusher.signal(signal.SIGSTOP)
+        target.signal(signal.SIGCONT)
+        assert (await target.call("wait_link_down", cluster_id=1, timeout=DRAIN))["down"]
+        end = loop.time() + DRAIN
+        while (stats := await _peer_stats(target))["ucx_rx_pending"] or stats["ucx_rx_orphans"]:
+            assert loop.time() < end, f"the target's UCX receives did not end: {stats}"
+            await asyncio.sleep(0.01)            # polling a condition with a bound, not a synchronisation
+        pusher.signal(signal.SIGCONT)
+        # a push to a third process: the pusher's I/O thread progresses its tcp transport throughout
+        src3 = (await pusher.call("alloc", n=2, shape=[1, 1 << 20], dtype="uint8", fill=9))["cache_id"]
+        dst3 = (await other.call("alloc", n=2, shape=[1, 1 << 20], dtype="uint8"))["cache_id"]
+        assert (await pusher.call("link", cluster_id=3, address=other.address))["status"] == 0
+        r = await pusher.call("push", cache_id=src3, cluster_id=3, dst_cache_id=dst3, timeout=10)
+        assert r["status"] == S.LLM_SUCCESS, r
+        got = (await other.call("digest", cache_id=dst3))["rows"]
+        assert got == (await pusher.call("digest", cache_id=src3))["rows"]
+        assert pusher.proc.returncode is None
+    finally:
+        for peer in (target, pusher):
+            peer.signal(signal.SIGCONT)
+        codes = await asyncio.gather(pusher.close(), target.close(), other.close())
+    assert codes[0] == 0, f"the pusher exited with {codes[0]}"
 
 
 # ------------------------------------------------------------------ a killed pusher, without UCX's error handling

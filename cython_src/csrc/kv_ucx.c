@@ -873,9 +873,35 @@ static void recvs_abandon(kv_ucx *u, ucx_link *l) {
     }
 }
 
+/* Does the endpoint of `l` have a lane over UCX's tcp transport? */
+static int ep_uses_tcp(ucx_link *l) {
+    ucp_transport_entry_t tl[16];
+    ucp_ep_attr_t a = {.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS,
+                       .transports = {.entries = tl, .num_entries = 16, .entry_size = sizeof tl[0]}};
+    if (ucp_ep_query(l->ep, &a) != UCS_OK)
+        return 1; /* unknown: as if it had */
+    for (unsigned i = 0; i < a.transports.num_entries && i < 16; i++)
+        if (tl[i].transport_name && strcmp(tl[i].transport_name, "tcp") == 0)
+            return 1;
+    return 0;
+}
+
+/* Is the close of `l`'s endpoint forced? Only with UCX's error handling (UCX 1.22 refuses
+ * it without), and over UCX's tcp transport only once UCX reported the endpoint failed:
+ * a forced close of a healthy tcp endpoint with bytes it could not write yet (a stopped
+ * peer) leaves UCX's tcp endpoint alive for receiving, waiting to write; when the peer
+ * then closes its side, UCX 1.22 (uct_tcp_iface_handle_events) frees that endpoint in
+ * its read handler on the peer's CONN_FIN and runs its write handler on the freed
+ * memory: a crash or a corrupted heap. A flush close writes those bytes first and
+ * ends when the peer resumes, or fails when it dies (docs/decisions.md #29). */
+static int close_forced(ucx_link *l) {
+    return l->peer_errors && (l->down_status || !ep_uses_tcp(l));
+}
+
 /* The link fails (caller holds c->lock, I/O thread): from now on the handler
  * writes nothing for it; queued jobs end at once, jobs with requests
- * outstanding when the forced close has completed them. */
+ * outstanding when UCX ended them (a forced close does at once) or at their
+ * due time (timers: the lease bound, or the fence). */
 static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
     kv_core *c = u->core;
     int sig = 0;
@@ -908,10 +934,11 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
         /* forced where the endpoint has UCX's error handling: UCX 1.22 refuses a forced
          * close without it (UCS_ERR_INVALID_PARAM, the endpoint left open), and its
          * flush then waits for a dead peer for good; the receives were abandoned above,
-         * so all that stays is UCX's requests and their staging (docs/decisions.md #29) */
+         * so all that stays is UCX's requests and their staging (docs/decisions.md #29).
+         * Not over UCX's tcp transport while UCX reported no error (close_forced) */
         ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                                                  UCP_OP_ATTR_FIELD_USER_DATA,
-                                 .flags = l->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0,
+                                 .flags = close_forced(l) ? UCP_EP_CLOSE_FLAG_FORCE : 0,
                                  .cb.send = close_done, .user_data = l};
         ucs_status_ptr_t r = ucp_ep_close_nbx(l->ep, &p);
         l->ep = NULL;
