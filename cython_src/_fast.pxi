@@ -235,7 +235,7 @@ cdef class FastPath:
         cdef int ovf = 0
         cdef long long v
         cdef double tmo
-        if self.get_loop() is not self.loop or self.core.c == NULL:
+        if self.core.c == NULL:
             return None
         if type(cache) is not self.t_cache or type(where) is not self.t_index:
             return None
@@ -273,6 +273,10 @@ cdef class FastPath:
         link = <object>o
         transport = link.transport
         if link.up is not True or (transport != "local" and transport != "shm"):
+            return None
+        # on the engine's loop thread only; checked after the transport, since
+        # _get_running_loop makes a getpid() system call and tcp pushes are not taken here
+        if self.get_loop() is not self.loop:
             return None
         o = PyDict_GetItem(link.remote, cache_id)
         if o == NULL:
