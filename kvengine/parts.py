@@ -72,8 +72,8 @@ class Parts:
         # only what the planner memoized, and answers "not mine" to anything else
         self.fast = _native.FastPath(loop, self.core, options, self.scheduler.jobs, self.registry.table,
                                      self.links.table, self.planner.memo, self.accounting.all,
-                                     self.accounting.peer, self.scheduler.inline_done, Cache, CacheIndex,
-                                     KvCacheExtParam)
+                                     self.accounting.peer, self.scheduler.inline_done, self.scheduler.launch,
+                                     Cache, CacheIndex, KvCacheExtParam)
         self.registry.peers = self.links
         self.keys.peers = self.links
         self.scheduler.on_link_failed = lambda link: self.links.link_down(link, S.LLM_LINK_FAILED)
