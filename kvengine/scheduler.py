@@ -28,11 +28,11 @@ order.
 
 Owns: the native job ids, the transfers in flight (job id -> Transfer), each
 link's queue (``Link.heap``, ``Link.inflight``, ``Link.inflight_bytes``), the
-queued count, the deadline heap and its timer. It is every Transfer's owner: a finished transfer reports here
-once, and the scheduler does the accounting (kvengine/stats.py), the push
-notification (the notifier) and the link-down a lost peer calls for (the link
-manager, through ``on_link_failed``). Must not touch the link table, the
-handshake or the cache registry.
+queued count, the deadline heap and its timer. It is every Transfer's owner: a
+finished transfer reports here once, and the scheduler does the accounting
+(kvengine/stats.py), the push notification (the notifier) and the link-down a
+lost peer calls for (the link manager, through ``on_link_failed``). Must not
+touch the link table, the handshake or the cache registry.
 """
 
 from __future__ import annotations
