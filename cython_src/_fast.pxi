@@ -8,9 +8,12 @@
 # - FastPath: an awaited push_kv_cache / pull_kv_cache of the common case, whole: the
 #   checks of that case, the planned segments (the Planner's memo, kvengine/plan.py, is
 #   the only source: a shape the Planner has not planned and memoized goes the Python
-#   way), the inline submit and the accounting. Anything else (a failure, an unusual
-#   argument, a transfer that is not inline) is answered "not mine" and the Python path
-#   (kvengine/targets.py, scheduler.py) runs it, with every rule and message it has.
+#   way), the inline submit and the accounting. Over tcp the same checks and memo, then
+#   the scheduler's launch (kvengine/scheduler.py) with what Targets.submit would have
+#   passed it: the checks and the plan lookup of the Python path, skipped. Anything else
+#   (a failure, an unusual argument, a local/shm transfer that is not inline) is answered
+#   "not mine" and the Python path (kvengine/targets.py, scheduler.py) runs it, with every
+#   rule and message it has.
 
 from libc.math cimport frexp, pow, isfinite
 from libc.string cimport memcpy
@@ -207,25 +210,27 @@ cdef class FastPath:
     landed, accounted), or the finished Transfer of a failed inline job (``failed``).
     """
     cdef Core core
-    cdef object loop, get_loop, jobs, options, peer, failed
+    cdef object loop, get_loop, jobs, options, peer, failed, launch
     cdef object t_cache, t_index, t_ext
     cdef dict caches, links, memo, plans, by_link
     cdef Counts whole
     cdef readonly uint64_t taken       # transfers the fast path ran
     cdef long long lease_low_ns        # a shm push with less mover lease left goes the Python way
+    cdef readonly uint64_t launched    # tcp transfers it handed to the scheduler's launch
 
     def __init__(self, loop, Core core, options, jobs, caches, links, memo, Counts whole, peer, failed,
-                 t_cache, t_index, t_ext):
+                 launch, t_cache, t_index, t_ext):
         """``jobs``: the scheduler's job-id iterator; ``caches``/``links``/``memo``: the
         registry's, the link manager's and the Planner's dicts (read only);
         ``peer(key)``: the accounting's Counts of ``(cluster id, transport)``;
-        ``failed(link, what, lease, status, done, nbytes, t0)``: the finished Transfer."""
+        ``failed(link, what, lease, status, done, nbytes, t0)``: the finished Transfer;
+        ``launch``: ``Scheduler.launch`` (tcp links)."""
         import asyncio.events
         self.loop, self.core, self.options, self.jobs = loop, core, options, jobs
         self.get_loop = asyncio.events._get_running_loop
         self.caches, self.links, self.memo = caches, links, memo
         self.plans, self.by_link = {}, {}
-        self.whole, self.peer, self.failed = whole, peer, failed
+        self.whole, self.peer, self.failed, self.launch = whole, peer, failed, launch
         self.t_cache, self.t_index, self.t_ext = t_cache, t_index, t_ext
         self.lease_low_ns = <long long>(0.75 * options.heartbeat_timeout * 1e9) // 2   # link.lease_low
 
@@ -247,7 +252,7 @@ cdef class FastPath:
         cdef int ovf = 0
         cdef long long v
         cdef double tmo
-        if self.get_loop() is not self.loop or self.core.c == NULL:
+        if self.core.c == NULL:
             return None
         if type(cache) is not self.t_cache or type(where) is not self.t_index:
             return None
@@ -284,7 +289,9 @@ cdef class FastPath:
             return None
         link = <object>o
         transport = link.transport
-        if link.up is not True or (transport != "local" and transport != "shm"):
+        if link.up is not True or (transport != "local" and transport != "shm" and transport != "tcp"):
+            return None
+        if self.get_loop() is not self.loop:   # on the engine's loop thread only
             return None
         o = PyDict_GetItem(link.remote, cache_id)
         if o == NULL:
@@ -305,6 +312,16 @@ cdef class FastPath:
             key = ("lc", state.serial, rc.serial, row, batch, size, ek)
         else:
             key = ("pc", state.serial, rc.serial, batch, row, size, ek)
+        if transport == "tcp":   # Targets.submit's launch, its checks done above
+            o = PyDict_GetItem(self.memo, key)
+            if o == NULL:
+                return None   # not planned yet: the Planner checks and memoizes it first
+            hit = <object>o
+            what = ("pull_kv_cache" if pull else "push_kv_cache", cid, rc.cache_id, None, row)
+            self.launched += 1
+            return self.launch(link, (state, rc), hit[0], hit[1],
+                               self.options.sync_kv_timeout if timeout is None else float(timeout),
+                               priority, None, what, 0 if pull else link.lease_id)
         o = PyDict_GetItem(self.plans, key)
         cdef _Plan plan
         if o != NULL:

@@ -117,13 +117,15 @@ class FastPath:
     """An engine's native hot path of awaited inline pushes and pulls."""
 
     taken: Final[int]
+    launched: Final[int]
     def __init__(self, loop: object, core: Core, options: object, jobs: Iterator[int],
                  caches: dict[int, Any], links: dict[Any, Any], memo: dict[Any, Any], whole: Counts,
                  peer: Callable[[tuple[int, str]], Counts], failed: Callable[..., Any],
-                 t_cache: type, t_index: type, t_ext: type) -> None: ...
+                 launch: Callable[..., Any], t_cache: type, t_index: type, t_ext: type) -> None: ...
     def push(self, cache: object, where: object, src_batch_index: object, size: object, ext_param: object,
              timeout: object, priority: object, notify: object) -> Any:
-        """None: not the fast path's; 0: done (success); else the finished failed Transfer."""
+        """None: not the fast path's; 0: done (success); else a Transfer (a finished failed
+        one, or a tcp transfer launched)."""
     def pull(self, where: object, cache: object, batch_index: object, size: object, ext_param: object,
              timeout: object, priority: object) -> Any: ...
     def forget(self) -> None: ...

@@ -126,16 +126,14 @@ class KvEngine:
             raise error_for(S.LLM_ENGINE_FINALIZED, "the engine is closed")
         if self._p is None:
             raise error_for(S.LLM_FAILED, "the engine is not started: use `async with` or `await engine.start()`")
-        self._check_loop(self._p.loop)
-        return self._p
+        p = self._p
+        if threading.get_ident() != p.thread or not p.loop.is_running():
+            self._check_loop(p.loop)   # else its loop runs on this thread: asyncio's check (a getpid()) spared
+        return p
 
     def _check_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Raise unless the caller runs on the loop that started the engine.
-
-        The engine's futures, readers and timers belong to that loop: a call from
-        another thread or loop would fail deep inside asyncio ("attached to a
-        different loop") or wait forever.
-        """
+        """Raise unless the caller runs on the loop that started the engine: its futures, readers
+        and timers belong to that loop (called elsewhere, asyncio fails deep inside or waits forever)."""
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
 from typing import Any
 
 from . import plan
@@ -46,6 +47,7 @@ class Parts:
     def __init__(self, loop: asyncio.AbstractEventLoop, cluster_id: int, role: Role, options: EngineOptions,
                  host: str, token: str) -> None:
         self.loop = loop
+        self.thread = threading.get_ident()   # the loop's thread (KvEngine._open's check)
         self.options = options
         if options.transport == "ucx" and not _native.UCX:
             raise error_for(S.LLM_FEATURE_NOT_ENABLED, UCX_HINT)
@@ -70,8 +72,8 @@ class Parts:
         # only what the planner memoized, and answers "not mine" to anything else
         self.fast = _native.FastPath(loop, self.core, options, self.scheduler.jobs, self.registry.table,
                                      self.links.table, self.planner.memo, self.accounting.all,
-                                     self.accounting.peer, self.scheduler.inline_done, Cache, CacheIndex,
-                                     KvCacheExtParam)
+                                     self.accounting.peer, self.scheduler.inline_done, self.scheduler.launch,
+                                     Cache, CacheIndex, KvCacheExtParam)
         self.registry.peers = self.links
         self.keys.peers = self.links
         self.scheduler.on_link_failed = lambda link: self.links.link_down(link, S.LLM_LINK_FAILED)

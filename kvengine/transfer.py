@@ -11,8 +11,8 @@ A transfer moves as one or more native jobs ("pieces", at most
 ``EngineOptions.piece_bytes`` each) that the scheduler (kvengine/scheduler.py)
 hands to the core in deadline order; it finishes when its last piece has.
 
-Owns: the transfer's own progress (pieces in flight, status, deadline timer,
-waiters). It reports "finished" exactly once, to its owner (the scheduler,
+Owns: the transfer's own progress (pieces in flight, status, deadline,
+waiters); the scheduler's one timer calls ``_on_deadline`` when the deadline passes. It reports "finished" exactly once, to its owner (the scheduler,
 through :class:`TransferOwner`), which does the accounting, the notification
 and any link-down. Touches no engine state.
 """
@@ -65,7 +65,7 @@ class Transfer:
     destination; ``done()``, ``cancel()`` as for futures.
     """
 
-    __slots__ = ("_owner", "_what", "_status", "_fut", "_timer", "_link", "_refs", "_timeout",
+    __slots__ = ("_owner", "_what", "_status", "_fut", "_link", "_refs", "_timeout",
                  "_message", "nbytes", "_segs", "_cur", "_off", "_left", "_jobs", "_fail", "_key",
                  "_notify", "_t_queued", "_t_started", "_total", "_inq", "_callbacks", "priority", "deadline",
                  "_rank", "_ran", "_lease", "_words", "_direct", "__weakref__")
@@ -75,7 +75,6 @@ class Transfer:
         self._what = what        # words for messages, formatted only when one is needed
         self._status: S | None = None
         self._fut: asyncio.Future[S] | None = None
-        self._timer: asyncio.TimerHandle | None = None
         self._link: Link | None = None
         self._refs: tuple[Counted, ...] = ()
         self._timeout = 0.0
@@ -125,7 +124,6 @@ class Transfer:
         self._t_queued = perf_counter()   # stats clock; `now` is the loop's, for the deadline
         for r in refs:
             r.users += 1
-        self._timer = self._owner.loop.call_at(self.deadline, self._on_deadline)
 
     def _next_piece(self, limit: int) -> tuple[Packed, int]:
         """Cut the next piece of at most ``limit`` bytes (whole segments, or a slice of one).
@@ -159,7 +157,7 @@ class Transfer:
         return out, n
 
     def _on_deadline(self) -> None:
-        self._timer = None
+        """The deadline passed (the owner's timer): abort, ``LLM_TIMEOUT``."""
         self._abort(S.LLM_TIMEOUT)
 
     def _abort(self, status: S) -> None:
@@ -205,9 +203,6 @@ class Transfer:
         self._status = st
         self.nbytes = nbytes
         self._message = message
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         link, self._link = self._link, None
         for r in self._refs:
             r.users -= 1

@@ -49,8 +49,10 @@ async def test_fast_path_runs_the_memoized_common_case_and_accounts_like_the_pyt
             assert await p.push_kv_cache(src, idx, 0, ext_param=exts[i % 4], timeout=5) == S.LLM_SUCCESS
         for t in range(8):
             np.testing.assert_array_equal(dst.tensors[t][1], src.tensors[t][0])
-        # the first push of each shape plans it (Python); the rest run natively, inline only
+        # the first push of each shape plans it (Python); the rest run natively, inline only;
+        # over tcp the fast path checks and looks the plan up, and the scheduler launches it
         assert fast.taken == (8 if transport != "tcp" else 0)
+        assert fast.launched == (8 if transport == "tcp" else 0)
         # the same pushes through the Python path: the same counters
         p2, d2, src2, dst2 = await _setup(transport)
         try:
@@ -58,7 +60,7 @@ async def test_fast_path_runs_the_memoized_common_case_and_accounts_like_the_pyt
             for i in range(12):
                 st = await p2.submit_push_kv_cache(src2, idx2, 0, ext_param=exts[i % 4], timeout=5)._result()
                 assert st == S.LLM_SUCCESS
-            assert p2._p.fast.taken == 0
+            assert p2._p.fast.taken == 0 and p2._p.fast.launched == 0
             assert _stats_without_clock(p.stats()) == _stats_without_clock(p2.stats())
             def series(text):   # the metrics' names and labels (bucket edges and sums vary with time)
                 return sorted(line.rsplit(" ", 1)[0] for line in text.splitlines()
@@ -68,27 +70,29 @@ async def test_fast_path_runs_the_memoized_common_case_and_accounts_like_the_pyt
             await p2.close()
             await d2.close()
         # pulls too (row 1 of the peer into row 1 here), and a whole-row pull with a size
-        before = fast.taken
+        before, launched = fast.taken, fast.launched
         for _ in range(3):
             assert await p.pull_kv_cache(idx, src, 1, size=HALF // 2, timeout=5) == S.LLM_SUCCESS
         for t in range(8):
             np.testing.assert_array_equal(src.tensors[t][1][:HALF // 2], dst.tensors[t][1][:HALF // 2])
         assert fast.taken == before + (2 if transport != "tcp" else 0)
+        assert fast.launched == launched + (2 if transport == "tcp" else 0)
     finally:
         await p.close()
         await d.close()
 
 
-@pytest.mark.parametrize("transport", ["local"])
+@pytest.mark.parametrize("transport", ["local", "tcp"])
 async def test_fast_path_leaves_every_unusual_call_to_the_python_path(transport):
     p, d, src, dst = await _setup(transport)
     try:
         fast = p._p.fast
+        ran = lambda: fast.taken + fast.launched   # inline runs (local), launches (tcp)
         ext = kv.KvCacheExtParam((0, 0), (0, 0), 2)
         idx = kv.CacheIndex(2, dst.cache_id, 0)
         await p.push_kv_cache(src, idx, 0, ext_param=ext)
         await p.push_kv_cache(src, idx, 0, ext_param=ext)
-        taken = fast.taken
+        taken = ran()
         assert taken == 1
         bad = [dict(priority=True), dict(priority=1001), dict(timeout=math.inf), dict(timeout=0),
                dict(timeout=True), dict(size=0), dict(notify=12)]
@@ -112,21 +116,21 @@ async def test_fast_path_leaves_every_unusual_call_to_the_python_path(transport)
         assert await p.push_kv_cache(src, idx, 0, ext_param=kv.KvCacheExtParam((np.int64(0), 0), (0, 0), 2)) \
             == S.LLM_SUCCESS
         assert await p.push_kv_cache(src, idx, 0, ext_param=ext, notify=b"n") == S.LLM_SUCCESS
-        assert fast.taken == taken
+        assert ran() == taken
         assert await p.push_kv_cache(src, idx, 0, ext_param=ext, priority=5, timeout=3) == S.LLM_SUCCESS
-        assert fast.taken == taken + 1
+        assert ran() == taken + 1
         # a cache unregistered here, or by the peer: the Python path says so
         other = p.allocate_cache(src.desc)
         await p.push_kv_cache(other, idx, 0, ext_param=ext)
         await p.unregister_kv_cache(other.cache_id)
         with pytest.raises(kv.LLMKvCacheNotExistError):
             await p.push_kv_cache(other, idx, 0, ext_param=ext)
-        assert fast.taken == taken + 1
-        # a transfer above the inline threshold is the scheduler's
+        assert ran() == taken + 1
+        # a transfer above the inline threshold is the scheduler's (tcp: launched as before)
         p.options.inline_threshold = 1024
         try:
             assert await p.push_kv_cache(src, idx, 0, ext_param=ext) == S.LLM_SUCCESS
-            assert fast.taken == taken + 1
+            assert ran() == taken + 1 + (transport == "tcp")
         finally:
             p.options.inline_threshold = 256 * 1024
         # closed: the Python path answers

@@ -66,6 +66,25 @@ async def test_queued_transfers_past_their_deadline_never_start(spair):
     assert await big == S.LLM_SUCCESS
 
 
+async def test_finished_transfers_leave_the_deadline_heap(spair):
+    """Deadlines share the scheduler's one timer (a heap of them): a transfer that finished
+    leaves the heap, in any order of deadlines, so it holds the live transfers only."""
+    p, d = spair
+    src, dst = await caches(p, d, kv.CacheDesc(1, (64, 1 << 20), np.uint8))   # rows of 1 MiB
+    heap = p._p.scheduler._deadlines
+    for r in range(100):   # one at a time: each is the head, and leaves as it finishes
+        t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r % 64), r % 64, timeout=60)
+        assert len(heap) == 1
+        assert await t == S.LLM_SUCCESS
+        assert len(heap) == 0
+    # at once, each deadline earlier than the one before (the timer re-armed every time)
+    ts = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r, timeout=60 - r / 10)
+          for r in range(64)]
+    assert len(heap) == 64
+    assert await asyncio.gather(*ts) == [S.LLM_SUCCESS] * 64
+    assert len(heap) == 0
+
+
 async def test_priority_orders_the_queue(sched_transport):
     p, d = await make_pair(sched_transport, max_inflight_bytes=1 << 20, piece_bytes=1 << 20,
                            inline_threshold=0)
