@@ -167,17 +167,26 @@ async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypa
         await p.wait_remote_cache(2, dst, timeout=5)
         info = await peer.call("addrs", cache_id=dst)
         addrs, size = info["addrs"], info["size"]
-        initial = netbed.read_remote(peer.pid, addrs, size)
+        # read, and watched below, from a thread: this loop must keep its heartbeat going (a
+        # loop blocked for heartbeat_timeout on a busy machine had the peer drop the link
+        # before anything landed)
+        initial = await asyncio.to_thread(netbed.read_remote, peer.pid, addrs, size)
         before = initial[0][: 1 << 20]
+
+        def stop_at_first_bytes() -> bool:
+            end = time.monotonic() + 5
+            while np.array_equal(netbed.read_remote(peer.pid, addrs[:1], 1 << 20)[0], before):
+                if time.monotonic() > end:
+                    return False
+                time.sleep(0.0002)
+            os.kill(peer.pid, signal.SIGSTOP)
+            return True
+
         t0 = loop.time()
         t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=DEADLINE)
-        end = time.monotonic() + 5     # spin (no await: the I/O threads move the bytes) until some landed
-        while np.array_equal(netbed.read_remote(peer.pid, addrs[:1], 1 << 20)[0], before):
-            if time.monotonic() > end:
-                pytest.fail(f"nothing landed within 5 s: {t.done() and t.status!r}, the peer's stats "
-                            f"{await _peer_stats(peer)}")
-            time.sleep(0.0002)
-        os.kill(peer.pid, signal.SIGSTOP)
+        if not await asyncio.to_thread(stop_at_first_bytes):
+            pytest.fail(f"nothing landed within 5 s: {t.done() and t.status!r}, the peer's stats "
+                        f"{await _peer_stats(peer)}")
         assert not t.done(), f"the push finished before its peer was stopped: {t.status!r}"
         status = await asyncio.wait_for(t._wait(), STATUS_BOUND + 5)
         elapsed = loop.time() - t0
@@ -315,10 +324,10 @@ async def test_killed_pusher_without_peer_errors_leaves_nothing_pending(monkeypa
         for peer in (killed, other):   # linked after the 256 MiB fill (a busy loop misses heartbeats)
             assert (await peer.call("link", cluster_id=2, address=d.address))["status"] == 0
         await killed.call("push_start", cache_id=src, cluster_id=2, dst_cache_id=dst.cache_id, deadline=30)
-        end = time.monotonic() + 10    # spin (no await: native threads move the bytes) until a receive is on
+        end = time.monotonic() + 10    # spin until a receive is on (yielding: our heartbeats must go on)
         while not (d.stats()["native"]["ucx_rx_pending"] and dst.tensors[0].any()):
             assert time.monotonic() < end, f"no receive in progress within 10 s: {d.stats()['native']}"
-            time.sleep(0.0002)
+            await asyncio.sleep(0)
         killed.kill()
         t0 = loop.time()
         with pytest.raises((kv.LLMNotYetLinkError, kv.LLMLinkFailedError)):
