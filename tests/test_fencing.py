@@ -380,6 +380,12 @@ async def test_tcp_no_byte_lands_after_the_status_of_a_pull_from_a_stopped_peer(
         assert status in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), f"{status.name} ({t.message()})"
         assert elapsed <= STATUS_BOUND, f"the status took {elapsed:.2f} s (bound {STATUS_BOUND:.2f} s)"
         assert changed(at_status, pattern(ROW, DST_SEED)) > 0, "the pull was not in flight"
+        # a status of LLM_TIMEOUT may come before our heartbeat declares the stopped peer lost:
+        # resumed before that, the peer would keep its link (and never report it down)
+        end = loop.time() + HBT + 2 * HBI + SLACK
+        while prefill.stats()["links"].get(2, {}).get("state") == "up":
+            assert loop.time() < end, "the stopped peer was not declared lost within the heartbeat bound"
+            await asyncio.sleep(0.01)   # polling a condition with a bound, not a synchronisation
         await resumed_window(peer, 1)
         n = changed(at_status, own(mine))
         assert n == 0, f"{n} bytes of the pull landed in our memory after its status"
