@@ -133,11 +133,18 @@ uint32_t kv_ucx_test_send(kv_core *c, uint32_t link_id, const uint8_t *hdr, size
 #define UCX_SPIN_NS 200000ull     /* keep progressing this long after activity before sleeping */
 #define UCX_CLOSE_WAIT_NS 2000000000ull /* stop: the most a forced close is waited for */
 #define UCX_AM_ID 7               /* our one active message id */
-#define UCX_RNDV_MIN (64u << 10)  /* messages from this size go rendezvous (zero copy, landed on completion) */
+#define UCX_RNDV_MIN (64u << 10)  /* messages from this size go rendezvous (received into staging, landed
+                                   * on completion); but see UCX_SHM_EAGER_MAX */
+#define UCX_SHM_EAGER_MAX (64u << 10) /* over a shared-memory AM lane (posix, sysv, xpmem) push messages up
+                                       * to this size (one layer) go eager: copied in by the handler, no
+                                       * rendezvous round trip, staging or landing thread */
 #define UCX_RX_MAX 65536          /* push states a target keeps per link (live + tombstones) */
 #define UCX_TOMBSTONES 4096       /* aborted pushes remembered per link (oldest forgotten first) */
 #define UCX_RX_BUCKETS 64
 #define UCX_LAND_PIECE (1u << 20)        /* a push payload lands in pieces of this, the lease checked before each */
+#define UCX_LAND_INLINE_MAX (64u << 10)  /* a staged payload up to this size, with no other receive of its link
+                                          * in progress, lands on the I/O thread (one piece): the two thread
+                                          * hand-offs cost more than its copy, and nothing would overlap it */
 #define UCX_STAGE_CACHE (32ull << 20)    /* staging buffers kept for reuse, per core */
 #define UCX_STAGE_NO_WINDOW (64ull << 20) /* a link's staging budget when it has no window */
 
@@ -203,6 +210,7 @@ struct ucx_link {
     int dead;
     int closing;          /* 1: close request outstanding, 2: closed (ep gone) */
     int peer_errors;      /* UCP_ERR_HANDLING_MODE_PEER (a forced close is allowed) */
+    int shm_am;           /* the endpoint has a shared-memory transport (its AM lane): UCX_SHM_EAGER_MAX */
     ucp_ep_h ep;
     uint8_t rx_token[KV_UCX_TOKEN]; /* what the peer's headers must carry */
     uint8_t tx_token[KV_UCX_TOKEN]; /* what ours carry */
@@ -1256,10 +1264,12 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
         r->receiving--;
         if (status == UCS_OK && r->aborted) {
             c->stats.ucx_dropped++; /* data of a push aborted while it was received */
-        } else if (status == UCS_OK && !l->dead && land_thread_ok(u)) {
+        } else if (status == UCS_OK && !l->dead && (op->len > UCX_LAND_INLINE_MAX || l->recvs || l->defer_head) &&
+                   land_thread_ok(u)) {
             /* it lands on the landing thread (land_main), the next receive meanwhile on
              * ours; it stays a receive in progress (its link's, its push's, its staging
-             * budget's, its region ref) until the round settles it (land_drain) */
+             * budget's, its region ref) until the round settles it (land_drain). A small
+             * one with nothing of its link to overlap lands here, below */
             r->receiving++;
             l->rx_ops++;
             c->stats.ucx_rx_pending++;
@@ -1278,7 +1288,7 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
                 ucp_request_free(request);
             return;
         } else if (status == UCS_OK && land_checked(u, l, op->dst, op->stage->buf, op->len, op->stage)) {
-            r->landed += op->len; /* no landing thread: landed here, as before */
+            r->landed += op->len; /* small, or no landing thread: landed here (the lease checked first) */
         }
         if (!l->dead)
             rx_settle(l, r);
@@ -1616,6 +1626,25 @@ out:
     return ret;
 }
 
+/* Does endpoint `ep` use one of UCX's shared-memory transports (posix, sysv, xpmem)?
+ * Then its active messages go through shared memory, where an eager 64 KiB
+ * message (a multi-fragment copy) is faster than a rendezvous round trip; over
+ * tcp (UCX_TLS=tcp, or cma,tcp,self: cma carries no AM) it is slower (docs/benchmarks.md,
+ * "UCX: one layer"). A hint for the protocol only: every message is checked alike. */
+static int ep_has_shm(ucp_ep_h ep) {
+    ucp_transport_entry_t tl[16];
+    ucp_ep_attr_t a = {.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS,
+                       .transports = {.entries = tl, .num_entries = 16, .entry_size = sizeof tl[0]}};
+    if (ucp_ep_query(ep, &a) != UCS_OK)
+        return 0;
+    for (unsigned i = 0; i < a.transports.num_entries && i < 16; i++) {
+        const char *n = tl[i].transport_name;
+        if (n && (!strcmp(n, "posix") || !strcmp(n, "sysv") || !strcmp(n, "xpmem")))
+            return 1;
+    }
+    return 0;
+}
+
 /* Run a command (I/O thread, c->lock held; UCP calls here call nothing back). */
 static int run_cmd(kv_ucx *u, ucx_cmd *m) {
     int sig = 0;
@@ -1661,6 +1690,7 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
                 return 0;
             }
         }
+        l->shm_am = ep_has_shm(l->ep);
         l->id = m->link_id;
         memcpy(l->rx_token, m->rx_token, KV_UCX_TOKEN);
         memcpy(l->tx_token, m->tx_token, KV_UCX_TOKEN);
@@ -1710,6 +1740,11 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
 static uint64_t msg_max(kv_ucx *u, ucx_link *l) {
     uint64_t n = u->core->chunk_bytes, w = l->window / 2;
     return w > n ? w : n;
+}
+
+/* Does a push message of `n` bytes on `l` go rendezvous (else eager)? */
+static int push_rndv(const ucx_link *l, uint64_t n) {
+    return n > (l->shm_am ? UCX_SHM_EAGER_MAX : UCX_RNDV_MIN - 1);
 }
 
 static uint64_t stage_budget(kv_ucx *u, ucx_link *l) {
@@ -1778,7 +1813,7 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
             ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                                      UCP_OP_ATTR_FIELD_FLAGS,
                                      .cb.send = push_sent, .user_data = op,
-                                     .flags = n >= UCX_RNDV_MIN ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER};
+                                     .flags = push_rndv(l, n) ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER};
             ucp_mem_h mh = memh_of(u, local_region);
             if (mh) {
                 p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
