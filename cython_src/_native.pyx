@@ -296,6 +296,7 @@ cdef class Core:
             "ucx_lease_grants": s.ucx_lease_grants, "ucx_late_dropped": s.ucx_late_dropped,
             "ucx_rx_pending": s.ucx_rx_pending, "ucx_rx_orphans": s.ucx_rx_orphans,
             "ucx_stage_bytes": s.ucx_stage_bytes,
+            "ucx_rx_staged": s.ucx_rx_staged,
         }
 
 

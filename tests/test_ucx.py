@@ -133,6 +133,43 @@ def test_initiator_checks(tls, monkeypatch):
             c.release()
 
 
+@pytest.mark.parametrize("tls,peer_errors,eager", [("sm,self", "1", True), ("sm,self", "0", True),
+                                                   ("tcp", "0", False), ("tcp,cma", "0", False),
+                                                   ("tcp,cma", "1", False)])
+def test_one_layer_push_eager_over_shared_memory(tls, peer_errors, eager, monkeypatch):
+    """A one-layer push (64 KiB in one message) goes eager where UCX's active messages use
+    shared memory (the handler checks and lands it: no rendezvous, no staging) and
+    rendezvous over tcp (received into staging and, being small with nothing else of its
+    link in progress, landed by the I/O thread); either way byte-exact, only inside the
+    registered range, and the target counts its staged receives (ucx_rx_staged)."""
+    monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", peer_errors)
+    a, b, _ = _pair(tls, monkeypatch)
+    try:
+        n = 1 << 16
+        src = np.random.default_rng(3).integers(0, 256, n, np.uint8)
+        arena = np.full(3 * n, 0xAB, np.uint8)
+        dst = arena[n: 2 * n]
+        dst[:] = 0
+        st, rs = a.region_add(_native.REGION_LOCAL, 0, src.ctypes.data, n, _native.F_EXPORT)
+        st2, rd = b.region_add(_native.REGION_LOCAL, 0, dst.ctypes.data, n, _native.F_EXPORT)
+        assert st == st2 == 0 and a.ucx_mem_map(rs) == 0 and b.ucx_mem_map(rd) == 0
+        st, rr = a.region_add(_native.REGION_UCX, 1, rd, n, 0)
+        assert st == 0
+        for k in range(3):
+            src[:8] = k
+            st, done, _ = a.submit(20 + k, np.array([rs, 0, rr, 0, n], dtype=np.uint64), 0)
+            assert st == 0
+            (c,) = _wait(a)
+            assert c[:3] == (20 + k, 0, n), c
+            assert (dst == src).all() and (arena[:n] == 0xAB).all() and (arena[2 * n:] == 0xAB).all()
+        assert b.stats()["ucx_rx_staged"] == (0 if eager else 3), b.stats()
+        assert b.stats()["ucx_rx_pending"] == 0 and b.stats()["ucx_bad_msgs"] == 0
+    finally:
+        for c in (a, b):
+            c.close()
+            c.release()
+
+
 async def test_forged_table_entry_drops_the_link():
     """A cache table entry of kind 'ucx' in the old rkey format ([base, len, rkey]) or
     with a bad region fails the link, registers nothing."""

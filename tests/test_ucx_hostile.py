@@ -292,3 +292,32 @@ def test_no_lease_nothing_lands(tls, monkeypatch):
         assert (t.arena[:N] == 0xAB).all() and (t.arena[2 * N:] == 0xAB).all() and (t.canary == 0xCD).all()
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("tls", TLS)
+def test_eager_64k_checked_then_landed_byte_exact(tls, monkeypatch):
+    """A one-layer-sized (64 KiB) eager message, the size pushes send eager over shared
+    memory (kv_ucx.c UCX_SHM_EAGER_MAX): one whose header overruns the region by one
+    byte fails the link and writes nothing; on a fresh link a valid one lands byte for
+    byte over the whole region, the guards around it untouched, without staging."""
+    payload = np.random.default_rng(14).integers(0, 256, N, np.uint8).tobytes()
+    t = Target(tls, monkeypatch)
+    try:
+        t.send(hdr(t.tb, PUSH, t.rd, offset=1, length=N, total=N), payload)
+        assert t.link_down()
+        assert t.b.stats()["ucx_bad_msgs"] == 1 and t.unchanged()
+    finally:
+        t.close()
+    t = Target(tls, monkeypatch)
+    try:
+        t.send(hdr(t.tb, PUSH, t.rd, job=5, length=N, total=N), payload)
+        end = time.monotonic() + 10
+        while t.dst.tobytes() != payload and time.monotonic() < end:
+            time.sleep(0.002)
+        assert t.dst.tobytes() == payload
+        assert (t.arena[:N] == 0xAB).all() and (t.arena[2 * N:] == 0xAB).all()
+        assert (t.canary == 0xCD).all() and (t.plain == 0xEE).all()
+        st = t.b.stats()
+        assert st["ucx_bad_msgs"] == 0 and st["ucx_rx_staged"] == 0, st
+    finally:
+        t.close()

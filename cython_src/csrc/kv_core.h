@@ -94,6 +94,7 @@ typedef struct {
     uint64_t ucx_rx_orphans;    /* now: receives of failed links UCX has not ended (they land nothing) */
     uint64_t ucx_stage_bytes;   /* now: staging memory UCX receives hold (in progress or landing; an
                                    orphan's is given back to the kernel); the reuse cache not counted */
+    uint64_t ucx_rx_staged;     /* UCX rendezvous payloads received (through staging); eager ones are not */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a

@@ -1390,6 +1390,7 @@ static ucs_status_t land(kv_ucx *u, ucx_link *l, void *data, uint64_t len, const
     kv__region_ref(u->core, region); /* the memory stays mapped until the payload landed */
     l->rx_ops++;
     u->core->stats.ucx_rx_pending++;
+    u->core->stats.ucx_rx_staged++;
     if (rx)
         rx->receiving++;
     if (pull)
