@@ -5,11 +5,14 @@
  * the worker (endpoint creation) are commands the thread runs while the caller
  * waits; jobs reach it through an inbox, like kv_tcp.c.
  * A target's staged push payloads land on a landing thread (land_main), so
- * that the landing overlaps the next receive; the I/O thread settles them.
+ * that the landing overlaps the next receive; the I/O thread settles them
+ * (one of at most UCX_LAND_INLINE_MAX with nothing of its link to overlap it
+ * lands on the I/O thread: the hand-offs would cost more than the copy).
  *
  * Nothing is one-sided (docs/decisions.md #27): the UCP context has no RMA
  * feature and no rkey is ever packed for a peer. A push is one active message
- * (ucp_am_send_nbx, UCP_AM_SEND_FLAG_RNDV from UCX_RNDV_MIN bytes) per chunk,
+ * (ucp_am_send_nbx, UCP_AM_SEND_FLAG_RNDV from UCX_RNDV_MIN bytes, or above
+ * UCX_SHM_EAGER_MAX where the AM lane is shared memory: push_rndv) per chunk,
  * each with a kv_ucx_hdr naming the TARGET's region, offset and length; the
  * target's handler (am_recv) finds the link by the header's token, checks the
  * header against its own region table (kv_ucx_check: exported regions of its
