@@ -695,9 +695,10 @@ static void job_detach(ucx_link *l, ucx_job *j) {
     j->ops_pending = 0;
 }
 
-/* A staging buffer of at least `len` bytes (reused when one is free). */
 static ucx_stage *stage_new(uint64_t len);
 
+/* A staging buffer of at least `len` bytes (reused when one is free), counted
+ * in ucx_stage_bytes until the receive gives it back. */
 static ucx_stage *stage_get(kv_ucx *u, uint64_t len) {
     ucx_stage *st = NULL;
     for (ucx_stage **p = &u->stages; *p; p = &(*p)->next)
@@ -714,6 +715,7 @@ static ucx_stage *stage_get(kv_ucx *u, uint64_t len) {
     return st;
 }
 
+/* A new staging buffer: a memfd mapping, else page-aligned heap memory. */
 static ucx_stage *stage_new(uint64_t len) {
     ucx_stage *st = calloc(1, sizeof *st);
     size_t cap = (size_t)((len + 4095) & ~4095ull);
