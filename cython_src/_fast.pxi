@@ -219,12 +219,13 @@ cdef class FastPath:
     cdef readonly uint64_t launched    # tcp transfers it handed to the scheduler's launch
 
     def __init__(self, loop, Core core, options, jobs, caches, links, memo, Counts whole, peer, failed,
-                 launch, t_cache, t_index, t_ext):
+                 launch, long long lease_low_ns, t_cache, t_index, t_ext):
         """``jobs``: the scheduler's job-id iterator; ``caches``/``links``/``memo``: the
         registry's, the link manager's and the Planner's dicts (read only);
         ``peer(key)``: the accounting's Counts of ``(cluster id, transport)``;
         ``failed(link, what, lease, status, done, nbytes, t0)``: the finished Transfer;
-        ``launch``: ``Scheduler.launch`` (tcp links)."""
+        ``launch``: ``Scheduler.launch`` (tcp links); ``lease_low_ns``: kvengine/link.py's
+        lease_low_ns (a shm push with less mover lease left goes the Python way)."""
         import asyncio.events
         self.loop, self.core, self.options, self.jobs = loop, core, options, jobs
         self.get_loop = asyncio.events._get_running_loop
@@ -232,7 +233,7 @@ cdef class FastPath:
         self.plans, self.by_link = {}, {}
         self.whole, self.peer, self.failed, self.launch = whole, peer, failed, launch
         self.t_cache, self.t_index, self.t_ext = t_cache, t_index, t_ext
-        self.lease_low_ns = <long long>(0.75 * options.heartbeat_timeout * 1e9) // 2   # link.lease_low
+        self.lease_low_ns = lease_low_ns
 
     def push(self, cache, where, src_batch_index, size, ext_param, timeout, priority, notify):
         if notify is not None:

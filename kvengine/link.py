@@ -33,7 +33,7 @@ class Channel(Protocol):
     def close(self) -> None: ...
 
 __all__ = ["Link", "Key", "Channel", "RemoteCache", "Detached", "TaskSet", "wait_idle", "boot_ns", "mover_lease_ns",
-           "lease_low", "lease_waiters_done"]
+           "lease_low", "lease_low_ns", "lease_waiters_done"]
 
 _serials = itertools.count(1)
 
@@ -91,7 +91,7 @@ class Link:
         self.tcp_id = 0               # native link id of the TCP or UCX data plane
         self.lease_id = 0             # shm: the core's mover lease for pushes into the peer (0: none)
         self.lease_until = 0          # its end, CLOCK_BOOTTIME ns
-        self.lease_waiters: list[asyncio.Future[None]] = []   # pushes waiting for it to be renewed
+        self.lease_waiters: list[asyncio.Future[bool | None]] = []   # pushes waiting for it to be renewed
         # the cache tables (kvengine/tables.py)
         self.remote: dict[int, RemoteCache] = {}
         self.waiters: dict[int, list[asyncio.Future[S]]] = {}  # cache id -> wait_remote_cache futures
@@ -157,19 +157,24 @@ def mover_lease_ns(heartbeat_timeout: float) -> int:
     return int(0.75 * heartbeat_timeout * 1e9)
 
 
+def lease_low_ns(heartbeat_timeout: float) -> int:
+    """Less mover lease left than this is low (lease_low; the fast path reads the same)."""
+    return mover_lease_ns(heartbeat_timeout) // 2
+
+
 def lease_low(link: Link, heartbeat_timeout: float) -> bool:
     """Has less than half of the mover lease on a shm link left? Only after a stall of our
     loop (pings renew it every third of it): a push then waits for a renewal first
     (Targets), or its movers would refuse it and fail a healthy link."""
-    return bool(link.lease_id) and link.lease_until - boot_ns() < mover_lease_ns(heartbeat_timeout) // 2
+    return bool(link.lease_id) and link.lease_until - boot_ns() < lease_low_ns(heartbeat_timeout)
 
 
-def lease_waiters_done(link: Link) -> None:
-    """Wake the pushes that waited for the mover lease (renewed, or the link is down)."""
+def lease_waiters_done(link: Link, renewed: bool) -> None:
+    """Wake the pushes that waited for the mover lease: True, renewed; None, the link is down."""
     waiters, link.lease_waiters = link.lease_waiters, []
     for fut in waiters:
         if not fut.done():
-            fut.set_result(None)
+            fut.set_result(True if renewed else None)
 
 
 class TaskSet:

@@ -254,12 +254,12 @@ class LinkManager:
             link.lease_until = until
             self._core.lease_renew(link.lease_id, until)
         if link.lease_waiters and link.lease_until > boot_ns():
-            lease_waiters_done(link)
+            lease_waiters_done(link, True)
 
-    def renew_lease(self, link: Link) -> asyncio.Future[None]:
-        """Ping now for a mover lease run low (lease_low); done at the pong that renews it,
-        or when the link goes down."""
-        fut: asyncio.Future[None] = self._loop.create_future()
+    def renew_lease(self, link: Link) -> asyncio.Future[bool | None]:
+        """Ping now for a mover lease run low (lease_low); True at the pong that renews it,
+        None when the link goes down."""
+        fut: asyncio.Future[bool | None] = self._loop.create_future()
         if not link.lease_waiters:
             link.ch.send_nowait({"t": "ping", "ts": boot_ns()})
         link.lease_waiters.append(fut)
@@ -385,7 +385,7 @@ class LinkManager:
         if link.lease_id:   # our movers start no more chunks into the peer's memory
             self._core.lease_remove(link.lease_id)
             link.lease_id = 0
-        lease_waiters_done(link)
+        lease_waiters_done(link, False)
         self.data.close(link, status)   # the data streams; the link's jobs complete with `status`
         self._tables.drop(link, status)
         for fut in link.pending.values():

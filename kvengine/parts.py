@@ -19,7 +19,7 @@ from . import plan
 from .accept import Acceptor
 from .handshake import Dialer
 from .keys import KeyTable
-from .link import TaskSet
+from .link import TaskSet, lease_low_ns
 from .links import LinkManager
 from .native import _native
 from .notify import Notifier
@@ -73,7 +73,7 @@ class Parts:
         self.fast = _native.FastPath(loop, self.core, options, self.scheduler.jobs, self.registry.table,
                                      self.links.table, self.planner.memo, self.accounting.all,
                                      self.accounting.peer, self.scheduler.inline_done, self.scheduler.launch,
-                                     Cache, CacheIndex, KvCacheExtParam)
+                                     lease_low_ns(options.heartbeat_timeout), Cache, CacheIndex, KvCacheExtParam)
         self.registry.peers = self.links
         self.keys.peers = self.links
         self.scheduler.on_link_failed = lambda link: self.links.link_down(link, S.LLM_LINK_FAILED)

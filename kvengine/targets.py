@@ -148,7 +148,8 @@ class Targets:
         t._timeout = timeout
         t.deadline = self._loop.time() + timeout
         fut = self._ask(link, name, timeout)
-        task = self._loop.create_task(self._then(t, link, what, fut, again))
+        task = self._loop.create_task(self._then(t, link, f"the peer did not say whether it has {what}", fut,
+                                                 again))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return t
@@ -159,7 +160,8 @@ class Targets:
         t = _Asking(_AskingOwner(self._scheduler), f"{op} to cluster {link.cluster_id}")
         t._timeout = timeout
         t.deadline = self._loop.time() + timeout
-        task = self._loop.create_task(self._then(t, link, "", self._links.renew_lease(link), again))
+        silent = "the peer did not renew our mover lease (run low after a stall of this process)"
+        task = self._loop.create_task(self._then(t, link, silent, self._links.renew_lease(link), again))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return t
@@ -179,10 +181,11 @@ class Targets:
         reply = await self._links.query(link, msg, timeout)
         return None if reply is None else reply.get("found") is True
 
-    async def _then(self, t: _Asking, link: Link, what: str, fut: asyncio.Future[Any],
+    async def _then(self, t: _Asking, link: Link, silent: str, fut: asyncio.Future[bool | None],
                     again: Callable[[float], Transfer]) -> None:
-        """After the answer (or the deadline): launch the transfer, or fail it. ``what``
-        empty: ``fut`` is a lease renewal (done: renewed, or the link went down)."""
+        """After the answer (or the deadline): launch the transfer, or fail it (``silent``: what
+        the peer did not do in time). ``fut``: a question's answer, or a lease renewal (True:
+        renewed); None while the link is up: no answer."""
         try:
             await asyncio.wait_for(asyncio.shield(fut), max(t.deadline - self._loop.time(), 0.0))
         except asyncio.TimeoutError:
@@ -190,14 +193,9 @@ class Targets:
         if t.done():
             return   # cancelled while asking: nothing was launched
         left = t.deadline - self._loop.time()
-        if not what and (not fut.done() or left <= 0):
-            t._finish(S.LLM_TIMEOUT, 0, f"{t.what}: the peer did not renew our mover lease (run low "
-                                        f"after a stall of this process) within the transfer's timeout "
+        if not fut.done() or (fut.result() is None and link.up) or left <= 0:
+            t._finish(S.LLM_TIMEOUT, 0, f"{t.what}: {silent} within the transfer's timeout "
                                         f"({t._timeout:g} s); nothing was sent")
-            return
-        if what and (not fut.done() or (fut.result() is None and link.up) or left <= 0):
-            t._finish(S.LLM_TIMEOUT, 0, f"{t.what}: the peer did not say whether it has {what} within "
-                                        f"the transfer's timeout ({t._timeout:g} s); nothing was sent")
             return
         inner = again(left)   # the link went down meanwhile: it says so
         t._inner = inner

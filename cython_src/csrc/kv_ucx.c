@@ -886,18 +886,27 @@ static void recvs_abandon(kv_ucx *u, ucx_link *l) {
     }
 }
 
-/* Does the endpoint of `l` have a lane over UCX's tcp transport? */
-static int ep_uses_tcp(ucx_link *l) {
+/* Does endpoint `ep` have a lane over one of the transports `names` (NULL-ended)?
+ * `unknown`: the answer when UCX cannot say. */
+static int ep_has_transport(ucp_ep_h ep, const char *const *names, int unknown) {
     ucp_transport_entry_t tl[16];
     ucp_ep_attr_t a = {.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS,
                        .transports = {.entries = tl, .num_entries = 16, .entry_size = sizeof tl[0]}};
-    if (ucp_ep_query(l->ep, &a) != UCS_OK)
-        return 1; /* unknown: as if it had */
+    if (ucp_ep_query(ep, &a) != UCS_OK)
+        return unknown;
     for (unsigned i = 0; i < a.transports.num_entries && i < 16; i++)
-        if (tl[i].transport_name && strcmp(tl[i].transport_name, "tcp") == 0)
-            return 1;
+        for (const char *const *n = names; *n; n++)
+            if (tl[i].transport_name && strcmp(tl[i].transport_name, *n) == 0)
+                return 1;
     return 0;
 }
+
+static const char *const UCX_TCP_TLS[] = {"tcp", NULL};
+/* UCX's shared-memory transports: active messages over them go through shared
+ * memory, where an eager 64 KiB message (a multi-fragment copy) is faster than a
+ * rendezvous round trip; over tcp (UCX_TLS=tcp, or cma,tcp,self: cma carries no
+ * AM) it is slower (docs/benchmarks.md, "UCX: one layer"). */
+static const char *const UCX_SHM_TLS[] = {"posix", "sysv", "xpmem", NULL};
 
 /* Is the close of `l`'s endpoint forced? Only with UCX's error handling (UCX 1.22 refuses
  * it without), and over UCX's tcp transport only once UCX reported the endpoint failed:
@@ -908,7 +917,7 @@ static int ep_uses_tcp(ucx_link *l) {
  * memory: a crash or a corrupted heap. A flush close writes those bytes first and
  * ends when the peer resumes, or fails when it dies (docs/decisions.md #29). */
 static int close_forced(ucx_link *l) {
-    return l->peer_errors && (l->down_status || !ep_uses_tcp(l));
+    return l->peer_errors && (l->down_status || !ep_has_transport(l->ep, UCX_TCP_TLS, 1)); /* unknown: as tcp */
 }
 
 /* The link fails (caller holds c->lock, I/O thread): from now on the handler
@@ -1632,25 +1641,6 @@ out:
     return ret;
 }
 
-/* Does endpoint `ep` use one of UCX's shared-memory transports (posix, sysv, xpmem)?
- * Then its active messages go through shared memory, where an eager 64 KiB
- * message (a multi-fragment copy) is faster than a rendezvous round trip; over
- * tcp (UCX_TLS=tcp, or cma,tcp,self: cma carries no AM) it is slower (docs/benchmarks.md,
- * "UCX: one layer"). A hint for the protocol only: every message is checked alike. */
-static int ep_has_shm(ucp_ep_h ep) {
-    ucp_transport_entry_t tl[16];
-    ucp_ep_attr_t a = {.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS,
-                       .transports = {.entries = tl, .num_entries = 16, .entry_size = sizeof tl[0]}};
-    if (ucp_ep_query(ep, &a) != UCS_OK)
-        return 0;
-    for (unsigned i = 0; i < a.transports.num_entries && i < 16; i++) {
-        const char *n = tl[i].transport_name;
-        if (n && (!strcmp(n, "posix") || !strcmp(n, "sysv") || !strcmp(n, "xpmem")))
-            return 1;
-    }
-    return 0;
-}
-
 /* Run a command (I/O thread, c->lock held; UCP calls here call nothing back). */
 static int run_cmd(kv_ucx *u, ucx_cmd *m) {
     int sig = 0;
@@ -1696,7 +1686,7 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
                 return 0;
             }
         }
-        l->shm_am = ep_has_shm(l->ep);
+        l->shm_am = ep_has_transport(l->ep, UCX_SHM_TLS, 0); /* a protocol hint: every message is checked alike */
         l->id = m->link_id;
         memcpy(l->rx_token, m->rx_token, KV_UCX_TOKEN);
         memcpy(l->tx_token, m->tx_token, KV_UCX_TOKEN);
