@@ -333,7 +333,9 @@ async def test_killed_pusher_without_peer_errors_leaves_nothing_pending(monkeypa
         with pytest.raises((kv.LLMNotYetLinkError, kv.LLMLinkFailedError)):
             await d.wait_remote_cache(1, 2**62, timeout=bound + 5)   # returns once the link is gone
         at_down = [t.copy() for t in dst.tensors]
-        st = d.stats()["native"]
+        # the link's native close is a command its I/O thread runs after the link-down (async)
+        while (st := d.stats()["native"])["ucx_rx_pending"] and loop.time() - t0 <= bound:
+            await asyncio.sleep(0.001)         # polling a condition with a bound, not a synchronisation
         assert loop.time() - t0 <= bound and st["ucx_rx_pending"] == 0, st   # abandoned with the link
         # UCX's own requests: over cma their reads of the dead process fail, and they end; over tcp
         # (the sender writes our staging) UCX 1.22 never ends them without error handling, nor
