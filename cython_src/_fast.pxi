@@ -8,7 +8,7 @@
 # - FastPath: an awaited push_kv_cache / pull_kv_cache of the common case, whole: the
 #   checks of that case, the planned segments (the Planner's memo, kvengine/plan.py, is
 #   the only source: a shape the Planner has not planned and memoized goes the Python
-#   way), the inline submit and the accounting. Over tcp the same checks and memo, then
+#   way), the inline submit and the accounting. Over tcp and ucx the same checks and memo, then
 #   the scheduler's launch (kvengine/scheduler.py) with what Targets.submit would have
 #   passed it: the checks and the plan lookup of the Python path, skipped. Anything else
 #   (a failure, an unusual argument, a local/shm transfer that is not inline) is answered
@@ -216,7 +216,7 @@ cdef class FastPath:
     cdef Counts whole
     cdef readonly uint64_t taken       # transfers the fast path ran
     cdef long long lease_low_ns        # a shm push with less mover lease left goes the Python way
-    cdef readonly uint64_t launched    # tcp transfers it handed to the scheduler's launch
+    cdef readonly uint64_t launched    # tcp and ucx transfers it handed to the scheduler's launch
 
     def __init__(self, loop, Core core, options, jobs, caches, links, memo, Counts whole, peer, failed,
                  launch, long long lease_low_ns, t_cache, t_index, t_ext):
@@ -290,7 +290,8 @@ cdef class FastPath:
             return None
         link = <object>o
         transport = link.transport
-        if link.up is not True or (transport != "local" and transport != "shm" and transport != "tcp"):
+        if link.up is not True or (transport != "local" and transport != "shm" and transport != "tcp"
+                                   and transport != "ucx"):
             return None
         if self.get_loop() is not self.loop:   # on the engine's loop thread only
             return None
@@ -313,7 +314,7 @@ cdef class FastPath:
             key = ("lc", state.serial, rc.serial, row, batch, size, ek)
         else:
             key = ("pc", state.serial, rc.serial, batch, row, size, ek)
-        if transport == "tcp":   # Targets.submit's launch, its checks done above
+        if transport == "tcp" or transport == "ucx":   # Targets.submit's launch, its checks done above
             o = PyDict_GetItem(self.memo, key)
             if o == NULL:
                 return None   # not planned yet: the Planner checks and memoizes it first

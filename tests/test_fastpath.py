@@ -18,6 +18,14 @@ from conftest import filled, link, make_pair
 
 S = kv.LLMStatusCode
 HALF = 4096
+LAUNCHED = ("tcp", "ucx")   # transports whose transfers the fast path hands to the scheduler
+
+
+@pytest.fixture(params=["local", "shm", "tcp", "ucx"])
+def transport(request):
+    if request.param == "ucx" and not _native.UCX:
+        pytest.skip("kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild")
+    return request.param
 
 
 async def _setup(transport):
@@ -51,8 +59,8 @@ async def test_fast_path_runs_the_memoized_common_case_and_accounts_like_the_pyt
             np.testing.assert_array_equal(dst.tensors[t][1], src.tensors[t][0])
         # the first push of each shape plans it (Python); the rest run natively, inline only;
         # over tcp the fast path checks and looks the plan up, and the scheduler launches it
-        assert fast.taken == (8 if transport != "tcp" else 0)
-        assert fast.launched == (8 if transport == "tcp" else 0)
+        assert fast.taken == (8 if transport not in LAUNCHED else 0)
+        assert fast.launched == (8 if transport in LAUNCHED else 0)
         # the same pushes through the Python path: the same counters
         p2, d2, src2, dst2 = await _setup(transport)
         try:
@@ -75,19 +83,19 @@ async def test_fast_path_runs_the_memoized_common_case_and_accounts_like_the_pyt
             assert await p.pull_kv_cache(idx, src, 1, size=HALF // 2, timeout=5) == S.LLM_SUCCESS
         for t in range(8):
             np.testing.assert_array_equal(src.tensors[t][1][:HALF // 2], dst.tensors[t][1][:HALF // 2])
-        assert fast.taken == before + (2 if transport != "tcp" else 0)
-        assert fast.launched == launched + (2 if transport == "tcp" else 0)
+        assert fast.taken == before + (2 if transport not in LAUNCHED else 0)
+        assert fast.launched == launched + (2 if transport in LAUNCHED else 0)
     finally:
         await p.close()
         await d.close()
 
 
-@pytest.mark.parametrize("transport", ["local", "tcp"])
+@pytest.mark.parametrize("transport", ["local", "tcp", "ucx"], indirect=True)
 async def test_fast_path_leaves_every_unusual_call_to_the_python_path(transport):
     p, d, src, dst = await _setup(transport)
     try:
         fast = p._p.fast
-        ran = lambda: fast.taken + fast.launched   # inline runs (local), launches (tcp)
+        ran = lambda: fast.taken + fast.launched   # inline runs (local), launches (tcp, ucx)
         ext = kv.KvCacheExtParam((0, 0), (0, 0), 2)
         idx = kv.CacheIndex(2, dst.cache_id, 0)
         await p.push_kv_cache(src, idx, 0, ext_param=ext)
@@ -130,7 +138,7 @@ async def test_fast_path_leaves_every_unusual_call_to_the_python_path(transport)
         p.options.inline_threshold = 1024
         try:
             assert await p.push_kv_cache(src, idx, 0, ext_param=ext) == S.LLM_SUCCESS
-            assert ran() == taken + 1 + (transport == "tcp")
+            assert ran() == taken + 1 + (transport in LAUNCHED)
         finally:
             p.options.inline_threshold = 256 * 1024
         # closed: the Python path answers

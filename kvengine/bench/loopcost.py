@@ -1,10 +1,10 @@
 """Loop-thread cost of a one-layer push: where an awaited push spends the loop thread.
 
-    kvengine bench loopcost [--transport local,shm,tcp] [--n 20000] [--rounds 7] [--json PATH]
+    kvengine bench loopcost [--transport local,shm,tcp,ucx] [--n 20000] [--rounds 7] [--json PATH]
 
 One layer of a 32-layer cache (K + V = 2 x 32 KiB = 64 KiB, cycling the layers),
 pushed with ``await engine.push_kv_cache(...)`` one at a time, into a decode engine
-in this process (``local``) or in a child process (``shm``, ``tcp``). Per push, the
+in this process (``local``) or in a child process (``shm``, ``tcp``, ``ucx``). Per push, the
 median over ``--rounds`` interleaved rounds of ``--n`` pushes:
 
 - wall time, and the loop thread's CPU time (``time.thread_time_ns``: everything the
@@ -16,7 +16,7 @@ median over ``--rounds`` interleaved rounds of ``--n`` pushes:
 - the pieces, each timed alone on the live engine with the arguments the push uses:
   the copy (``Core.submit`` of the memoized plan: the C call and the inline memmove),
   the validation, the plan memo lookup, the Transfer, its finish and accounting, a
-  histogram record, the coroutine; over tcp the launch (submit to the I/O thread) and
+  histogram record, the coroutine; over tcp and ucx the launch (submit to the I/O thread) and
   the completion (the eventfd reader ``Parts.drain``: poll, resolve, account), timed
   in place around the real pushes, on the thread's CPU clock (a preempted loop thread
   is not charged; the cost of the two clock readings is subtracted).
@@ -40,6 +40,7 @@ from .harness import KvSide, table
 
 LAYERS = 32
 HALF = 32 * KiB
+QUEUED = ("tcp", "ucx")   # transports whose pushes an I/O thread carries (never inline)
 Sampler = Callable[[int], Awaitable[dict[str, float]]]
 
 
@@ -131,7 +132,7 @@ async def one(transport: str, n: int, rounds: int) -> dict[str, Any]:
                 await submit(src, idx, 0, ext_param=exts[i % LAYERS], timeout=10)._result()
             return _per(k, c0)
 
-        drain_ns = [0, 0]   # tcp: time in the eventfd reader, calls
+        drain_ns = [0, 0]   # tcp, ucx: time in the eventfd reader, calls
         fd = p.core.fileno()
 
         clock = time.thread_time_ns   # CPU, not wall: a preempted loop thread is not charged
@@ -166,7 +167,7 @@ async def one(transport: str, n: int, rounds: int) -> dict[str, Any]:
         got: dict[str, list[dict[str, float]]] = {c: [] for c in cols}
         for c in cols:
             await cols[c](2000)   # warm-up: plans memoized, caches hot
-        if transport == "tcp":
+        if transport in QUEUED:
             p.loop.remove_reader(fd)
             p.loop.add_reader(fd, timed_drain)
         try:
@@ -175,16 +176,16 @@ async def one(transport: str, n: int, rounds: int) -> dict[str, Any]:
                 for c in order:
                     before = list(drain_ns)
                     got[c].append(await cols[c](n))
-                    if transport == "tcp":
+                    if transport in QUEUED:
                         d_ns, d_calls = drain_ns[0] - before[0], drain_ns[1] - before[1]
                         out.setdefault(f"drain_{c}_us", []).append(d_ns / n / 1e3)
                         out.setdefault(f"drains_per_push_{c}", []).append(d_calls / n)
-            if transport == "tcp":
+            if transport in QUEUED:
                 launches = [await launch_only(n // 4) for _ in range(3)]
                 out["launch_us"] = [a for a, _ in launches]
                 out["launch_submit_us"] = [b for _, b in launches]
         finally:
-            if transport == "tcp":
+            if transport in QUEUED:
                 p.loop.remove_reader(fd)
                 p.loop.add_reader(fd, p.drain)
         for c in cols:
@@ -203,7 +204,7 @@ async def one(transport: str, n: int, rounds: int) -> dict[str, Any]:
             return plan.plan_cache(local.cache.desc, rc.desc, 0, row, -1, ext, op="push")
         segs, total = p.planner.segments(key, make, local.cache._regions, rc.regions)
         what = ("push_kv_cache", 2, rc.cache_id, None, row)
-        inline = engine.options.inline_threshold if transport != "tcp" else 0
+        inline = engine.options.inline_threshold if transport not in QUEUED else 0
         jobs = p.scheduler.jobs
         pieces: dict[str, Callable[[int], object]] = {
             "validation (registry, options, link and peer cache)": lambda i: (
@@ -214,7 +215,7 @@ async def one(transport: str, n: int, rounds: int) -> dict[str, Any]:
             "accounting.record (counters + 2 x 3 histograms)": lambda i: p.accounting.record(
                 S.LLM_SUCCESS, total, (2, transport), 1.0, 1.0),
         }
-        if transport != "tcp":
+        if transport not in QUEUED:
             pieces["copy: Core.submit of the plan (C call + inline memmove)"] = lambda i: p.core.submit(
                 next(jobs), segs, inline, 0, link.lease_id)
             pieces["fast path call, sync (checks, memo, submit + copy, accounting)"] = lambda i: p.fast.push(
@@ -260,7 +261,7 @@ def report(res: list[dict[str, Any]]) -> list[str]:
         lines.append("")
         lines.append(f"{r['transport']}: pieces, each alone (loop-thread CPU us per call)")
         prow = [[k, f"{v:.3f}"] for k, v in r["pieces_us"].items()]
-        if r["transport"] == "tcp":
+        if r["transport"] in QUEUED:
             prow += [["launch: submit_push_kv_cache to return (incl. hand-off to the I/O thread)",
                       f"{r['launch_us']:.3f}"],
                      ["  of which Core.submit (the hand-off: queue the job, wake the I/O thread)",
@@ -273,15 +274,16 @@ def report(res: list[dict[str, Any]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvengine bench loopcost", description=__doc__.split("\n")[0])
-    ap.add_argument("--transport", default="local,shm,tcp", help="comma-separated: local, shm, tcp")
+    ap.add_argument("--transport", default="local,shm,tcp",
+                    help="comma-separated: local, shm, tcp, ucx (UCX_TLS passes through)")
     ap.add_argument("--n", type=int, default=20000, help="pushes per round and column")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the median is reported)")
     ap.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     trs = [t.strip() for t in args.transport.split(",") if t.strip()]
-    if not trs or any(t not in ("local", "shm", "tcp") for t in trs):
-        ap.error("--transport: local, shm, tcp (comma-separated)")
+    if not trs or any(t not in ("local", "shm", "tcp", "ucx") for t in trs):
+        ap.error("--transport: local, shm, tcp, ucx (comma-separated)")
     busy = busy_processes()
     if busy:
         print("warning: the machine is not idle; figures will be higher and noisier:\n  " + "\n  ".join(busy))
