@@ -463,3 +463,43 @@ async def test_wait_link_on_the_listening_side(pair):
     # unlink_clusters rejects what link_clusters rejects
     st, per = await p.unlink_clusters([kv.ClusterInfo(2, d.address), kv.ClusterInfo(2, d.address)])
     assert per == [S.LLM_PARAM_INVALID] * 2 and 2 in p.stats()["links"]
+
+
+def _native_threads():
+    """The names of this process's threads that kvengine's native core started."""
+    import os
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except FileNotFoundError:   # a thread that ended meanwhile
+            continue
+        if name.startswith("kv-"):
+            names.append(name)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+async def test_native_threads_are_named_and_stop_on_close(transport):
+    """An operator's `top -H` names each native thread (kv-mover-N, kv-tcp-io, kv-ucx-io), and
+    closing the engines ends every one of them."""
+    from kvengine.native import _native
+    if transport == "ucx" and not _native.UCX:
+        pytest.skip("kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild")
+    before = _native_threads()
+    p, d = await make_pair(transport, movers=2)
+    try:
+        await link(p, d)
+        src = filled(p.allocate_cache(desc()), seed=3)
+        dst = d.allocate_cache(desc())
+        await p.wait_remote_cache(2, dst.cache_id)
+        assert await p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, 0)) == S.LLM_SUCCESS
+        started = _native_threads()
+        io = f"kv-{transport}-io"
+        for name in (io, "kv-mover-0", "kv-mover-1"):   # two engines: two of each
+            assert started.count(name) - before.count(name) == 2, (name, started)
+    finally:
+        await p.close()
+        await d.close()
+    assert _native_threads() == before

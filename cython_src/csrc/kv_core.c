@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -1048,6 +1049,9 @@ uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes) {
     for (int i = 0; i < movers; i++) {
         if (pthread_create(&c->movers[i], NULL, mover_main, c) != 0)
             break;
+        char name[16]; /* what top -H and py-spy show (15 characters at most) */
+        snprintf(name, sizeof name, "kv-mover-%u", (unsigned)(unsigned char)i); /* i < KV_MAX_MOVERS */
+        pthread_setname_np(c->movers[i], name);
         c->nmovers++;
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);

@@ -326,6 +326,7 @@ static uint32_t net_start(kv_core *c, kv_net **out) {
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0)
         goto fail;
+    pthread_setname_np(n->thread, "kv-tcp-io");
     kv__transport_register(c, KV_REGION_TCP, &n->transport);
     *out = n;
     return KV_LLM_SUCCESS;

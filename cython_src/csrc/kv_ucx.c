@@ -487,6 +487,7 @@ static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
         ucx_ops.destroy(&u->transport);
         return KV_LLM_FAILED;
     }
+    pthread_setname_np(u->thread, "kv-ucx-io");
     kv__transport_register(c, KV_REGION_UCX, &u->transport);
     pthread_mutex_unlock(&c->lock);
     *out = u;
@@ -1237,6 +1238,8 @@ static int land_thread_ok(kv_ucx *u) {
     pthread_sigmask(SIG_BLOCK, &all, &old);
     u->land_started = pthread_create(&u->land_thread, NULL, land_main, u) == 0;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (u->land_started)
+        pthread_setname_np(u->land_thread, "kv-ucx-land");
     return u->land_started;
 }
 
