@@ -227,9 +227,11 @@ def test_tcp_frames_sent_in_pieces_land_byte_exact():
 
 
 @pytest.mark.skipif(not _native.UCX, reason="kvengine built without UCX")
-def test_ucx_gets_2d_segments_expanded_into_rows(monkeypatch):
-    """UCX declares no 2-D support: the core expands the job's rows at submit, and the
-    push and the pull still land byte for byte (the gaps between rows untouched)."""
+def test_ucx_carries_a_push_of_2d_segments_in_row_messages_and_expands_a_pull(monkeypatch):
+    """UCX takes a push's 2-D segments whole: their rows go packed in PUSH2D messages of at
+    most 256 KiB, which the target lands row by row (ucx_rx_rows counts them); a pull's
+    are expanded into rows at submit. Both land byte for byte, the gaps between rows
+    untouched."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     a, b = _native.Core(), _native.Core()
     try:
@@ -252,6 +254,7 @@ def test_ucx_gets_2d_segments_expanded_into_rows(monkeypatch):
         assert a.submit(1, _segs(push), 0, words=W)[0] == S.LLM_SUCCESS
         assert _wait(a, 1) == (S.LLM_SUCCESS, 200_000)
         assert np.array_equal(dst, want)
+        assert b.stats()["ucx_rx_rows"] == 1   # 200 rows of 1000 bytes: one message (<= 256 KiB)
         pull = [(rr, 3, rback, 7, 1000, 200, 1003, 1200)]
         want_back = _model(back.copy(), dst, [(0, 3, 0, 7, 1000, 200, 1003, 1200)])
         assert a.submit(2, _segs(pull), 0, words=W)[0] == S.LLM_SUCCESS

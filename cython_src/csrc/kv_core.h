@@ -95,6 +95,7 @@ typedef struct {
     uint64_t ucx_stage_bytes;   /* now: staging memory UCX receives hold (in progress or landing; an
                                    orphan's is given back to the kernel); the reuse cache not counted */
     uint64_t ucx_rx_staged;     /* UCX rendezvous payloads received (through staging); eager ones are not */
+    uint64_t ucx_rx_rows;       /* UCX PUSH2D messages accepted (a 2-D segment's rows in one message) */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a
@@ -231,6 +232,8 @@ enum {
     KV_UCX_PULL_DATA, /* source -> requester: the answer to (job, tag); len bytes of payload */
     KV_UCX_LEASE_REQ, /* a target asks the peer for a lease; tag: its request number */
     KV_UCX_LEASE,     /* the grant of LEASE_REQ `tag`: the target may write pushes until (asked + lease) */
+    KV_UCX_PUSH2D,    /* PUSH of whole rows (a kv_ucx_hdr2d): len bytes of rows of row_len bytes, packed,
+                       * landing dst_stride apart from region/offset (a head range's rows of a block) */
 };
 
 /* The header of every message, 64 bytes, little-endian (host order: same-arch peers). */
@@ -244,6 +247,15 @@ typedef struct kv_ucx_hdr {
     uint64_t total;              /* PUSH: the push's total bytes; else 0 */
     uint64_t tag;                /* PULL_REQ, PULL_DATA: the requester's request tag; LEASE_REQ, LEASE: seq */
 } kv_ucx_hdr;
+
+/* The header of KV_UCX_PUSH2D, 80 bytes: the PUSH header, then the rows' geometry
+ * (rows = len / row_len; dst_stride >= row_len). kv_ucx_check gives every PUSH
+ * this form: a 1-D one as one row (row_len = dst_stride = len). */
+typedef struct kv_ucx_hdr2d {
+    kv_ucx_hdr h;
+    uint64_t row_len;
+    uint64_t dst_stride;
+} kv_ucx_hdr2d;
 
 /* 1 if this build has the UCX transport. */
 int kv_ucx_available(void);
@@ -272,12 +284,14 @@ uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const uint8_t *addr, s
  * its jobs complete with `status`. */
 uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status);
 /* The target's check of one message (pure; caller holds the core's lock):
- * the header's size and type, its lengths against `data_len`, and for PUSH and
- * PULL_REQ the region (this core's, LOCAL, F_EXPORT, not removed) and
- * offset + len inside it, overflow-safe. KV_LLM_SUCCESS with *out (the header)
- * and *addr (where the bytes go or come from), else PARAM_INVALID or
- * KV_CACHE_NOT_EXIST. The token is checked by the caller (it picks the link). */
-uint32_t kv_ucx_check(kv_core *core, const void *hdr, size_t hdr_len, uint64_t data_len, kv_ucx_hdr *out,
+ * the header's size and type, its lengths against `data_len`, and for PUSH,
+ * PUSH2D and PULL_REQ the region (this core's, LOCAL, F_EXPORT, not removed) and
+ * every byte written or read inside it (PUSH2D: each row; row_len divides len,
+ * dst_stride >= row_len), overflow-safe. KV_LLM_SUCCESS with *out (the header;
+ * row_len and dst_stride as for one row unless PUSH2D) and *addr (where the bytes
+ * go or come from: the first row), else PARAM_INVALID or KV_CACHE_NOT_EXIST. The
+ * token is checked by the caller (it picks the link). */
+uint32_t kv_ucx_check(kv_core *core, const void *hdr, size_t hdr_len, uint64_t data_len, kv_ucx_hdr2d *out,
                       uint64_t *addr);
 /* Tests only: send a raw message (header and payload as given) on link
  * `link_id`, eager or rendezvous; returns once it was sent. */

@@ -49,18 +49,37 @@ typedef struct kv_ucx kv_ucx;
 
 /* The header check, without UCX: a pure function of the header, the payload
  * length and this core's region table (caller holds c->lock). */
-uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, uint64_t data_len, kv_ucx_hdr *out,
+uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, uint64_t data_len, kv_ucx_hdr2d *out,
                       uint64_t *addr) {
+    kv_ucx_hdr2d g;
     kv_ucx_hdr h;
-    if (!hdr || hdr_len != sizeof h)
+    if (!hdr || hdr_len < sizeof h)
         return KV_LLM_PARAM_INVALID;
     memcpy(&h, hdr, sizeof h); /* the transport's buffer need not be aligned */
-    *out = h;
+    if (hdr_len != (h.type == KV_UCX_PUSH2D ? sizeof g : sizeof h))
+        return KV_LLM_PARAM_INVALID;
+    if (h.type == KV_UCX_PUSH2D) {
+        memcpy(&g, hdr, sizeof g);
+    } else {
+        g.h = h;
+        g.row_len = g.dst_stride = h.len; /* one row */
+    }
+    *out = g;
     *addr = 0;
+    uint64_t extent = h.len; /* the bytes from offset on that the message covers in the region */
     switch (h.type) {
     case KV_UCX_PUSH:
         if (h.len == 0 || h.len != data_len || h.total < h.len)
             return KV_LLM_PARAM_INVALID;
+        break;
+    case KV_UCX_PUSH2D:
+        if (h.len == 0 || h.len != data_len || h.total < h.len || g.row_len == 0 || h.len % g.row_len != 0 ||
+            g.dst_stride < g.row_len)
+            return KV_LLM_PARAM_INVALID;
+        /* the last row's end: (rows - 1) * dst_stride + row_len, or more than any region */
+        if ((h.len / g.row_len - 1) > (UINT64_MAX - g.row_len) / g.dst_stride)
+            return KV_LLM_PARAM_INVALID;
+        extent = (h.len / g.row_len - 1) * g.dst_stride + g.row_len;
         break;
     case KV_UCX_PULL_REQ:
         if (h.len == 0 || data_len != 0 || h.len > KV_UCX_MAX_PULL)
@@ -77,11 +96,11 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, uint64_t data
     default:
         return KV_LLM_PARAM_INVALID;
     }
-    /* PUSH, PULL_REQ: one of our own exported regions, offset + len inside it */
+    /* PUSH, PUSH2D, PULL_REQ: one of our own exported regions, every byte inside it */
     kv_region *rg = kv__region_get(c, h.region);
     if (!rg || rg->removed || rg->kind != KV_REGION_LOCAL || !(rg->flags & KV_REGION_F_EXPORT))
         return KV_LLM_KV_CACHE_NOT_EXIST;
-    if (h.offset > rg->len || h.len > rg->len - h.offset)
+    if (h.offset > rg->len || extent > rg->len - h.offset)
         return KV_LLM_PARAM_INVALID;
     *addr = rg->addr + h.offset;
     return KV_LLM_SUCCESS;
@@ -145,6 +164,10 @@ uint32_t kv_ucx_test_send(kv_core *c, uint32_t link_id, const uint8_t *hdr, size
 #define UCX_TOMBSTONES 4096       /* aborted pushes remembered per link (oldest forgotten first) */
 #define UCX_RX_BUCKETS 64
 #define UCX_LAND_PIECE (1u << 20)        /* a push payload lands in pieces of this, the lease checked before each */
+#define UCX_LAND_IOV 1024                /* the most rows one landing piece writes (one preadv / process_vm_writev) */
+#define UCX_SEND2D_MAX (256u << 10)      /* a push's rows of a 2-D segment go in PUSH2D messages of at most this
+                                          * (rows of up to half of it; longer rows go as PUSH each), packed by
+                                          * the I/O thread under the core's lock */
 #define UCX_LAND_INLINE_MAX (64u << 10)  /* a staged payload up to this size, with no other receive of its link
                                           * in progress, lands on the I/O thread (one piece): the two thread
                                           * hand-offs cost more than its copy, and nothing would overlap it */
@@ -255,13 +278,17 @@ struct ucx_op {
                           * it, 3 landed in part, 4 every byte landed (3, 4: waiting for the round,
                           * land_drain); 0 otherwise */
     uint64_t len;
-    uint64_t dst;        /* receive: where the payload lands (checked by am_recv) */
+    uint64_t dst;        /* receive: where the payload lands (checked by am_recv): its first row */
+    uint64_t row, stride; /* push receive: the payload's rows (row bytes each, landing stride apart; 1-D: len) */
     ucx_stage *stage;    /* receive: where UCX writes it */
     union {
         void *desc;      /* receive waiting for staging: UCX's descriptor of the message */
         struct ucx_op *qnext; /* landing 1: the landing queue; 3, 4: the done list (posted: desc unused) */
     };
-    kv_ucx_hdr hdr;      /* a send's header (valid until the send completes) */
+    union {
+        kv_ucx_hdr hdr;      /* a send's header (valid until the send completes) */
+        kv_ucx_hdr2d hdr2;   /* a PUSH2D's (its rows packed after the op: a push of a 2-D segment's rows) */
+    };
     struct ucx_op *lnext, *lprev; /* push sends: the link's list (job NULL once detached); receives:
                                    * the link's list, or the core's orphans once abandoned (link NULL);
                                    * receives waiting for staging: the link's FIFO (lnext) */
@@ -300,8 +327,8 @@ struct kv_ucx {
     ucx_local *unmap;     /* released regions to unmap at the next round (on the I/O thread) */
     ucx_op *orphans;      /* receives of failed links UCX has not ended: they land nothing */
     ucx_stage *stages;    /* staging buffers for reuse */
-    pid_t pid;            /* ours (copy_in) */
-    int self_copy;        /* copy_in may use process_vm_writev */
+    pid_t pid;            /* ours (copy_rows_into) */
+    int self_copy;        /* copy_rows_into may use process_vm_writev */
     uint64_t stage_bytes; /* their capacity */
     pthread_cond_t cmd_done;
     int stop_requested, stopped;
@@ -723,7 +750,7 @@ static ucx_stage *stage_new(uint64_t len) {
     if (!st)
         return NULL;
     st->cap = cap;
-    /* a memfd, so that a piece lands with one pread (copy_in) */
+    /* a memfd, so that a piece lands with one pread / preadv (copy_rows_into) */
     st->fd = memfd_create("kvengine-ucx-stage", MFD_CLOEXEC);
     if (st->fd >= 0) {
         void *m = MAP_FAILED;
@@ -1098,8 +1125,51 @@ static void copy_into(pid_t pid, int *self_copy, uint8_t *d, const uint8_t *sp, 
         memcpy(d + done, sp + done, n - done);
 }
 
-static void copy_in(kv_ucx *u, uint8_t *d, const uint8_t *sp, uint64_t n, int fd, uint64_t foff) {
-    copy_into(u->pid, &u->self_copy, d, sp, n, fd, foff);
+/* Bytes [off, off + n) of a payload of rows `row` bytes long (packed at `sp`, or in
+ * `fd` from offset 0), landing `stride` apart from `d` (row >= the payload: 1-D, into
+ * d + off): one system call (preadv, or process_vm_writev into ourselves) for all of
+ * it, as copy_into. `off` and `n` are whole rows unless 1-D; n / row <= UCX_LAND_IOV. */
+static void copy_rows_into(pid_t pid, int *self_copy, uint8_t *d, uint64_t row, uint64_t stride, const uint8_t *sp,
+                           uint64_t off, uint64_t n, int fd) {
+    if (row >= off + n) { /* one row: as ever */
+        copy_into(pid, self_copy, d + off, sp ? sp + off : NULL, n, fd, off);
+        return;
+    }
+    struct iovec iov[UCX_LAND_IOV];
+    uint64_t r0 = off / row, k = n / row, done = 0;
+    for (uint64_t i = 0; i < k; i++) {
+        iov[i].iov_base = d + (r0 + i) * stride;
+        iov[i].iov_len = (size_t)row;
+    }
+    if (fd >= 0) {
+        ssize_t r = preadv(fd, iov, (int)k, (off_t)off);
+        if (r > 0)
+            done = (uint64_t)r;
+    } else if (*self_copy) {
+        struct iovec lo = {.iov_base = (void *)(uintptr_t)(sp + off), .iov_len = (size_t)n};
+        ssize_t r = process_vm_writev(pid, &lo, 1, iov, k, 0);
+        if (r > 0)
+            done = (uint64_t)r;
+        else if (errno == EPERM || errno == ENOSYS)
+            *self_copy = 0;
+    }
+    for (uint64_t i = done / row; i < k; i++) { /* what the call did not copy (where the kernel refuses it) */
+        uint64_t from = i == done / row ? done % row : 0;
+        memcpy((uint8_t *)iov[i].iov_base + from, sp + off + i * row + from, row - from);
+    }
+}
+
+/* The bytes of a payload of rows `row` bytes long (1-D: its length) a landing piece takes:
+ * UCX_LAND_PIECE, in whole rows (at least one, at most UCX_LAND_IOV) where it has several. */
+static uint64_t land_piece(uint64_t row, uint64_t len) {
+    if (row >= len)
+        return UCX_LAND_PIECE;
+    uint64_t k = UCX_LAND_PIECE / row;
+    if (k == 0)
+        k = 1;
+    if (k > UCX_LAND_IOV)
+        k = UCX_LAND_IOV;
+    return k * row;
 }
 
 /* May the next piece of a push on link `l` (NULL: abandoned) land now: the link
@@ -1118,21 +1188,23 @@ static int piece_may_land(kv_core *c, ucx_link *l, int *marked) {
     return 0;
 }
 
-/* Land `len` bytes of a push at `dst` (checked by am_recv) from `src` (an eager
- * payload, or the staging buffer `st`): piece by piece, each copied only while
+/* Land `len` bytes of a push at `dst` (checked by am_recv; rows of `row` bytes landing
+ * `stride` apart, 1-D: row = len) from `src` (an eager payload, or the staging buffer
+ * `st`): piece by piece, each copied only while
  * our lease from the pusher holds (the pusher may report the push failed from
- * then on), each one system call (copy_in). Returns 1 if every byte landed; 0 if
+ * then on), each one system call (copy_rows_into). Returns 1 if every byte landed; 0 if
  * the lease ran out first (the rest is dropped and the link fails at the next
  * round). Caller holds c->lock. */
-static int land_checked(kv_ucx *u, ucx_link *l, uint64_t dst, const void *src, uint64_t len, const ucx_stage *st) {
+static int land_checked(kv_ucx *u, ucx_link *l, uint64_t dst, uint64_t row, uint64_t stride, const void *src,
+                        uint64_t len, const ucx_stage *st) {
     uint8_t *d = (uint8_t *)(uintptr_t)dst;
-    const uint8_t *sp = src;
-    for (uint64_t off = 0; off < len; off += UCX_LAND_PIECE) {
-        uint64_t n = len - off < UCX_LAND_PIECE ? len - off : UCX_LAND_PIECE;
+    uint64_t piece = land_piece(row, len);
+    for (uint64_t off = 0; off < len; off += piece) {
+        uint64_t n = len - off < piece ? len - off : piece;
         int marked = 0;
         if (!piece_may_land(u->core, l, &marked))
             return 0;
-        copy_in(u, d + off, sp + off, n, st ? st->fd : -1, off);
+        copy_rows_into(u->pid, &u->self_copy, d, row, stride, src, off, n, st ? st->fd : -1);
     }
     return 1;
 }
@@ -1163,8 +1235,9 @@ static void *land_main(void *arg) {
         uint8_t *d = (uint8_t *)(uintptr_t)op->dst;
         int self_copy = u->self_copy;
         int ok = 1;
-        for (uint64_t off = 0; off < op->len; off += UCX_LAND_PIECE) {
-            uint64_t n = op->len - off < UCX_LAND_PIECE ? op->len - off : UCX_LAND_PIECE;
+        uint64_t piece = land_piece(op->row, op->len);
+        for (uint64_t off = 0; off < op->len; off += piece) {
+            uint64_t n = op->len - off < piece ? op->len - off : piece;
             ucx_link *l = op->link; /* NULL: abandoned (the link and its push states may be gone) */
             if (l && op->rx->aborted) {
                 c->stats.ucx_dropped++; /* aborted while it landed: the rest is dropped */
@@ -1180,7 +1253,7 @@ static void *land_main(void *arg) {
             }
             __atomic_store_n(&u->land_piece, op, __ATOMIC_RELEASE);
             pthread_mutex_unlock(&c->lock);
-            copy_into(u->pid, &self_copy, d + off, (const uint8_t *)op->stage->buf + off, n, op->stage->fd, off);
+            copy_rows_into(u->pid, &self_copy, d, op->row, op->stride, op->stage->buf, off, n, op->stage->fd);
             __atomic_store_n(&u->land_piece, NULL, __ATOMIC_RELEASE); /* recvs_abandon may wait for this */
             pthread_mutex_lock(&c->lock);
         }
@@ -1304,7 +1377,8 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
             if (request)
                 ucp_request_free(request);
             return;
-        } else if (status == UCS_OK && land_checked(u, l, op->dst, op->stage->buf, op->len, op->stage)) {
+        } else if (status == UCS_OK &&
+                   land_checked(u, l, op->dst, op->row, op->stride, op->stage->buf, op->len, op->stage)) {
             r->landed += op->len; /* small, or no landing thread: landed here (the lease checked first) */
         }
         if (!l->dead)
@@ -1387,9 +1461,9 @@ static void recv_post_deferred(kv_ucx *u, ucx_link *l) {
  * started whatever our lease says (a target stopped and resumed), and it cannot
  * cancel one. Returns the handler's status. Caller holds c->lock. */
 static ucs_status_t land(kv_ucx *u, ucx_link *l, void *data, uint64_t len, const ucp_am_recv_param_t *param,
-                         uint64_t dst, uint32_t region, ucx_rx *rx, ucx_pull *pull) {
+                         uint64_t dst, uint64_t row, uint64_t stride, uint32_t region, ucx_rx *rx, ucx_pull *pull) {
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        if (rx && land_checked(u, l, dst, data, len, NULL))
+        if (rx && land_checked(u, l, dst, row, stride, data, len, NULL))
             rx->landed += len;
         return UCS_OK;
     }
@@ -1402,6 +1476,8 @@ static ucs_status_t land(kv_ucx *u, ucx_link *l, void *data, uint64_t len, const
     op->pull = pull;
     op->len = len;
     op->dst = dst;
+    op->row = row;
+    op->stride = stride;
     op->region = region;
     op->desc = data;
     kv__region_ref(u->core, region); /* the memory stays mapped until the payload landed */
@@ -1459,6 +1535,7 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
     int own = cb_lock(u);
     int sig = 0;
     ucs_status_t ret = UCS_OK;
+    kv_ucx_hdr2d g;
     kv_ucx_hdr h;
     uint64_t addr = 0;
     ucx_link *l = NULL;
@@ -1471,13 +1548,15 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         ret = UCS_ERR_CANCELED;
         goto out;
     }
-    uint32_t st = kv_ucx_check(c, header, header_length, length, &h, &addr);
+    uint32_t st = kv_ucx_check(c, header, header_length, length, &g, &addr);
     if (st != KV_LLM_SUCCESS) {
         ret = bad(u, l);
         goto out;
     }
+    h = g.h;
     switch (h.type) {
-    case KV_UCX_PUSH: {
+    case KV_UCX_PUSH:
+    case KV_UCX_PUSH2D: {
         ucx_rx *r = rx_find(l, h.job);
         if (r && r->aborted) { /* late data of an aborted push: never written */
             c->stats.ucx_dropped++;
@@ -1506,7 +1585,8 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
             break;
         }
         r->claimed += h.len;
-        ret = land(u, l, data, h.len, param, addr, h.region, r, NULL);
+        c->stats.ucx_rx_rows += h.type == KV_UCX_PUSH2D;
+        ret = land(u, l, data, h.len, param, addr, g.row_len, g.dst_stride, h.region, r, NULL);
         c->stats.ucx_bytes_received += h.len;
         if (ret == UCS_OK) /* eager: landed (a rendezvous receive settles `r` when it ends; `r` may be gone) */
             rx_settle(l, r);
@@ -1620,7 +1700,7 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         }
         c->stats.ucx_bytes_received += h.len;
         if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-            ret = land(u, l, data, h.len, param, q->dst, q->region, NULL, q);
+            ret = land(u, l, data, h.len, param, q->dst, h.len, h.len, q->region, NULL, q);
             break;
         }
         memcpy((void *)(uintptr_t)q->dst, data, h.len);
@@ -1767,11 +1847,16 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
                       enough: UCX may deliver our first PUSH before the LEASE (another lane) */
         size_t si = j->job.claim_segment;
         const kv_segment *s = &j->job.segments[si];
-        uint64_t off = j->job.claim_offset, n = s->len - off;
-        if (n > msg_max(u, l))
-            n = msg_max(u, l);
-        uint64_t roff = (j->is_pull ? s->src : s->dst) + off;
-        uint64_t local = (j->is_pull ? s->dst : s->src) + off;
+        uint64_t off = j->job.claim_offset, src_run, dst_run;
+        uint64_t n = kv_seg_run(s, off, msg_max(u, l), &src_run, &dst_run); /* within one row */
+        uint64_t rows = 1; /* a push's whole rows of a 2-D segment go as one PUSH2D (packed here) */
+        if (!j->is_pull && s->rows > 1 && n == s->len && s->len <= UCX_SEND2D_MAX / 2) {
+            uint64_t k = UCX_SEND2D_MAX / s->len, left = s->rows - off / s->len;
+            rows = k < left ? k : left;
+            n = rows * s->len;
+        }
+        uint64_t roff = j->is_pull ? src_run : dst_run;
+        uint64_t local = j->is_pull ? dst_run : src_run;
         uint32_t local_region = j->job.region_refs[2 * si + (j->is_pull ? 1 : 0)];
         ucx_op *op = NULL;
         ucx_pull *q = NULL;
@@ -1795,7 +1880,7 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
                 l->inflight += n;
             }
         } else {
-            op = calloc(1, sizeof *op);
+            op = calloc(1, sizeof *op + (rows > 1 ? n : 0));
             if (!op)
                 break;
             op->u = u;
@@ -1809,17 +1894,28 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
             op->hdr.offset = roff;
             op->hdr.len = n;
             op->hdr.total = j->job.total_bytes;
+            size_t hlen = sizeof op->hdr;
+            void *payload = (void *)(uintptr_t)local;
+            if (rows > 1) { /* the rows, packed after the op (it lives until UCX is done with the send) */
+                uint8_t *pk = (uint8_t *)(op + 1);
+                for (uint64_t r = 0; r < rows; r++)
+                    memcpy(pk + r * s->len, (const void *)(uintptr_t)(local + r * s->src_stride), s->len);
+                op->hdr.type = KV_UCX_PUSH2D;
+                op->hdr2.row_len = s->len;
+                op->hdr2.dst_stride = s->dst_stride;
+                hlen = sizeof op->hdr2;
+                payload = pk;
+            }
             ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                                      UCP_OP_ATTR_FIELD_FLAGS,
                                      .cb.send = push_sent, .user_data = op,
                                      .flags = push_rndv(l, n) ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER};
-            ucp_mem_h mh = memh_of(u, local_region);
+            ucp_mem_h mh = rows > 1 ? NULL : memh_of(u, local_region);
             if (mh) {
                 p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
                 p.memh = mh;
             }
-            ucs_status_ptr_t req = ucp_am_send_nbx(l->ep, UCX_AM_ID, &op->hdr, sizeof op->hdr,
-                                                   (void *)(uintptr_t)local, n, &p);
+            ucs_status_ptr_t req = ucp_am_send_nbx(l->ep, UCX_AM_ID, &op->hdr, hlen, payload, n, &p);
             if (UCS_PTR_IS_ERR(req)) {
                 free(op);
                 failed = 1;
@@ -1848,7 +1944,7 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
         }
         j->posted += n;
         j->job.claim_offset += n;
-        if (j->job.claim_offset == s->len) {
+        if (j->job.claim_offset == kv_seg_bytes(s)) {
             j->job.claim_offset = 0;
             if (++j->job.claim_segment == j->job.nsegments) {
                 kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
@@ -2327,6 +2423,7 @@ static void ucx_destroy(kv_transport *t) {
 
 static const kv_transport_ops ucx_ops = {
     .job_size = sizeof(ucx_job),
+    .seg2d = KV_T2D_PUSH, /* pushes: a 2-D segment's rows in PUSH2D messages; pulls: expanded into rows */
     .submit = ucx_submit,
     .abort = ucx_abort,
     .stop = ucx_stop,

@@ -50,8 +50,17 @@ static kv_ucx_hdr mk(uint32_t type, uint32_t region, uint64_t off, uint64_t len,
     return h;
 }
 
+static kv_ucx_hdr2d mk2d(uint32_t region, uint64_t off, uint64_t rows, uint64_t row, uint64_t stride) {
+    kv_ucx_hdr2d g;
+    memset(&g, 0, sizeof g);
+    g.h = mk(KV_UCX_PUSH2D, region, off, rows * row, rows * row);
+    g.row_len = row;
+    g.dst_stride = stride;
+    return g;
+}
+
 static uint32_t check(kv_core *c, const void *h, size_t hl, uint64_t dl, uint64_t *addr) {
-    kv_ucx_hdr out;
+    kv_ucx_hdr2d out;
     pthread_mutex_lock(&c->lock);
     uint32_t st = kv_ucx_check(c, h, hl, dl, &out, addr);
     pthread_mutex_unlock(&c->lock);
@@ -83,6 +92,47 @@ static void test_check(void) {
     CHECK_EQ(check(c, &h, sizeof h, 0, &addr), KV_LLM_SUCCESS);
     h = mk(KV_UCX_ACK, 0, 0, 0, 0);
     CHECK_EQ(check(c, &h, sizeof h, 0, &addr), KV_LLM_SUCCESS);
+    /* rows (PUSH2D): 4 rows of 16 bytes 64 apart cover 3 * 64 + 16 bytes; the last may end at N */
+    kv_ucx_hdr2d g = mk2d(rd, 0, 4, 16, 64);
+    CHECK_EQ(check(c, &g, sizeof g, 64, &addr), KV_LLM_SUCCESS);
+    CHECK_EQ(addr, base);
+    g = mk2d(rd, N - (3 * 64 + 16), 4, 16, 64);
+    CHECK_EQ(check(c, &g, sizeof g, 64, &addr), KV_LLM_SUCCESS);
+    g = mk2d(rd, N - 16, 1, 16, 16); /* one row */
+    CHECK_EQ(check(c, &g, sizeof g, 16, &addr), KV_LLM_SUCCESS);
+    struct {
+        kv_ucx_hdr2d g;
+        size_t hl;
+        uint64_t dl;
+    } bad2[] = {
+        {mk2d(rd, N - (3 * 64 + 16) + 1, 4, 16, 64), 80, 64},            /* the last row one byte past */
+        {mk2d(rd, 0, 4, 16, 8), 80, 64},                                 /* rows overlapping */
+        {mk2d(rd, 0, 4, 0, 64), 80, 0},                                  /* no row length */
+        {mk2d(rd, 0, 2, 1ull << 62, 1ull << 62), 80, 1ull << 63},         /* rows far past the region */
+        {mk2d(rd, 0, 3, 16, UINT64_MAX / 2), 80, 48},                    /* (rows - 1) * stride overflows */
+        {mk2d(rd, 0, 4, 16, 64), 64, 64},                                /* a PUSH's header size */
+        {mk2d(rd, 0, 4, 16, 64), 80, 48},                                /* payload != len */
+        {mk2d(rplain, 0, 4, 16, 64), 80, 64},                            /* not exported */
+        {mk2d(rgone, 0, 4, 16, 64), 80, 64},
+    };
+    bad2[2].g.h.len = 64; /* rows of 0 bytes that claim a payload */
+    bad2[2].dl = 64;
+    for (size_t i = 0; i < sizeof bad2 / sizeof bad2[0]; i++) {
+        uint32_t st = check(c, &bad2[i].g, bad2[i].hl, bad2[i].dl, &addr);
+        if (st == KV_LLM_SUCCESS)
+            FAILED_AT("hostile PUSH2D header %zu accepted", i);
+        CHECK(st != KV_LLM_SUCCESS);
+    }
+    {
+        kv_ucx_hdr2d g2 = mk2d(rd, 0, 4, 16, 64);
+        g2.h.len = 60; /* not whole rows */
+        g2.h.total = 60;
+        CHECK(check(c, &g2, sizeof g2, 60, &addr) != KV_LLM_SUCCESS);
+        h = mk(KV_UCX_PUSH, rd, 0, 8, 8); /* a PUSH with the longer header */
+        uint8_t big[80] = {0};
+        memcpy(big, &h, sizeof h);
+        CHECK(check(c, big, sizeof big, 8, &addr) != KV_LLM_SUCCESS);
+    }
     /* hostile ones */
     struct {
         kv_ucx_hdr h;
@@ -125,33 +175,48 @@ static void test_check(void) {
     /* random and mutated headers: whatever passes lies inside the exported region */
     unsigned accepted = 0;
     for (int it = 0; it < 200000; it++) {
-        uint8_t buf[80];
-        kv_ucx_hdr v = mk(KV_UCX_PUSH, rd, rnd() % N, 1 + rnd() % 64, 0);
-        v.total = v.len + rnd() % 4;
-        memcpy(buf, &v, sizeof v);
+        uint8_t buf[96];
+        int two = (int)(rnd() % 2);
+        if (two) {
+            uint64_t row = 1 + rnd() % 32, rows = 1 + rnd() % 8;
+            kv_ucx_hdr2d v = mk2d(rd, rnd() % N, rows, row, row + rnd() % 64);
+            v.h.total = v.h.len + rnd() % 4;
+            memcpy(buf, &v, sizeof v);
+        } else {
+            kv_ucx_hdr v = mk(KV_UCX_PUSH, rd, rnd() % N, 1 + rnd() % 64, 0);
+            v.total = v.len + rnd() % 4;
+            memcpy(buf, &v, sizeof v);
+        }
         int mode = (int)(rnd() % 3);
         if (mode == 0) {
             for (size_t k = 0; k < sizeof buf; k++)
                 buf[k] = (uint8_t)rnd();
             if (rnd() % 2)
-                memcpy(buf + 16, &(uint32_t){1 + (uint32_t)(rnd() % 6)}, 4);
+                memcpy(buf + 16, &(uint32_t){1 + (uint32_t)(rnd() % 9)}, 4);
             if (rnd() % 2)
                 memcpy(buf + 20, &rd, 4);
         } else if (mode == 1) {
             for (int k = (int)(rnd() % 4); k >= 0; k--)
-                buf[16 + rnd() % 48] ^= (uint8_t)(1u << (rnd() % 8));
+                buf[16 + rnd() % 64] ^= (uint8_t)(1u << (rnd() % 8));
         }
-        size_t hl = rnd() % 8 == 0 ? (size_t)(rnd() % 80) : sizeof(kv_ucx_hdr);
-        kv_ucx_hdr got;
+        size_t hl = rnd() % 8 == 0 ? (size_t)(rnd() % 96) : two ? sizeof(kv_ucx_hdr2d) : sizeof(kv_ucx_hdr);
+        kv_ucx_hdr2d got;
         memcpy(&got, buf, sizeof got);
-        uint64_t dl = rnd() % 4 == 0 ? rnd() : got.len;
+        uint64_t dl = rnd() % 4 == 0 ? rnd() : got.h.len;
         uint32_t st = check(c, buf, hl, dl, &addr);
-        if (st == KV_LLM_SUCCESS && (got.type == KV_UCX_PUSH || got.type == KV_UCX_PULL_REQ)) {
+        uint32_t t = got.h.type;
+        if (st == KV_LLM_SUCCESS && (t == KV_UCX_PUSH || t == KV_UCX_PUSH2D || t == KV_UCX_PULL_REQ)) {
             accepted++;
-            CHECK(hl == sizeof(kv_ucx_hdr) && got.region == rd);
-            CHECK(got.len > 0 && addr >= base && addr - base == got.offset);
-            CHECK(got.offset <= N && got.len <= N - got.offset);
-            memset((void *)(uintptr_t)addr, 0x5A, (size_t)got.len); /* ASan: inside `arena` */
+            CHECK(hl == (t == KV_UCX_PUSH2D ? sizeof(kv_ucx_hdr2d) : sizeof(kv_ucx_hdr)) && got.h.region == rd);
+            CHECK(got.h.len > 0 && addr >= base && addr - base == got.h.offset);
+            if (t != KV_UCX_PUSH2D) {
+                CHECK(got.h.offset <= N && got.h.len <= N - got.h.offset);
+                memset((void *)(uintptr_t)addr, 0x5A, (size_t)got.h.len); /* ASan: inside `arena` */
+            } else {
+                CHECK(got.row_len > 0 && got.h.len % got.row_len == 0 && got.dst_stride >= got.row_len);
+                for (uint64_t r = 0; r < got.h.len / got.row_len; r++) /* ASan: every row inside `arena` */
+                    memset((void *)(uintptr_t)(addr + r * got.dst_stride), 0x5A, (size_t)got.row_len);
+            }
         }
     }
     CHECK(accepted > 1000);
