@@ -18,12 +18,20 @@ from kvengine.native import _native
 pytestmark = pytest.mark.skipif(not _native.UCX, reason="kvengine built without UCX")
 
 PUSH, ACK, ABORT, ABORT_ACK, PULL_REQ, PULL_DATA = range(1, 7)
+PUSH2D = 9
 N = 1 << 16
 
 
 def hdr(token, type_, region=0, job=1, offset=0, length=0, total=0, tag=0):
     """A kv_ucx_hdr (kv_core.h): 64 bytes, little-endian."""
     return struct.pack("<16sIIQQQQQ", token, type_, region, job, offset, length, total, tag)
+
+
+def hdr2d(token, region, job, offset, rows, row_len, stride, total=None):
+    """A kv_ucx_hdr2d (kv_core.h): the PUSH2D header, 80 bytes (rows x row_len packed bytes)."""
+    n = rows * row_len
+    return hdr(token, PUSH2D, region, job, offset, n, n if total is None else total) + \
+        struct.pack("<QQ", row_len, stride)
 
 
 class Target:
@@ -321,3 +329,43 @@ def test_eager_64k_checked_then_landed_byte_exact(tls, monkeypatch):
         assert st["ucx_bad_msgs"] == 0 and st["ucx_rx_staged"] == 0, st
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("tls", TLS)
+@pytest.mark.parametrize("rndv", [False, True])
+def test_rows_land_row_by_row_and_a_row_past_the_region_writes_nothing(tls, rndv, monkeypatch):
+    """PUSH2D (a 2-D segment's rows packed in one message): valid rows land at their
+    stride and nothing between them changes; then rows whose last one ends one byte past
+    the region, rows that overlap (stride below the row) and a payload that is not whole
+    rows each fail the link and write nothing, eager or rendezvous."""
+    row, stride, rows = 1000, 1100, 40                      # 40,000 bytes: rendezvous when asked
+    pay = bytes(np.random.default_rng(5).integers(0, 256, rows * row, dtype=np.uint8))
+    t = Target(tls, monkeypatch)
+    try:
+        t.send(hdr2d(t.tb, t.rd, 3, 77, rows, row, stride), pay, rndv=rndv)
+        assert t.wait_stat("ucx_rx_rows", 0)
+        end = time.monotonic() + 10
+        last = 77 + (rows - 1) * stride
+        while time.monotonic() < end and t.dst[last:last + row].tobytes() != pay[-row:]:
+            time.sleep(0.002)
+        want = np.zeros(N, np.uint8)
+        for r in range(rows):
+            want[77 + r * stride:77 + r * stride + row] = np.frombuffer(pay[r * row:(r + 1) * row], np.uint8)
+        assert (t.dst == want).all()
+        assert (t.arena[:N] == 0xAB).all() and (t.arena[2 * N:] == 0xAB).all()
+        assert t.b.stats()["ucx_bad_msgs"] == 0
+    finally:
+        t.close()
+    over = N - ((rows - 1) * stride + row) + 1               # the last row ends at N + 1
+    for name, header, data in [
+            ("the last row one byte past the region", lambda t: hdr2d(t.tb, t.rd, 4, over, rows, row, stride), pay),
+            ("rows overlapping", lambda t: hdr2d(t.tb, t.rd, 4, 0, rows, row, row - 1), pay),
+            ("not whole rows", lambda t: hdr2d(t.tb, t.rd, 4, 0, rows, row, stride)[:40] +
+             struct.pack("<QQQQQ", rows * row - 1, rows * row - 1, 0, row, stride), pay[:-1])]:
+        t = Target(tls, monkeypatch)
+        try:
+            t.send(header(t), data, rndv=rndv)
+            assert t.link_down(), name
+            assert t.b.stats()["ucx_bad_msgs"] == 1 and t.unchanged(), name
+        finally:
+            t.close()
