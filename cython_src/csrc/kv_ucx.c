@@ -1847,11 +1847,12 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
                       enough: UCX may deliver our first PUSH before the LEASE (another lane) */
         size_t si = j->job.claim_segment;
         const kv_segment *s = &j->job.segments[si];
-        uint64_t off = j->job.claim_offset, src_run, dst_run;
-        uint64_t n = kv_seg_run(s, off, msg_max(u, l), &src_run, &dst_run); /* within one row */
-        uint64_t rows = 1; /* a push's whole rows of a 2-D segment go as one PUSH2D (packed here) */
-        if (!j->is_pull && s->rows > 1 && n == s->len && s->len <= UCX_SEND2D_MAX / 2) {
-            uint64_t k = UCX_SEND2D_MAX / s->len, left = s->rows - off / s->len;
+        uint64_t off = j->job.claim_offset, src_run, dst_run, mm = msg_max(u, l);
+        uint64_t n = kv_seg_run(s, off, mm, &src_run, &dst_run); /* within one row */
+        uint64_t rows = 1, cap = mm < UCX_SEND2D_MAX ? mm : UCX_SEND2D_MAX;
+        if (!j->is_pull && s->rows > 1 && n == s->len && s->len <= cap / 2) {
+            /* a push's whole rows of a 2-D segment go as one PUSH2D (packed here) */
+            uint64_t k = cap / s->len, left = s->rows - off / s->len;
             rows = k < left ? k : left;
             n = rows * s->len;
         }
