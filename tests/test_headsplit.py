@@ -294,6 +294,26 @@ def test_bench_head_split_runs_checks_bytes_and_reports_the_ratio(tmp_path):
     assert bad.returncode == 2 and "--head-split N: N >= 2, with --layout paged" in bad.stderr
 
 
+def test_bench_head_split_over_ucx_applies_and_names_its_ucx_tls(tmp_path):
+    """--transport ucx --ucx-tls tcp: both engines run on UCX's tcp transport (the decode
+    engine inherits UCX_TLS) and the report says so; peers other than none are refused."""
+    import json
+    import subprocess
+    import sys
+    if not _native.UCX:
+        pytest.skip("kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild")
+    prefix = tmp_path / "hsu"
+    base = [sys.executable, "-m", "kvengine", "bench", "throughput", "--layout", "paged", "--head-split", "2",
+            "--tables", "8", "--reps", "2", "--transport", "ucx", "--ucx-tls", "tcp"]
+    r = subprocess.run(base + ["--peers", "none", "--out", str(prefix)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    out = json.loads((tmp_path / "hsu.json").read_text())
+    assert out["ucx_tls"] == "tcp" and out["verify"]["head-split"] == [True, True]
+    assert "--transport ucx (UCX_TLS=tcp)" in r.stdout
+    bad = subprocess.run(base + ["--peers", "nixl"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "kvengine only (--peers none)" in bad.stderr
+
+
 def test_sync_layer_stream_gathers_heads_from_threads():
     """kvengine.sync: a TP=2 prefill rank's stream, layers marked ready from worker threads,
     fills its half of the heads of a TP=1 cache (dst_head_range)."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from typing import Any
@@ -57,6 +58,7 @@ async def run(args: argparse.Namespace) -> Report:
     if HEADS % N:
         raise SystemExit(f"--head-split must divide the {HEADS} KV heads")
     out: Report = {"transport": T, "layout": "paged", "head_split": N, "pool_blocks": pool, "block_bytes": BLOCK,
+                   "ucx_tls": os.environ.get("UCX_TLS", "") if T == "ucx" else None,
                    "tensors": TENSORS, "tables": [], "loop": args.loop_name}
     t_setup = time.perf_counter()
     kvs = KvSide(T, args.movers, heartbeat_timeout=60.0)
@@ -165,7 +167,8 @@ def goals(r: Report) -> list[Report]:
 
 def report(r: Report, reps: int) -> list[str]:
     N, T = r["head_split"], r["transport"]
-    lines = [f"kvengine bench throughput --layout paged --head-split {N} --transport {T}: push_kv_blocks of random "
+    tls = f" (UCX_TLS={r['ucx_tls']})" if r.get("ucx_tls") is not None else ""
+    lines = [f"kvengine bench throughput --layout paged --head-split {N} --transport {T}{tls}: push_kv_blocks of random "
              f"tables of a TP=1 vLLM-shaped cache ({TENSORS} tensors x {BLOCK // 1024} KiB blocks of {HEADS} heads) "
              f"into {N} TP={N} ranks' caches in another process, each its {HEADS // N} heads, beside the same bytes "
              f"contiguous; median GB/s of {reps} interleaved repetitions, ratio: median of the same repetition's",

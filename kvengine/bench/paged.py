@@ -1,6 +1,6 @@
 """Paged throughput: ``kvengine bench throughput --layout paged``.
 
-    kvengine bench throughput --layout paged --transport shm|tcp [--quick] [--tables 16,256,1024]
+    kvengine bench throughput --layout paged --transport shm|tcp|ucx [--quick] [--tables 16,256,1024]
 
 A vLLM-shaped cache: 32 layers, K and V (64 tensors), 16-token blocks of 8 KV
 heads x 128 dims in fp16, so 32 KiB per block per tensor, ``--pool`` blocks per
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,7 @@ async def run(args: argparse.Namespace) -> Report:
     T, pool = args.transport, args.pool
     say = print
     out: Report = {"transport": T, "layout": "paged", "pool_blocks": pool, "block_bytes": BLOCK,
+                   "ucx_tls": os.environ.get("UCX_TLS", "") if T == "ucx" else None,
                    "tensors": TENSORS, "tables": [], "peers": {}, "loop": args.loop_name}
     size = TENSORS * pool * BLOCK
     say(f"setup: a {size / 2**30:.1f} GiB cache on each side of each engine ({T}) ...", flush=True)
@@ -169,7 +171,7 @@ def goals(r: Report) -> list[Report]:
         x = by[256]["paged_over"][CONTIG]
         out.append({"what": "256 random blocks x 64 tensors >= 0.9x the same bytes contiguous", "ratio": x,
                     "status": "MET" if x >= 0.9 else "NOT MET"})
-        for name, want in GOALS[T].items():
+        for name, want in GOALS.get(T, {}).items():
             if name in by[256]["paged_over"]:
                 x = by[256]["paged_over"][name]
                 out.append({"what": f"256 blocks >= {want}x {name} (same descriptor list)", "ratio": x,
@@ -184,7 +186,8 @@ def goals(r: Report) -> list[Report]:
 def report(r: Report, reps: int) -> list[str]:
     T, cols = r["transport"], r["columns"]
     others = [c for c in cols if c != PAGED]
-    lines = [f"kvengine bench throughput --layout paged --transport {T}: push_kv_blocks of random tables of a "
+    tls = f" (UCX_TLS={r['ucx_tls']})" if r.get("ucx_tls") is not None else ""
+    lines = [f"kvengine bench throughput --layout paged --transport {T}{tls}: push_kv_blocks of random tables of a "
              f"vLLM-shaped cache ({TENSORS} tensors x {BLOCK // KiB} KiB blocks, pool {r['pool_blocks']}) into "
              f"another process, median GB/s of {reps} interleaved repetitions; 'x col' = kvengine paged / that "
              f"column, median of the same repetition's ratio", ""]

@@ -339,8 +339,8 @@ def add_common_args(ap: argparse.ArgumentParser, what: str) -> None:
 
 
 def resolve_common(ap: argparse.ArgumentParser, args: argparse.Namespace, what: str) -> None:
-    if args.transport == "ucx" and "paged" in what:
-        ap.error("--layout paged: --transport shm or tcp")
+    if args.transport == "ucx" and what != "throughput" and args.peers.lower() not in ("auto", "none"):
+        ap.error("--layout paged --transport ucx: kvengine only (--peers none)")
     if args.memory is not None and args.transport != "ucx":
         ap.error("--memory: with --transport ucx only")
     tls = f"-{args.ucx_tls.replace(',', '+')}" if args.transport == "ucx" else ""
@@ -349,7 +349,7 @@ def resolve_common(ap: argparse.ArgumentParser, args: argparse.Namespace, what: 
     args.peer_log = args.out + "-peers.log"
     p = args.peers.lower()
     if p == "auto":
-        args.peers = [P.NIXL, "UCXX"] if args.transport == "ucx" else list(P.ENGINES)
+        args.peers = ([P.NIXL, "UCXX"] if what == "throughput" else []) if args.transport == "ucx" else list(P.ENGINES)
     elif p == "none":
         args.peers = []
     else:
@@ -394,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.pool < max(args.tables):
             ap.error("--pool must hold the largest table")
         args.reps = args.reps or (3 if args.quick else 11)
+        if args.transport == "ucx":   # both engines (the decode one a child) take UCX_TLS from here
+            from .ucxbench import set_tls
+            set_tls(args)
         return _main(args, argv, mod.run, mod.goals, mod.report, mod.plot)
     args.reps = args.reps or (5 if args.quick else 41)
     args.sizes = parse_sizes(args.sizes) if args.sizes else (QUICK_SIZES if args.quick else SIZES)
