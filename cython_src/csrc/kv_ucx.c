@@ -1881,7 +1881,8 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
                 l->inflight += n;
             }
         } else {
-            op = calloc(1, sizeof *op + (rows > 1 ? n : 0));
+            int pack = rows > 1 && s->src_stride != s->len; /* rows apart at the source: packed here */
+            op = calloc(1, sizeof *op + (pack ? n : 0));
             if (!op)
                 break;
             op->u = u;
@@ -1897,21 +1898,23 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
             op->hdr.total = j->job.total_bytes;
             size_t hlen = sizeof op->hdr;
             void *payload = (void *)(uintptr_t)local;
-            if (rows > 1) { /* the rows, packed after the op (it lives until UCX is done with the send) */
+            if (pack) { /* the rows, packed after the op (it lives until UCX is done with the send) */
                 uint8_t *pk = (uint8_t *)(op + 1);
                 for (uint64_t r = 0; r < rows; r++)
                     memcpy(pk + r * s->len, (const void *)(uintptr_t)(local + r * s->src_stride), s->len);
+                payload = pk;
+            }
+            if (rows > 1 && s->dst_stride != s->len) { /* rows apart at the target (else one run: a PUSH) */
                 op->hdr.type = KV_UCX_PUSH2D;
                 op->hdr2.row_len = s->len;
                 op->hdr2.dst_stride = s->dst_stride;
                 hlen = sizeof op->hdr2;
-                payload = pk;
             }
             ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                                      UCP_OP_ATTR_FIELD_FLAGS,
                                      .cb.send = push_sent, .user_data = op,
                                      .flags = push_rndv(l, n) ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER};
-            ucp_mem_h mh = rows > 1 ? NULL : memh_of(u, local_region);
+            ucp_mem_h mh = pack ? NULL : memh_of(u, local_region);
             if (mh) {
                 p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
                 p.memh = mh;
