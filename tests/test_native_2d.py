@@ -255,6 +255,16 @@ def test_ucx_carries_a_push_of_2d_segments_in_row_messages_and_expands_a_pull(mo
         assert _wait(a, 1) == (S.LLM_SUCCESS, 200_000)
         assert np.array_equal(dst, want)
         assert b.stats()["ucx_rx_rows"] == 1   # 200 rows of 1000 bytes: one message (<= 256 KiB)
+        # rows contiguous at the source go unpacked (zero copy, rendezvous), still PUSH2D;
+        # rows contiguous at the target go as one plain PUSH of the packed rows
+        for job, seg, rows2d in ((3, (rs, 9, rr, 5, 1000, 200, 1000, 1007), 2),
+                                 (4, (rs, 11, rr, 7, 1000, 200, 1013, 1000), 2)):
+            dst[:] = GUARD
+            want = _model(dst.copy(), src, [(0,) + seg[1:2] + (0,) + seg[3:]])
+            assert a.submit(job, _segs([seg]), 0, words=W)[0] == S.LLM_SUCCESS
+            assert _wait(a, job) == (S.LLM_SUCCESS, 200_000)
+            assert np.array_equal(dst, want)
+            assert b.stats()["ucx_rx_rows"] == rows2d
         pull = [(rr, 3, rback, 7, 1000, 200, 1003, 1200)]
         want_back = _model(back.copy(), dst, [(0, 3, 0, 7, 1000, 200, 1003, 1200)])
         assert a.submit(2, _segs(pull), 0, words=W)[0] == S.LLM_SUCCESS
