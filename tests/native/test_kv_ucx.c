@@ -270,6 +270,33 @@ static int wait_stat(kv_core *c, size_t off, uint64_t above) {
 }
 
 static uint8_t src[N], back[N], canary[N];
+#define BIG (512u << 10)
+static uint8_t src2[BIG], big2[3 * BIG]; /* guard | b's second region | guard */
+
+/* A push of one 2-D segment from src2 into b's second region (rows of `row` bytes, the
+ * strides given): landed byte for byte, the gaps between rows and the guards untouched.
+ * Eager below 64 KiB, rendezvous above (UCX_TLS=tcp); packed where the source rows are
+ * apart, PUSH2D where the target's are. */
+static void push_rows(kv_core *a, uint64_t job, uint32_t rs2, uint32_t rr2, uint64_t rows, uint64_t row,
+                      uint64_t sstride, uint64_t dstride) {
+    memset(big2, 0xAB, sizeof big2);
+    memset(big2 + BIG, 0, BIG);
+    uint64_t seg[8] = {rs2, 7, rr2, 3, row, rows, sstride, dstride};
+    int done;
+    uint64_t nb;
+    CHECK_EQ(kv_core_submit_job(a, job, seg, 1, KV_SEG2_WORDS, 0, 0, 0, &done, &nb), 0);
+    kv_completion cp;
+    CHECK(wait_for(a, job, &cp));
+    CHECK_EQ(cp.status, 0);
+    CHECK_EQ(cp.nbytes, rows * row);
+    static uint8_t want[BIG];
+    memset(want, 0, sizeof want);
+    for (uint64_t r = 0; r < rows; r++)
+        memcpy(want + 3 + r * dstride, src2 + 7 + r * sstride, row);
+    CHECK(memcmp(big2 + BIG, want, BIG) == 0);
+    for (unsigned k = 0; k < BIG; k++)
+        CHECK(big2[k] == 0xAB && big2[2 * BIG + k] == 0xAB);
+}
 
 static void pair(kv_core **a, kv_core **b, uint8_t *ta, uint8_t *tb) {
     uint8_t addr_a[KV_UCX_MAX_BLOB], addr_b[KV_UCX_MAX_BLOB];
@@ -324,6 +351,22 @@ static void test_loopback(void) {
     CHECK(wait_for(a, 12, &cp));
     CHECK_EQ(cp.status, 0);
     CHECK(memcmp(back, src, N) == 0);
+    /* 2-D segments (a head range's rows): PUSH2D eager and rendezvous, packed or zero copy */
+    uint32_t rs2, rd2, rr2;
+    for (unsigned k = 0; k < BIG; k++)
+        src2[k] = (uint8_t)(k * 13 + 5);
+    CHECK_EQ(kv_region_add(a, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)src2, BIG, KV_REGION_F_EXPORT, &rs2), 0);
+    CHECK_EQ(kv_region_add(b, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)(big2 + BIG), BIG, KV_REGION_F_EXPORT, &rd2), 0);
+    CHECK_EQ(kv_ucx_mem_map(a, rs2), 0);
+    CHECK_EQ(kv_ucx_mem_map(b, rd2), 0);
+    CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 1, rd2, BIG, 0, &rr2), 0);
+    uint64_t rows_before = stat_of(b, offsetof(kv_stats, ucx_rx_rows));
+    push_rows(a, 21, rs2, rr2, 40, 1000, 1100, 1003);  /* eager, packed */
+    push_rows(a, 22, rs2, rr2, 100, 1000, 1100, 1500); /* rendezvous, packed */
+    push_rows(a, 23, rs2, rr2, 100, 1000, 1000, 1700); /* rendezvous, zero copy */
+    push_rows(a, 24, rs2, rr2, 100, 1000, 1300, 1000); /* packed, one run at the target: a PUSH */
+    push_rows(a, 25, rs2, rr2, 2, 140000, 140001, 140003); /* rows over 128 KiB: a PUSH each */
+    CHECK_EQ(stat_of(b, offsetof(kv_stats, ucx_rx_rows)) - rows_before, 3);
     /* a stranger's token: dropped, the link stays */
     kv_ucx_hdr h = mk(KV_UCX_PUSH, rd, 0, 8, 8);
     memset(h.token, 0x42, KV_UCX_TOKEN);
