@@ -329,6 +329,8 @@ struct kv_ucx {
     ucx_stage *stages;    /* staging buffers for reuse */
     pid_t pid;            /* ours (copy_rows_into) */
     int self_copy;        /* copy_rows_into may use process_vm_writev */
+    int rows_fd;          /* the I/O thread's: a memfd an eager PUSH2D payload passes through (-1: none yet) */
+    uint64_t rows_len;    /* its size */
     uint64_t stage_bytes; /* their capacity */
     pthread_cond_t cmd_done;
     int stop_requested, stopped;
@@ -432,7 +434,7 @@ static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
         return KV_LLM_OUT_OF_MEMORY;
     u->transport.ops = &ucx_ops;
     u->core = c;
-    u->epoll_fd = u->wake_fd = -1;
+    u->epoll_fd = u->wake_fd = u->rows_fd = -1;
     pthread_cond_init(&u->cmd_done, NULL);
     pthread_cond_init(&u->land_cond, NULL);
     u->pid = getpid();
@@ -1128,9 +1130,13 @@ static void copy_into(pid_t pid, int *self_copy, uint8_t *d, const uint8_t *sp, 
 /* Bytes [off, off + n) of a payload of rows `row` bytes long (packed at `sp`, or in
  * `fd` from offset 0), landing `stride` apart from `d` (row >= the payload: 1-D, into
  * d + off): one system call (preadv, or process_vm_writev into ourselves) for all of
- * it, as copy_into. `off` and `n` are whole rows unless 1-D; n / row <= UCX_LAND_IOV. */
+ * it, as copy_into. `off` and `n` are whole rows unless 1-D; n / row <= UCX_LAND_IOV.
+ * An eager payload's rows (`scratch`: the caller's memfd, NULL for none) go through
+ * that memfd first, and land with one preadv from it: a process_vm_writev of one
+ * iovec per row pins each row's page anew (gather over shared memory: 0.28x -> 0.60x
+ * contiguous, docs/benchmarks.md); writing the memfd lands nothing. */
 static void copy_rows_into(pid_t pid, int *self_copy, uint8_t *d, uint64_t row, uint64_t stride, const uint8_t *sp,
-                           uint64_t off, uint64_t n, int fd) {
+                           uint64_t off, uint64_t n, int fd, int *scratch, uint64_t *scratch_len) {
     if (row >= off + n) { /* one row: as ever */
         copy_into(pid, self_copy, d + off, sp ? sp + off : NULL, n, fd, off);
         return;
@@ -1141,8 +1147,19 @@ static void copy_rows_into(pid_t pid, int *self_copy, uint8_t *d, uint64_t row, 
         iov[i].iov_base = d + (r0 + i) * stride;
         iov[i].iov_len = (size_t)row;
     }
+    uint64_t foff = off;
+    if (fd < 0 && scratch && n <= UCX_LAND_PIECE) { /* at most a piece: that much memory kept */
+        if (*scratch < 0)
+            *scratch = memfd_create("kv-ucx-rows", MFD_CLOEXEC);
+        if (*scratch >= 0 && *scratch_len < n && ftruncate(*scratch, (off_t)n) == 0)
+            *scratch_len = n;
+        if (*scratch >= 0 && *scratch_len >= n && pwrite(*scratch, sp + off, n, 0) == (ssize_t)n) {
+            fd = *scratch;
+            foff = 0;
+        }
+    }
     if (fd >= 0) {
-        ssize_t r = preadv(fd, iov, (int)k, (off_t)off);
+        ssize_t r = preadv(fd, iov, (int)k, (off_t)foff);
         if (r > 0)
             done = (uint64_t)r;
     } else if (*self_copy) {
@@ -1204,7 +1221,8 @@ static int land_checked(kv_ucx *u, ucx_link *l, uint64_t dst, uint64_t row, uint
         int marked = 0;
         if (!piece_may_land(u->core, l, &marked))
             return 0;
-        copy_rows_into(u->pid, &u->self_copy, d, row, stride, src, off, n, st ? st->fd : -1);
+        copy_rows_into(u->pid, &u->self_copy, d, row, stride, src, off, n, st ? st->fd : -1, &u->rows_fd,
+                       &u->rows_len);
     }
     return 1;
 }
@@ -1253,7 +1271,8 @@ static void *land_main(void *arg) {
             }
             __atomic_store_n(&u->land_piece, op, __ATOMIC_RELEASE);
             pthread_mutex_unlock(&c->lock);
-            copy_rows_into(u->pid, &self_copy, d, op->row, op->stride, op->stage->buf, off, n, op->stage->fd);
+            copy_rows_into(u->pid, &self_copy, d, op->row, op->stride, op->stage->buf, off, n, op->stage->fd, NULL,
+                           NULL);
             __atomic_store_n(&u->land_piece, NULL, __ATOMIC_RELEASE); /* recvs_abandon may wait for this */
             pthread_mutex_lock(&c->lock);
         }
@@ -2420,6 +2439,8 @@ static void ucx_destroy(kv_transport *t) {
         close(u->epoll_fd);
     if (u->wake_fd >= 0)
         close(u->wake_fd);
+    if (u->rows_fd >= 0)
+        close(u->rows_fd);
     pthread_cond_destroy(&u->cmd_done);
     pthread_cond_destroy(&u->land_cond);
     free(u);
