@@ -232,6 +232,7 @@ typedef struct ucx_rx {
 } ucx_rx;
 
 struct ucx_link {
+    kv_ucx *u;            /* its engine's (for close_done) */
     uint32_t id;
     int dead;
     int closing;          /* 1: close request outstanding, 2: closed (ep gone) */
@@ -695,7 +696,11 @@ static void push_sent(void *request, ucs_status_t status, void *user_data) {
 static void close_done(void *request, ucs_status_t status, void *user_data) {
     (void)status;
     ucx_link *l = user_data;
+    kv_ucx *u = l->u;
+    int own = cb_lock(u);
     l->closing = 2; /* I/O thread only */
+    u->core->stats.ucx_ep_closing--;
+    cb_unlock(u, own, 0);
     ucp_request_free(request);
 }
 
@@ -993,6 +998,8 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
         ucs_status_ptr_t r = ucp_ep_close_nbx(l->ep, &p);
         l->ep = NULL;
         l->closing = (r == NULL || UCS_PTR_IS_ERR(r)) ? 2 : 1;
+        c->stats.ucx_ep_closes++;
+        c->stats.ucx_ep_closing += l->closing == 1;
     } else {
         l->closing = 2;
     }
@@ -1746,6 +1753,7 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
             m->result = KV_LLM_OUT_OF_MEMORY;
             return 0;
         }
+        l->u = u;
         ucp_ep_params_t ep = {
             .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                           UCP_EP_PARAM_FIELD_ERR_HANDLER,
