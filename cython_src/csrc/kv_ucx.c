@@ -2022,11 +2022,20 @@ static int timers(kv_ucx *u, uint64_t now) {
     return sig;
 }
 
+/* 2: requests outstanding (progressed every UCX_BUSY_TICK_MS); 1: only endpoint closes
+ * outstanding: UCX's events wake us for them (a flush close against a stopped peer stays
+ * outstanding until the peer resumes or dies, and a 1 ms tick for it woke the thread ~900
+ * times a second for as long: docs/decisions.md #30), so they are ticked at 1 ms only
+ * while stopping; 0: idle. A stop waits for both, UCX_CLOSE_WAIT_NS at most. */
 static int busy(kv_ucx *u) {
-    for (ucx_link *l = u->links; l; l = l->next)
-        if (l->active || l->closing == 1 || l->rx_ops)
-            return 1;
-    return 0;
+    int b = 0;
+    for (ucx_link *l = u->links; l; l = l->next) {
+        if (l->active || l->rx_ops)
+            return 2;
+        if (l->closing == 1)
+            b = 1;
+    }
+    return b;
 }
 
 static void *io_main(void *arg) {
@@ -2134,7 +2143,7 @@ static void *io_main(void *arg) {
         } else if (ucp_worker_arm(u->worker) == UCS_ERR_BUSY) {
             continue;
         } else {
-            tmo = working ? UCX_BUSY_TICK_MS : (int)(UCX_TICK_NS / 1000000);
+            tmo = working == 2 || (stop && working) ? UCX_BUSY_TICK_MS : (int)(UCX_TICK_NS / 1000000);
             for (ucx_link *l = u->links; l && tmo > UCX_BUSY_TICK_MS; l = l->next) /* the lease requests */
                 if (!l->dead && l->lease_ns / 8000000 < (uint64_t)tmo)
                     tmo = (int)(l->lease_ns / 8000000) + 1;
