@@ -320,7 +320,7 @@ WINDOW = 1.0                     # the pusher's threads are watched for this lon
 CLOSE_CASES = [
     ("1", 32 << 10, 64 << 10, "link-down"),   # eager 32 KiB messages; the engine closes, the target stopped
     ("0", 1 << 20, 4 << 20, "link-down"),     # 2 MiB zero-copy rendezvous (the sender writes the target's staging)
-    ("1", 1 << 20, 4 << 20, "mid-push"),      # the engine closes at once, the link up and the socket full
+    ("1", 1 << 20, 4 << 20, "mid-push"),      # the engine closes right after the stop, the link still up
     ("1", 1 << 20, 4 << 20, "resume"),        # the target resumes before the engine closes
 ]
 
