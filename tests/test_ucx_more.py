@@ -296,19 +296,21 @@ async def test_closed_endpoint_with_a_send_backlog_survives_the_peers_close(monk
     assert codes[0] == 0, f"the pusher exited with {codes[0]}"
 
 
-def _thread_usage(pid: int) -> dict[int, tuple[float, int]]:
-    """Per thread of process `pid`: CPU seconds so far (schedstat) and voluntary context
-    switches (each time it went to sleep: its wake-ups)."""
+def _thread_usage(pid: int) -> dict[str, tuple[float, int]]:
+    """Per thread of process `pid` ("tid name", e.g. "1234 kv-ucx-io"): CPU seconds so far
+    (schedstat) and voluntary context switches (each time it went to sleep: its wake-ups)."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 cpu = int(f.read().split()[0]) / 1e9
             with open(f"/proc/{pid}/task/{tid}/status") as f:
-                sw = next(int(x.split()[1]) for x in f if x.startswith("voluntary_ctxt_switches"))
+                status = f.read().splitlines()
+            name = status[0].split(None, 1)[1]
+            sw = next(int(x.split()[1]) for x in status if x.startswith("voluntary_ctxt_switches"))
         except (OSError, ValueError, IndexError, StopIteration):   # a thread that ended meanwhile
             continue
-        out[int(tid)] = (cpu, sw)
+        out[f"{tid} {name}"] = (cpu, sw)
     return out
 
 
@@ -379,8 +381,9 @@ async def test_endpoint_close_against_a_stopped_target_is_bounded_and_idle(monke
             await asyncio.sleep(WINDOW)        # the interval measured, not a synchronisation
             use1, span = _thread_usage(pusher.pid), time.monotonic() - t0
             stats = await _peer_stats(pusher)
-            used = {tid: (round(cpu - use0.get(tid, (0.0, 0))[0], 4), sw - use0.get(tid, (0.0, 0))[1])
-                    for tid, (cpu, sw) in use1.items()}
+            used = {t: (round(cpu - use0.get(t, (0.0, 0))[0], 4), sw - use0.get(t, (0.0, 0))[1])
+                    for t, (cpu, sw) in use1.items()}
+            assert any(t.endswith(" kv-ucx-io") for t in used), used   # the I/O thread is among those watched
             assert stats["ucx_ep_closing"] == 1, stats      # the close waits for the stopped target
             assert max(cpu for cpu, _ in used.values()) < 0.2 * span, (
                 f"a pusher thread burnt CPU while its closed link's target stayed stopped: {used} "
