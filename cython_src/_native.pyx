@@ -298,6 +298,7 @@ cdef class Core:
             "ucx_stage_bytes": s.ucx_stage_bytes,
             "ucx_rx_staged": s.ucx_rx_staged,
             "ucx_rx_rows": s.ucx_rx_rows,
+            "ucx_ep_closes": s.ucx_ep_closes, "ucx_ep_closing": s.ucx_ep_closing,
         }
 
 

@@ -64,6 +64,8 @@ cdef extern from "kv_core.h" nogil:
         uint64_t ucx_stage_bytes
         uint64_t ucx_rx_staged
         uint64_t ucx_rx_rows
+        uint64_t ucx_ep_closes
+        uint64_t ucx_ep_closing
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)

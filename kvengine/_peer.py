@@ -20,6 +20,7 @@ import mmap
 import os
 import signal
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -259,6 +260,10 @@ class _Server:
                 note = await e.wait_notification(timeout=1.0)
                 payloads[note.payload.hex()] = payloads.get(note.payload.hex(), 0) + 1
             return {"taken": sum(payloads.values()), "payloads": payloads}
+        if op == "close":   # close the engine now, timed; the process keeps answering ("exit" ends it)
+            t0 = time.monotonic()
+            await e.close()
+            return {"seconds": time.monotonic() - t0}
         if op == "exit":
             return {"exit": True}
         raise ValueError(f"unknown op {op!r}")

@@ -10,7 +10,14 @@ import uvloop
 import kvengine as kv
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "one_loop: run this async test under asyncio only (what it tests runs "
+                                       "in child processes: this process's loop plays no part)")
+
+
 def pytest_asyncio_loop_factories(config, item):
+    if item.get_closest_marker("one_loop"):
+        return {"asyncio": asyncio.new_event_loop}
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 

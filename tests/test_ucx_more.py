@@ -1,6 +1,7 @@
 """transport="ucx", the rest of issue 14's tests: layer streams and notifications over
 UCX, a SIGSTOPped peer (the status comes within the bound and nothing lands after
-it), pushes between two hosts of the netns test bed over UCX_TLS=tcp, transport
+it; the endpoint's close against it is bounded, costs no CPU and crashes nothing),
+pushes between two hosts of the netns test bed over UCX_TLS=tcp, transport
 "auto" choosing UCX across hosts when both ends have it (and tcp when one says
 no: EngineOptions.auto_ucx), and the basic push/pull over UCX_TLS=tcp,cma.
 
@@ -292,6 +293,124 @@ async def test_closed_endpoint_with_a_send_backlog_survives_the_peers_close(monk
         for peer in (target, pusher):
             peer.signal(signal.SIGCONT)
         codes = await asyncio.gather(pusher.close(), target.close(), other.close())
+    assert codes[0] == 0, f"the pusher exited with {codes[0]}"
+
+
+def _thread_usage(pid: int) -> dict[str, tuple[float, int]]:
+    """Per thread of process `pid` ("tid name", e.g. "1234 kv-ucx-io"): CPU seconds so far
+    (schedstat) and voluntary context switches (each time it went to sleep: its wake-ups)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                cpu = int(f.read().split()[0]) / 1e9
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                status = f.read().splitlines()
+            name = status[0].split(None, 1)[1]
+            sw = next(int(x.split()[1]) for x in status if x.startswith("voluntary_ctxt_switches"))
+        except (OSError, ValueError, IndexError, StopIteration):   # a thread that ended meanwhile
+            continue
+        out[f"{tid} {name}"] = (cpu, sw)
+    return out
+
+
+# KvEngine.close's bound: the unlinks (link_timeout), the settling of unfenced pushes
+# (heartbeat_timeout), the I/O thread's wait for UCX's endpoint closes (2 s), + 1 s of slack
+CLOSE_BOUND = HB["link_timeout"] + HB["heartbeat_timeout"] + 2.0 + 1.0
+WINDOW = 1.0                     # the pusher's threads are watched for this long
+# (KVENGINE_UCX_PEER_ERRORS, the pusher's chunk_bytes and tcp_window_bytes, what happens after the stop)
+CLOSE_CASES = [
+    ("1", 32 << 10, 64 << 10, "link-down"),   # eager 32 KiB messages; the engine closes, the target stopped
+    ("0", 1 << 20, 4 << 20, "link-down"),     # 2 MiB zero-copy rendezvous (the sender writes the target's staging)
+    ("1", 1 << 20, 4 << 20, "mid-push"),      # the engine closes right after the stop, the link still up
+    ("1", 1 << 20, 4 << 20, "resume"),        # the target resumes before the engine closes
+]
+
+
+@pytest.mark.one_loop   # the engines under test are child processes: this loop plays no part
+@pytest.mark.parametrize("peer_errors,chunk,window,then", CLOSE_CASES,
+                         ids=[f"pe{e}-{w >> 10}K-{then}" for e, _, w, then in CLOSE_CASES])
+async def test_endpoint_close_against_a_stopped_target_is_bounded_and_idle(monkeypatch, peer_errors, chunk, window,
+                                                                          then):
+    """UCX_TLS=tcp: a 64 MiB push into a target SIGSTOPped mid-push, so that the pusher's
+    socket fills. The push's status comes within the bound. With "link-down" and "resume"
+    the pusher's heartbeat then fails the link, and its endpoint's close (a flush over
+    tcp, docs/decisions.md #29) cannot complete while the target stays stopped: meanwhile
+    none of the pusher's threads may burn CPU (UCX's CONN_FIN is a blocking send that
+    loops on EAGAIN) or wake more than 100 times a second (the I/O thread's 1 ms tick used
+    to keep running for such a close). "resume": the target resumes and fails its link;
+    the pusher's close then completes. Otherwise the pusher's engine closes while the
+    target is still stopped ("mid-push": at once, the link still up), within
+    KvEngine.close's bound. Last the target is resumed and killed, and the pusher (its
+    freed memory scribbled, as above) must exit cleanly."""
+    scribbled = _scribbled_env()
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", peer_errors)
+    loop = asyncio.get_running_loop()
+    target = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET, options=dict(HB))
+    with monkeypatch.context() as m:
+        for k, v in scribbled.items():
+            m.setenv(k, v)
+        pusher = await PeerProcess.start(cluster_id=1, transport="ucx", secret=SECRET,
+                                         options=dict(HB, chunk_bytes=chunk, tcp_window_bytes=window))
+    try:
+        dst = (await target.call("alloc", n=2, shape=[1, 32 << 20], dtype="uint8", fill=7))["cache_id"]
+        src = (await pusher.call("alloc", n=2, shape=[1, 32 << 20], dtype="uint8", fill=5))["cache_id"]
+        assert (await pusher.call("link", cluster_id=2, address=target.address))["status"] == 0
+        addrs = (await target.call("addrs", cache_id=dst))["addrs"]
+        before = netbed.read_remote(target.pid, addrs[:1], 1 << 20)[0]
+        h = (await pusher.call("push_start", cache_id=src, cluster_id=2, dst_cache_id=dst,
+                               deadline=DEADLINE))["handle"]
+        end = time.monotonic() + 10    # spin until some landed (the pusher's messages are flowing then)
+        while np.array_equal(netbed.read_remote(target.pid, addrs[:1], 1 << 20)[0], before):
+            assert time.monotonic() < end, "nothing landed within 10 s"
+            time.sleep(0.0002)
+        target.signal(signal.SIGSTOP)
+        t_stop = loop.time()
+        if then != "mid-push":
+            st = (await pusher.call("push_wait", handle=h, wait=STATUS_BOUND + 5))["status"]
+            assert st in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), st
+            assert loop.time() - t_stop <= STATUS_BOUND, f"the status took {loop.time() - t_stop:.2f} s"
+            bound = STATUS_BOUND + HB["heartbeat_timeout"] + HB["heartbeat_interval"] + 1.0
+            assert (await pusher.call("wait_link_down", cluster_id=2, timeout=bound))["down"]
+            # the endpoint's close is the I/O thread's, after the link-down: wait until it was issued
+            while (stats := await _peer_stats(pusher))["ucx_ep_closes"] == 0:
+                assert loop.time() - t_stop < bound, f"no endpoint close issued: {stats}"
+                await asyncio.sleep(0.005)     # polling a condition with a bound, not a synchronisation
+            use0, t0 = _thread_usage(pusher.pid), time.monotonic()
+            await asyncio.sleep(WINDOW)        # the interval measured, not a synchronisation
+            use1, span = _thread_usage(pusher.pid), time.monotonic() - t0
+            stats = await _peer_stats(pusher)
+            used = {t: (round(cpu - use0.get(t, (0.0, 0))[0], 4), sw - use0.get(t, (0.0, 0))[1])
+                    for t, (cpu, sw) in use1.items()}
+            assert any(t.endswith(" kv-ucx-io") for t in used), used   # the I/O thread is among those watched
+            assert stats["ucx_ep_closing"] == 1, stats      # the close waits for the stopped target
+            assert max(cpu for cpu, _ in used.values()) < 0.2 * span, (
+                f"a pusher thread burnt CPU while its closed link's target stayed stopped: {used} "
+                f"(CPU s, wake-ups) in {span:.2f} s")
+            assert max(sw for _, sw in used.values()) < 100 * span, (
+                f"a pusher thread kept waking while its closed link's target stayed stopped: {used} "
+                f"(CPU s, wake-ups) in {span:.2f} s")
+        if then == "resume":
+            target.signal(signal.SIGCONT)
+            assert (await target.call("wait_link_down", cluster_id=1, timeout=DRAIN))["down"]
+            end = loop.time() + DRAIN
+            while (stats := await _peer_stats(pusher))["ucx_ep_closing"]:
+                assert loop.time() < end, f"the endpoint's close did not complete after the target resumed: {stats}"
+                await asyncio.sleep(0.005)     # polling a condition with a bound, not a synchronisation
+        t_close = loop.time()
+        closed = (await pusher.call("close", timeout=CLOSE_BOUND + 10))["seconds"]
+        assert closed <= CLOSE_BOUND and loop.time() - t_close <= CLOSE_BOUND + 1, (closed, loop.time() - t_close)
+        if then == "mid-push":   # resolved by the close
+            st = (await pusher.call("push_wait", handle=h, wait=1))["status"]
+            assert st in (S.LLM_ENGINE_FINALIZED, S.LLM_LINK_FAILED, S.LLM_TIMEOUT), st
+        target.signal(signal.SIGCONT)
+        target.kill()
+        await target.close()
+        assert pusher.proc.returncode is None, f"the pusher died: {pusher.proc.returncode}"
+    finally:
+        target.signal(signal.SIGCONT)
+        codes = await asyncio.gather(pusher.close(), target.close())
     assert codes[0] == 0, f"the pusher exited with {codes[0]}"
 
 

@@ -96,6 +96,8 @@ typedef struct {
                                    orphan's is given back to the kernel); the reuse cache not counted */
     uint64_t ucx_rx_staged;     /* UCX rendezvous payloads received (through staging); eager ones are not */
     uint64_t ucx_rx_rows;       /* UCX PUSH2D messages accepted (a 2-D segment's rows in one message) */
+    uint64_t ucx_ep_closes;     /* UCX endpoint closes started (a link failed, or the engine closes) */
+    uint64_t ucx_ep_closing;    /* now: closes UCX has not completed (a flush waiting for a stopped peer) */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a

@@ -232,6 +232,7 @@ typedef struct ucx_rx {
 } ucx_rx;
 
 struct ucx_link {
+    kv_ucx *u;            /* its engine's (for close_done) */
     uint32_t id;
     int dead;
     int closing;          /* 1: close request outstanding, 2: closed (ep gone) */
@@ -697,7 +698,11 @@ static void push_sent(void *request, ucs_status_t status, void *user_data) {
 static void close_done(void *request, ucs_status_t status, void *user_data) {
     (void)status;
     ucx_link *l = user_data;
+    kv_ucx *u = l->u;
+    int own = cb_lock(u);
     l->closing = 2; /* I/O thread only */
+    u->core->stats.ucx_ep_closing--;
+    cb_unlock(u, own, 0);
     ucp_request_free(request);
 }
 
@@ -995,6 +1000,8 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
         ucs_status_ptr_t r = ucp_ep_close_nbx(l->ep, &p);
         l->ep = NULL;
         l->closing = (r == NULL || UCS_PTR_IS_ERR(r)) ? 2 : 1;
+        c->stats.ucx_ep_closes++;
+        c->stats.ucx_ep_closing += l->closing == 1;
     } else {
         l->closing = 2;
     }
@@ -1765,6 +1772,7 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
             m->result = KV_LLM_OUT_OF_MEMORY;
             return 0;
         }
+        l->u = u;
         ucp_ep_params_t ep = {
             .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                           UCP_EP_PARAM_FIELD_ERR_HANDLER,
@@ -2036,11 +2044,20 @@ static int timers(kv_ucx *u, uint64_t now) {
     return sig;
 }
 
+/* 2: requests outstanding (progressed every UCX_BUSY_TICK_MS); 1: only endpoint closes
+ * outstanding: UCX's events wake us for them (a flush close against a stopped peer stays
+ * outstanding until the peer resumes or dies, and a 1 ms tick for it woke the thread ~900
+ * times a second for as long: docs/decisions.md #30), so they are ticked at 1 ms only
+ * while stopping; 0: idle. A stop waits for both, UCX_CLOSE_WAIT_NS at most. */
 static int busy(kv_ucx *u) {
-    for (ucx_link *l = u->links; l; l = l->next)
-        if (l->active || l->closing == 1 || l->rx_ops)
-            return 1;
-    return 0;
+    int b = 0;
+    for (ucx_link *l = u->links; l; l = l->next) {
+        if (l->active || l->rx_ops)
+            return 2;
+        if (l->closing == 1)
+            b = 1;
+    }
+    return b;
 }
 
 static void *io_main(void *arg) {
@@ -2148,7 +2165,7 @@ static void *io_main(void *arg) {
         } else if (ucp_worker_arm(u->worker) == UCS_ERR_BUSY) {
             continue;
         } else {
-            tmo = working ? UCX_BUSY_TICK_MS : (int)(UCX_TICK_NS / 1000000);
+            tmo = working == 2 || (stop && working) ? UCX_BUSY_TICK_MS : (int)(UCX_TICK_NS / 1000000);
             for (ucx_link *l = u->links; l && tmo > UCX_BUSY_TICK_MS; l = l->next) /* the lease requests */
                 if (!l->dead && l->lease_ns / 8000000 < (uint64_t)tmo)
                     tmo = (int)(l->lease_ns / 8000000) + 1;
