@@ -78,6 +78,7 @@ typedef struct {
 #define KV_MAX_LEASE_NS 3600000000000ull
 #ifndef KV_SPIN_NS
 #define KV_SPIN_NS 300000ull         /* keep polling this long after the last event */
+#define KV_CLOSE_PLACE_WAIT_NS 50000000ull /* kv_tcp_link_close waits this long at most for a recv into place */
 #endif
 
 typedef struct {
@@ -208,6 +209,7 @@ typedef struct kv_link {
     uint32_t id;
     uint8_t token[KV_TOKEN_BYTES];
     int nstreams, nstreams_up, dead;
+    int refused; /* atomic: kv_tcp_link_close was called: nothing of it is received into place any more */
     kv_conn *conns[KV_MAX_STREAMS];
     int nconns;
     kv_job *send_head, *send_tail; /* jobs with frames left to claim, by rank */
@@ -241,6 +243,7 @@ typedef struct kv_net {
     pthread_t thread;
     int epoll_fd, wake_fd;
     kv_link *links; /* changed under c->lock only */
+    kv_link *placing; /* atomic: the link whose payload a recv is writing into place right now (else NULL) */
     kv_conn *conns;
     int npending;
     uint8_t *scratch;
@@ -1595,6 +1598,16 @@ static int conn_recv(kv_net *n, kv_conn *k) {
                     break;
                 }
             }
+            if (!k->in_discard) {
+                /* a closed link's payload stays in the socket (the close's command kills the
+                 * stream next): kv_tcp_link_close set `refused`, and waits for a recv that
+                 * saw it unset (seq_cst on both sides: one of the two sees the other) */
+                __atomic_store_n(&n->placing, k->link, __ATOMIC_SEQ_CST);
+                if (k->link && __atomic_load_n(&k->link->refused, __ATOMIC_SEQ_CST)) {
+                    __atomic_store_n(&n->placing, NULL, __ATOMIC_SEQ_CST);
+                    break;
+                }
+            }
             if (k->in_npieces && !k->in_discard) { /* DATAV: scattered into its pieces */
                 struct iovec iov[KV_RECV_IOV];
                 int cnt = 0;
@@ -1611,6 +1624,7 @@ static int conn_recv(kv_net *n, kv_conn *k) {
             } else {
                 r = recv(k->fd, dst, (size_t)want, MSG_DONTWAIT);
             }
+            __atomic_store_n(&n->placing, NULL, __ATOMIC_SEQ_CST);
         }
         if (r < 0 && errno == EINTR)
             continue;
@@ -2147,6 +2161,21 @@ uint32_t kv_tcp_conn_add(kv_core *c, int fd, uint32_t link_id) {
 }
 
 uint32_t kv_tcp_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
+    /* Nothing of the link lands from now on, before the (asynchronous) command fails it:
+     * its caller reports the link down next, and a push of the peer's still in our
+     * socket must not land in memory the application may already reuse. */
+    pthread_mutex_lock(&c->lock);
+    kv_net *n = net_of(c);
+    kv_link *l = n ? link_find(n, link_id) : NULL; /* links are freed under c->lock, by the command */
+    if (l)
+        __atomic_store_n(&l->refused, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&c->lock);
+    /* the recv under way (one system call, at most KV_RECV_PLACE) ends first, within a bound:
+     * a write stalled on a page fault (tests/test_fencing.py) may land after it, as the one
+     * write the fence cannot stop (docs/protocol.md, "Leases") */
+    for (uint64_t until = now_ns() + KV_CLOSE_PLACE_WAIT_NS;
+         l && __atomic_load_n(&n->placing, __ATOMIC_SEQ_CST) == l && now_ns() < until;)
+        sched_yield();
     kv_command *m = calloc(1, sizeof *m);
     if (!m)
         return KV_LLM_OUT_OF_MEMORY;

@@ -154,6 +154,7 @@ uint32_t kv_ucx_test_send(kv_core *c, uint32_t link_id, const uint8_t *hdr, size
 #define UCX_BUSY_TICK_MS 1        /* while requests are outstanding: progress at least every 1 ms */
 #define UCX_SPIN_NS 200000ull     /* keep progressing this long after activity before sleeping */
 #define UCX_CLOSE_WAIT_NS 2000000000ull /* stop: the most a forced close is waited for */
+#define UCX_CLOSE_PIECE_WAIT_NS 50000000ull /* kv_ucx_link_close waits this long at most for a piece */
 #define UCX_AM_ID 7               /* our one active message id */
 #define UCX_RNDV_MIN (64u << 10)  /* messages from this size go rendezvous (received into staging, landed
                                    * on completion); but see UCX_SHM_EAGER_MAX */
@@ -235,6 +236,7 @@ struct ucx_link {
     kv_ucx *u;            /* its engine's (for close_done) */
     uint32_t id;
     int dead;
+    int refused;          /* kv_ucx_link_close was called (under c->lock): nothing of it lands any more */
     int closing;          /* 1: close request outstanding, 2: closed (ep gone) */
     int peer_errors;      /* UCP_ERR_HANDLING_MODE_PEER (a forced close is allowed) */
     int shm_am;           /* the endpoint has a shared-memory transport (its AM lane): UCX_SHM_EAGER_MAX */
@@ -1185,7 +1187,7 @@ static void copy_rows_into(pid_t pid, int *self_copy, uint8_t *d, uint64_t row, 
 
 /* The bytes of a payload of rows `row` bytes long (1-D: its length) a landing piece takes:
  * UCX_LAND_PIECE, in whole rows (at least one, at most UCX_LAND_IOV) where it has several. */
-static uint64_t land_piece(uint64_t row, uint64_t len) {
+static uint64_t piece_bytes(uint64_t row, uint64_t len) {
     if (row >= len)
         return UCX_LAND_PIECE;
     uint64_t k = UCX_LAND_PIECE / row;
@@ -1201,10 +1203,10 @@ static uint64_t land_piece(uint64_t row, uint64_t len) {
  * link is marked to fail at the next round (*marked = 1: marked by this call; the
  * round fails it, not a UCX callback). Caller holds c->lock. */
 static int piece_may_land(kv_core *c, ucx_link *l, int *marked) {
-    if (l && !l->dead && now_ns() < l->lease_until)
+    if (l && !l->dead && !l->refused && now_ns() < l->lease_until)
         return 1;
     c->stats.ucx_late_dropped++;
-    if (l && !l->dead && !l->down_status) {
+    if (l && !l->dead && !l->refused && !l->down_status) {
         c->stats.tcp_lease_expired++;
         l->down_status = KV_LLM_LINK_FAILED;
         *marked = 1;
@@ -1222,7 +1224,7 @@ static int piece_may_land(kv_core *c, ucx_link *l, int *marked) {
 static int land_checked(kv_ucx *u, ucx_link *l, uint64_t dst, uint64_t row, uint64_t stride, const void *src,
                         uint64_t len, const ucx_stage *st) {
     uint8_t *d = (uint8_t *)(uintptr_t)dst;
-    uint64_t piece = land_piece(row, len);
+    uint64_t piece = piece_bytes(row, len);
     for (uint64_t off = 0; off < len; off += piece) {
         uint64_t n = len - off < piece ? len - off : piece;
         int marked = 0;
@@ -1260,7 +1262,7 @@ static void *land_main(void *arg) {
         uint8_t *d = (uint8_t *)(uintptr_t)op->dst;
         int self_copy = u->self_copy;
         int ok = 1;
-        uint64_t piece = land_piece(op->row, op->len);
+        uint64_t piece = piece_bytes(op->row, op->len);
         for (uint64_t off = 0; off < op->len; off += piece) {
             uint64_t n = op->len - off < piece ? op->len - off : piece;
             ucx_link *l = op->link; /* NULL: abandoned (the link and its push states may be gone) */
@@ -1569,7 +1571,7 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
      * dropped; one with a link's token and anything wrong after it fails that link */
     if (header && header_length >= KV_UCX_TOKEN)
         l = link_by_token(u, (const uint8_t *)header);
-    if (!l || l->dead || u->stopped) {
+    if (!l || l->dead || l->refused || u->stopped) {
         c->stats.ucx_refused++;
         ret = UCS_ERR_CANCELED;
         goto out;
@@ -2295,10 +2297,25 @@ uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size
 }
 
 uint32_t kv_ucx_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
+    /* Nothing of the link lands from now on, before the (asynchronous) command fails it:
+     * its caller reports the link down next, and a staged payload of a dead peer's must
+     * not land in memory the application may already reuse. Every landing checks
+     * `refused` under c->lock (piece_may_land); a piece being copied now (the landing
+     * thread's, one system call) ends first. */
     pthread_mutex_lock(&c->lock);
-    int started = ucx_of(c) != NULL;
+    kv_ucx *u = ucx_of(c);
+    ucx_link *l = u ? link_find(u, link_id) : NULL;
+    if (l) {
+        l->refused = 1;
+        ucx_op *op; /* land_main clears land_piece before it takes the lock again; a piece stalled
+                     * (a page fault) longer than the bound may land after, the one piece the
+                     * fence cannot stop */
+        for (uint64_t until = now_ns() + UCX_CLOSE_PIECE_WAIT_NS;
+             (op = __atomic_load_n(&u->land_piece, __ATOMIC_ACQUIRE)) && op->link == l && now_ns() < until;)
+            sched_yield();
+    }
     pthread_mutex_unlock(&c->lock);
-    if (!started)
+    if (!u)
         return KV_LLM_SUCCESS;
     ucx_cmd *m = calloc(1, sizeof *m);
     if (!m)
