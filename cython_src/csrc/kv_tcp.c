@@ -78,8 +78,8 @@ typedef struct {
 #define KV_MAX_LEASE_NS 3600000000000ull
 #ifndef KV_SPIN_NS
 #define KV_SPIN_NS 300000ull         /* keep polling this long after the last event */
-#define KV_CLOSE_PLACE_WAIT_NS 50000000ull /* kv_tcp_link_close waits this long at most for a recv into place */
 #endif
+#define KV_CLOSE_PLACE_WAIT_NS 50000000ull /* kv_tcp_link_close waits this long at most for a recv into place */
 
 typedef struct {
     uint32_t magic;
