@@ -235,6 +235,32 @@ def _scribbled_env() -> dict[str, str]:
                                               "free_fill_byte=255"}
 
 
+async def _scribbled_pusher(monkeypatch, scribbled: dict[str, str], chunk: int, window: int) -> PeerProcess:
+    """Cluster 1 in a child process whose freed memory is scribbled (``_scribbled_env()``)."""
+    with monkeypatch.context() as m:
+        for k, v in scribbled.items():
+            m.setenv(k, v)
+        return await PeerProcess.start(cluster_id=1, transport="ucx", secret=SECRET,
+                                       options=dict(HB, chunk_bytes=chunk, tcp_window_bytes=window))
+
+
+async def _push_landing(target: PeerProcess, pusher: PeerProcess, row: int) -> int:
+    """``pusher`` links to ``target`` and pushes 2 x ``row`` bytes into it; returns the push's
+    handle once some of them landed (the pusher's messages are flowing then)."""
+    dst = (await target.call("alloc", n=2, shape=[1, row], dtype="uint8", fill=7))["cache_id"]
+    src = (await pusher.call("alloc", n=2, shape=[1, row], dtype="uint8", fill=5))["cache_id"]
+    assert (await pusher.call("link", cluster_id=2, address=target.address))["status"] == 0
+    addrs = (await target.call("addrs", cache_id=dst))["addrs"]
+    before = netbed.read_remote(target.pid, addrs[:1], 1 << 20)[0]
+    h: int = (await pusher.call("push_start", cache_id=src, cluster_id=2, dst_cache_id=dst,
+                                deadline=DEADLINE))["handle"]
+    end = time.monotonic() + 10    # spin until some landed
+    while np.array_equal(netbed.read_remote(target.pid, addrs[:1], 1 << 20)[0], before):
+        assert time.monotonic() < end, "nothing landed within 10 s"
+        time.sleep(0.0002)
+    return h
+
+
 async def test_closed_endpoint_with_a_send_backlog_survives_the_peers_close(monkeypatch):
     """UCX_TLS=tcp with UCX's error handling (docs/decisions.md #29): a pusher's link to a
     SIGSTOPped target fails while UCX still holds part of a message it could not write (32
@@ -253,22 +279,9 @@ async def test_closed_endpoint_with_a_send_backlog_survives_the_peers_close(monk
     target, other = await asyncio.gather(
         PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET, options=dict(HB)),
         PeerProcess.start(cluster_id=3, transport="ucx", secret=SECRET, options=dict(HB)))
-    with monkeypatch.context() as m:
-        for k, v in scribbled.items():
-            m.setenv(k, v)
-        pusher = await PeerProcess.start(cluster_id=1, transport="ucx", secret=SECRET,
-                                         options=dict(HB, chunk_bytes=32 << 10, tcp_window_bytes=64 << 10))
+    pusher = await _scribbled_pusher(monkeypatch, scribbled, 32 << 10, 64 << 10)
     try:
-        dst = (await target.call("alloc", n=2, shape=[1, 128 << 20], dtype="uint8", fill=7))["cache_id"]
-        src = (await pusher.call("alloc", n=2, shape=[1, 128 << 20], dtype="uint8", fill=5))["cache_id"]
-        assert (await pusher.call("link", cluster_id=2, address=target.address))["status"] == 0
-        addrs = (await target.call("addrs", cache_id=dst))["addrs"]
-        before = netbed.read_remote(target.pid, addrs[:1], 1 << 20)[0]
-        h = (await pusher.call("push_start", cache_id=src, cluster_id=2, dst_cache_id=dst, deadline=DEADLINE))["handle"]
-        end = time.monotonic() + 10    # spin until some landed (the pusher's messages are flowing then)
-        while np.array_equal(netbed.read_remote(target.pid, addrs[:1], 1 << 20)[0], before):
-            assert time.monotonic() < end, "nothing landed within 10 s"
-            time.sleep(0.0002)
+        h = await _push_landing(target, pusher, 128 << 20)
         target.signal(signal.SIGSTOP)
         st = (await pusher.call("push_wait", handle=h, wait=STATUS_BOUND + 5))["status"]
         assert st in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), st   # its link failed: the endpoint is closed
@@ -348,23 +361,9 @@ async def test_endpoint_close_against_a_stopped_target_is_bounded_and_idle(monke
     monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", peer_errors)
     loop = asyncio.get_running_loop()
     target = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET, options=dict(HB))
-    with monkeypatch.context() as m:
-        for k, v in scribbled.items():
-            m.setenv(k, v)
-        pusher = await PeerProcess.start(cluster_id=1, transport="ucx", secret=SECRET,
-                                         options=dict(HB, chunk_bytes=chunk, tcp_window_bytes=window))
+    pusher = await _scribbled_pusher(monkeypatch, scribbled, chunk, window)
     try:
-        dst = (await target.call("alloc", n=2, shape=[1, 32 << 20], dtype="uint8", fill=7))["cache_id"]
-        src = (await pusher.call("alloc", n=2, shape=[1, 32 << 20], dtype="uint8", fill=5))["cache_id"]
-        assert (await pusher.call("link", cluster_id=2, address=target.address))["status"] == 0
-        addrs = (await target.call("addrs", cache_id=dst))["addrs"]
-        before = netbed.read_remote(target.pid, addrs[:1], 1 << 20)[0]
-        h = (await pusher.call("push_start", cache_id=src, cluster_id=2, dst_cache_id=dst,
-                               deadline=DEADLINE))["handle"]
-        end = time.monotonic() + 10    # spin until some landed (the pusher's messages are flowing then)
-        while np.array_equal(netbed.read_remote(target.pid, addrs[:1], 1 << 20)[0], before):
-            assert time.monotonic() < end, "nothing landed within 10 s"
-            time.sleep(0.0002)
+        h = await _push_landing(target, pusher, 32 << 20)
         target.signal(signal.SIGSTOP)
         t_stop = loop.time()
         if then != "mid-push":
