@@ -26,7 +26,7 @@ CSRC = ROOT / "cython_src" / "csrc"
 TEST_C = ROOT / "tests" / "native" / "test_kv_core.c"
 FUZZ_C = ROOT / "tests" / "native" / "fuzz_tcp.c"
 
-COMMON = ["-std=c99", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror", "-pthread"]
+COMMON = ["-std=c99", "-D_GNU_SOURCE", "-DKV_TEST_HOOKS", "-Wall", "-Wextra", "-Werror", "-pthread"]
 SANITIZE = ["-g", "-O1", "-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
 OPTIMISE = ["-O2"]
 SAN_ENV = {

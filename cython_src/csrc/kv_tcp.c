@@ -81,6 +81,21 @@ typedef struct {
 #endif
 #define KV_CLOSE_PLACE_WAIT_NS 50000000ull /* kv_tcp_link_close waits this long at most for a recv into place */
 
+#ifdef KV_TEST_HOOKS
+/* tests/native only (never in the extension): called by the I/O thread before it
+ * publishes the link it receives a payload into place for (stage 0), and between the
+ * check of the link's `refused` mark and the recv into place (stage 1, with the mark's
+ * address), so a test can hold the thread at either point while it closes the link. */
+void (*kv_test_place_hook)(int stage, const int *refused);
+#define PLACE_HOOK(stage, refused)                                                                   \
+    do {                                                                                             \
+        if (kv_test_place_hook)                                                                      \
+            kv_test_place_hook(stage, refused);                                                      \
+    } while (0)
+#else
+#define PLACE_HOOK(stage, refused) ((void)0)
+#endif
+
 typedef struct {
     uint32_t magic;
     uint16_t type;
@@ -1602,11 +1617,13 @@ static int conn_recv(kv_net *n, kv_conn *k) {
                 /* a closed link's payload stays in the socket (the close's command kills the
                  * stream next): kv_tcp_link_close set `refused`, and waits for a recv that
                  * saw it unset (seq_cst on both sides: one of the two sees the other) */
+                PLACE_HOOK(0, NULL);
                 __atomic_store_n(&n->placing, k->link, __ATOMIC_SEQ_CST);
                 if (k->link && __atomic_load_n(&k->link->refused, __ATOMIC_SEQ_CST)) {
                     __atomic_store_n(&n->placing, NULL, __ATOMIC_SEQ_CST);
                     break;
                 }
+                PLACE_HOOK(1, k->link ? &k->link->refused : NULL);
             }
             if (k->in_npieces && !k->in_discard) { /* DATAV: scattered into its pieces */
                 struct iovec iov[KV_RECV_IOV];

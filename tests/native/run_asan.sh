@@ -24,7 +24,7 @@
 # Test names: new_params regions submit_validation inline mover process_self
 #   process_child abort done_flags remove_in_use close poll_small_max concurrent
 #   pidfd mover_lease tcp_api accept_emfile seg2d_validation seg2d_copy seg2d_abort
-#   large_copy tcp_2d
+#   large_copy tcp_2d tcp_close_fence
 # Exit status is the test program's: 0 and "N passed, 0 failed" on success.
 set -eu
 
@@ -57,7 +57,7 @@ if [ -z "${OUT:-}" ]; then
 fi
 
 # shellcheck disable=SC2086  # $flags is a word list
-"$cc" -std=c99 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread $flags \
+"$cc" -std=c99 -D_GNU_SOURCE -DKV_TEST_HOOKS -Wall -Wextra -Werror -pthread $flags \
     -I"$csrc" "$here/$prog.c" "$csrc/kv_core.c" "$csrc/kv_tcp.c" -o "$OUT"
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
@@ -82,7 +82,7 @@ if [ "$prog" = test_kv_core ] && [ $# -eq 0 ]; then
         echo "test_kv_ucx: UCX not found (UCX_HOME, or PYTHON with libucx): the check tests only"
     fi
     # shellcheck disable=SC2086
-    "$cc" -std=c99 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread $flags -I"$csrc" "$here/test_kv_ucx.c" \
+    "$cc" -std=c99 -D_GNU_SOURCE -DKV_TEST_HOOKS -Wall -Wextra -Werror -pthread $flags -I"$csrc" "$here/test_kv_ucx.c" \
         "$csrc/kv_core.c" "$csrc/kv_tcp.c" "$csrc/kv_ucx.c" "$@" -o "$OUT.ucx"
     UCX_TLS=${UCX_TLS:-tcp} "$OUT.ucx"
 fi

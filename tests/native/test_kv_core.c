@@ -1977,6 +1977,108 @@ static void test_tcp_2d(void) {
     xunmap(want, N);
 }
 
+/* ------------------------------------------- the close fence (tcp, hooks) */
+
+/* kv_tcp.c's test hook (built with -DKV_TEST_HOOKS): the receiving I/O thread calls
+ * it before it publishes the link it writes a payload into place for (stage 0) and
+ * between its check of the link's `refused` mark and the recv (stage 1). */
+extern void (*kv_test_place_hook)(int stage, const int *refused);
+
+static pthread_mutex_t g_hook_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_hook_cv = PTHREAD_COND_INITIALIZER;
+static int g_hook_stage = -1, g_hook_held, g_hook_release, g_hook_saw_mark;
+
+/* Holds the I/O thread the first time it reaches g_hook_stage: at stage 0 until the
+ * test releases it; at stage 1 until the link is marked refused (kv_tcp_link_close
+ * marks it, then waits for this recv), and 5 ms longer, so a close that did not
+ * wait for the recv under way would return before its bytes land. */
+static void place_hook(int stage, const int *refused) {
+    if (stage != g_hook_stage)
+        return;
+    pthread_mutex_lock(&g_hook_mu);
+    if (g_hook_held) {
+        pthread_mutex_unlock(&g_hook_mu);
+        return;
+    }
+    g_hook_held = 1;
+    pthread_cond_broadcast(&g_hook_cv);
+    while (stage == 0 && !g_hook_release)
+        pthread_cond_wait(&g_hook_cv, &g_hook_mu);
+    pthread_mutex_unlock(&g_hook_mu);
+    if (stage == 1) {
+        double end = now_ms() + WAIT_MS;
+        while (!__atomic_load_n(refused, __ATOMIC_SEQ_CST) && now_ms() < end)
+            sched_yield();
+        g_hook_saw_mark = __atomic_load_n(refused, __ATOMIC_SEQ_CST);
+        for (double until = now_ms() + 5; now_ms() < until;)
+            ;
+    }
+}
+
+/* Nothing of a link lands after kv_tcp_link_close returns (its caller reports the
+ * link down next, and the application may reuse the memory): a payload the I/O
+ * thread was about to write into place (stage 0) stays in the socket; the one recv
+ * already past the check (stage 1) ends before the close returns. */
+static void test_tcp_close_fence(void) {
+    const uint64_t N = 8 * MiB, ms = 1000000;
+    uint8_t tok[KV_TOKEN_BYTES];
+    for (int i = 0; i < KV_TOKEN_BYTES; i++)
+        tok[i] = (uint8_t)(i * 5 + 3);
+    uint8_t *src = xmap(N), *dst = xmap(N), *seen = xmap(N);
+    fill(src, N, 77);
+    kv_test_place_hook = place_hook;
+    for (int stage = 0; stage < 2; stage++) {
+        kv_core *a = mk(1, 256 * KiB), *b = mk(1, 256 * KiB); /* a receives, b pushes */
+        uint16_t port = tcp_listen_local(a);
+        CHECK_EQ(kv_tcp_link_add(a, 5, tok, 1, 0, 200 * ms, 200 * ms, 20 * ms), KV_LLM_SUCCESS);
+        CHECK_EQ(kv_tcp_link_add(b, 5, tok, 1, 0, 200 * ms, 200 * ms, 20 * ms), KV_LLM_SUCCESS);
+        CHECK_EQ(kv_tcp_conn_add(b, tcp_connect(port), 5), KV_LLM_SUCCESS);
+        CHECK_EQ(wait_one(b, KV_EVENT_LINK_READY | 5).status, KV_LLM_SUCCESS);
+        memset(dst, 0x5A, (size_t)N);
+        uint32_t ra = add_region(a, KV_REGION_LOCAL, 0, dst, N, KV_REGION_F_EXPORT);
+        uint32_t rs = add_local(b, src, N), rd = 0;
+        CHECK_EQ(kv_region_add(b, KV_REGION_TCP, 5, ra, N, 0, &rd), KV_LLM_SUCCESS);
+        pthread_mutex_lock(&g_hook_mu);
+        g_hook_stage = stage;
+        g_hook_held = g_hook_release = g_hook_saw_mark = 0;
+        pthread_mutex_unlock(&g_hook_mu);
+        uint64_t w[KV_SEG_WORDS];
+        seg(w, rs, 0, rd, 0, N);
+        int done;
+        uint64_t nb;
+        CHECK_EQ(kv_core_submit(b, 1, w, 1, 0, &done, &nb), KV_LLM_SUCCESS);
+        pthread_mutex_lock(&g_hook_mu);
+        while (!g_hook_held)
+            pthread_cond_wait(&g_hook_cv, &g_hook_mu);
+        pthread_mutex_unlock(&g_hook_mu);
+        CHECK_EQ(kv_tcp_link_close(a, 5, 0), KV_LLM_SUCCESS);
+        memcpy(seen, dst, (size_t)N); /* what had landed when the close returned */
+        pthread_mutex_lock(&g_hook_mu);
+        g_hook_release = 1;
+        pthread_cond_broadcast(&g_hook_cv);
+        pthread_mutex_unlock(&g_hook_mu);
+        wait_conns(a, 0); /* the close's command ran: the stream is gone */
+        kv_completion cp[2]; /* b: its link down (the reset) and the push, failed */
+        CHECK_EQ(drain(b, cp, 2, WAIT_MS), 2);
+        int push = cp[0].job_id == 1 ? 0 : 1;
+        CHECK_EQ(cp[push].job_id, 1);
+        CHECK_EQ(cp[1 - push].job_id, KV_EVENT_LINK_DOWN | 5);
+        g_hook_stage = -1;
+        if (stage == 0)
+            CHECK(all_eq(dst, N, 0x5A)); /* held before its first recv: nothing ever landed */
+        else
+            CHECK(g_hook_saw_mark);
+        CHECK(memcmp(seen, dst, (size_t)N) == 0); /* nothing landed after the close returned */
+        CHECK(cp[push].status != KV_LLM_SUCCESS);
+        kv_core_free(b);
+        kv_core_free(a);
+    }
+    kv_test_place_hook = NULL;
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(seen, N);
+}
+
 int main(int argc, char **argv) {
     static const test_case tests[] = {
         {"new_params", test_new_params},
@@ -2001,6 +2103,7 @@ int main(int argc, char **argv) {
         {"seg2d_abort", test_seg2d_abort},
         {"large_copy", test_large_copy},
         {"tcp_2d", test_tcp_2d},
+        {"tcp_close_fence", test_tcp_close_fence},
     };
     const size_t nt = sizeof tests / sizeof tests[0];
     setvbuf(stdout, NULL, _IOLBF, 0);
