@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "cython_src" / "csrc"
 SRC = ROOT / "tests" / "native" / "test_kv_ucx.c"
-FLAGS = ["-std=c99", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror", "-pthread",
+FLAGS = ["-std=c99", "-D_GNU_SOURCE", "-DKV_TEST_HOOKS", "-Wall", "-Wextra", "-Werror", "-pthread",
          "-g", "-O1", "-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
 ENV = {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1", "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
 
@@ -52,7 +52,7 @@ def test_kv_ucx_asan(exe, tls):
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=150, env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    want = "2 passed, 0 failed" if _ucx() else "1 passed, 0 failed"
+    want = "3 passed, 0 failed" if _ucx() else "1 passed, 0 failed"
     assert want in r.stdout, out[-4000:]
 
 

@@ -1236,6 +1236,13 @@ static int land_checked(kv_ucx *u, ucx_link *l, uint64_t dst, uint64_t row, uint
     return 1;
 }
 
+#ifdef KV_TEST_HOOKS
+/* tests/native only (never in the extension): called by the landing thread between its
+ * checks of a piece (piece_may_land, under c->lock) and the piece's copy, with the link's
+ * `refused` mark, so a test can hold a piece there while it closes the link. */
+void (*kv_test_land_hook)(const int *refused);
+#endif
+
 /* The landing thread: a push's staged payload (recv_done queued it) lands piece
  * by piece as land_checked does (each copied only while the link is alive, its
  * push not aborted and our lease holds, checked under c->lock right before the
@@ -1280,6 +1287,10 @@ static void *land_main(void *arg) {
             }
             __atomic_store_n(&u->land_piece, op, __ATOMIC_RELEASE);
             pthread_mutex_unlock(&c->lock);
+#ifdef KV_TEST_HOOKS
+            if (kv_test_land_hook)
+                kv_test_land_hook(l ? &l->refused : NULL);
+#endif
             copy_rows_into(u->pid, &self_copy, d, op->row, op->stride, op->stage->buf, off, n, op->stage->fd, NULL,
                            NULL);
             __atomic_store_n(&u->land_piece, NULL, __ATOMIC_RELEASE); /* recvs_abandon may wait for this */
@@ -2306,7 +2317,7 @@ uint32_t kv_ucx_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
     kv_ucx *u = ucx_of(c);
     ucx_link *l = u ? link_find(u, link_id) : NULL;
     if (l) {
-        l->refused = 1;
+        __atomic_store_n(&l->refused, 1, __ATOMIC_SEQ_CST); /* atomic for the test hook's read */
         ucx_op *op; /* land_main clears land_piece before it takes the lock again; a piece stalled
                      * (a page fault) longer than the bound may land after, the one piece the
                      * fence cannot stop */
