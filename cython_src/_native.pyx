@@ -297,7 +297,7 @@ cdef class Core:
             "ucx_rx_pending": s.ucx_rx_pending, "ucx_rx_orphans": s.ucx_rx_orphans,
             "ucx_stage_bytes": s.ucx_stage_bytes,
             "ucx_rx_staged": s.ucx_rx_staged,
-            "ucx_rx_rows": s.ucx_rx_rows,
+            "ucx_rx_rows": s.ucx_rx_rows, "ucx_land_pread": s.ucx_land_pread, "ucx_land_pvw": s.ucx_land_pvw,
             "ucx_ep_closes": s.ucx_ep_closes, "ucx_ep_closing": s.ucx_ep_closing,
         }
 

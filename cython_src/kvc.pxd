@@ -64,6 +64,8 @@ cdef extern from "kv_core.h" nogil:
         uint64_t ucx_stage_bytes
         uint64_t ucx_rx_staged
         uint64_t ucx_rx_rows
+        uint64_t ucx_land_pread
+        uint64_t ucx_land_pvw
         uint64_t ucx_ep_closes
         uint64_t ucx_ep_closing
 

@@ -96,6 +96,8 @@ typedef struct {
                                    orphan's is given back to the kernel); the reuse cache not counted */
     uint64_t ucx_rx_staged;     /* UCX rendezvous payloads received (through staging); eager ones are not */
     uint64_t ucx_rx_rows;       /* UCX PUSH2D messages accepted (a 2-D segment's rows in one message) */
+    uint64_t ucx_land_pread;    /* staged pieces of 256 KiB+ landed by pread from staging (kv_ucx.c land_how) */
+    uint64_t ucx_land_pvw;      /* ... and by process_vm_writev into ourselves */
     uint64_t ucx_ep_closes;     /* UCX endpoint closes started (a link failed, or the engine closes) */
     uint64_t ucx_ep_closing;    /* now: closes UCX has not completed (a flush waiting for a stopped peer) */
 } kv_stats;

@@ -172,6 +172,8 @@ uint32_t kv_ucx_test_send(kv_core *c, uint32_t link_id, const uint8_t *hdr, size
 #define UCX_LAND_INLINE_MAX (64u << 10)  /* a staged payload up to this size, with no other receive of its link
                                           * in progress, lands on the I/O thread (one piece): the two thread
                                           * hand-offs cost more than its copy, and nothing would overlap it */
+#define UCX_PICK_MIN (256u << 10)        /* staged pieces from this size choose their way (land_how) */
+#define UCX_PICK_PROBE 32                /* every this many pieces, the other way is timed again */
 #define UCX_STAGE_CACHE (32ull << 20)    /* staging buffers kept for reuse, per core */
 #define UCX_STAGE_NO_WINDOW (64ull << 20) /* a link's staging budget when it has no window */
 
@@ -310,6 +312,19 @@ typedef struct ucx_cmd {
     struct ucx_cmd *next;
 } ucx_cmd;
 
+/* How the landing thread lands a large staged 1-D piece (land_how): a pread from the
+ * staging memfd, or a process_vm_writev into ourselves from its mapping. Both are one
+ * system call (the fence, decisions.md #29); which is faster depends on the destination's
+ * memory: on this VM pread copies ~10 GB/s into anything, process_vm_writev (which pins
+ * the destination's pages) ~16 GB/s into transparent huge pages (numpy's large arrays) and
+ * 6-8 GB/s into 4 KiB pages (docs/benchmarks.md, "UCX: the landing's system call"). An
+ * engine's caches are mostly of one kind, so one choice per engine is learned. */
+typedef struct {
+    uint32_t pieces; /* pieces timed */
+    uint32_t n[2];   /* per way (0: pread, 1: process_vm_writev) */
+    double ns_per_b[2];
+} ucx_land_pick;
+
 struct kv_ucx {
     kv_transport transport; /* first */
     kv_core *core;
@@ -346,6 +361,7 @@ struct kv_ucx {
     ucx_op *land_done;             /* landed: the round settles them (land_drain) */
     ucx_op *land_piece;            /* the op whose piece is being copied now (atomic: cleared
                                     * without the lock when the piece's system call returned) */
+    ucx_land_pick pick;            /* landing thread only: the faster way a large piece lands */
     /* I/O thread only: it holds c->lock now (UCP may call our callbacks from inside
      * a call made under the lock: a forced close completes requests inline), and
      * the signal those callbacks owe the loop */
@@ -1198,6 +1214,30 @@ static uint64_t piece_bytes(uint64_t row, uint64_t len) {
     return k * row;
 }
 
+/* The way the next large staged 1-D piece lands (0: pread, 1: process_vm_writev): each
+ * way is timed on its first 3 pieces (alternately), then the faster is taken and the
+ * other timed again every UCX_PICK_PROBE pieces, so a change of the caches' memory (or a
+ * noisy first measure) is learned again. Landing thread only. */
+static int land_how(const ucx_land_pick *p) {
+    if (p->n[0] < 3 || p->n[1] < 3)
+        return p->n[1] < p->n[0];
+    int best = p->ns_per_b[1] < p->ns_per_b[0];
+    return p->pieces % UCX_PICK_PROBE == UCX_PICK_PROBE - 1 ? !best : best;
+}
+
+static void land_timed(ucx_land_pick *p, int how, uint64_t ns, uint64_t n) {
+    double r = (double)ns / (double)n;
+    p->ns_per_b[how] = p->n[how] ? 0.75 * p->ns_per_b[how] + 0.25 * r : r;
+    p->n[how]++;
+    p->pieces++;
+}
+
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 /* May the next piece of a push on link `l` (NULL: abandoned) land now: the link
  * alive and our lease from the pusher held? If not, the drop is counted and a live
  * link is marked to fail at the next round (*marked = 1: marked by this call; the
@@ -1291,10 +1331,24 @@ static void *land_main(void *arg) {
             if (kv_test_land_hook)
                 kv_test_land_hook(l ? &l->refused : NULL);
 #endif
-            copy_rows_into(u->pid, &self_copy, d, op->row, op->stride, op->stage->buf, off, n, op->stage->fd, NULL,
-                           NULL);
+            int way = -1; /* counted under the lock below */
+            if (op->row >= op->len && n >= UCX_PICK_MIN && op->stage->fd >= 0 && op->stage->mapped && self_copy) {
+                /* a large 1-D piece: the faster way (land_how), timed */
+                ucx_land_pick *p = &u->pick;
+                int how = land_how(p);
+                uint64_t t0 = mono_ns();
+                copy_into(u->pid, &self_copy, d + off, (const uint8_t *)op->stage->buf + off, n, how ? -1 : op->stage->fd,
+                          off);
+                land_timed(p, how, mono_ns() - t0, n);
+                way = how;
+            } else {
+                copy_rows_into(u->pid, &self_copy, d, op->row, op->stride, op->stage->buf, off, n, op->stage->fd, NULL,
+                               NULL);
+            }
             __atomic_store_n(&u->land_piece, NULL, __ATOMIC_RELEASE); /* recvs_abandon may wait for this */
             pthread_mutex_lock(&c->lock);
+            if (way >= 0)
+                (*(way ? &c->stats.ucx_land_pvw : &c->stats.ucx_land_pread))++;
         }
         if (!op->link) { /* abandoned while it landed: recvs_abandon left its region to us */
             if (op->region)
