@@ -96,6 +96,33 @@ def test_bench_ucx_throughput_and_latency_beside_kvengine_tcp_and_the_floor(tmp_
     check_png(prefix, out)
 
 
+@pytest.mark.parametrize("what,argv,peers", [
+    ("latency", [], ["NIXL", "UCXX"]),
+    ("latency", ["--peers", "nixl"], ["NIXL"]),
+    ("throughput", [], ["NIXL", "UCXX"]),
+    ("throughput-paged", [], []),
+    ("throughput-headsplit", [], []),
+    ("throughput-paged", ["--peers", "nixl"], None),
+    ("latency-paged", ["--peers", "nixl"], None),
+])
+def test_bench_ucx_peers_beside_rows_only(what, argv, peers, tmp_path):
+    """Over UCX the row benchmarks (throughput and latency: `what` as their commands
+    pass it) run NIXL and UCXX beside kvengine by default and on request; the paged and
+    head-split ones run kvengine only and refuse a peer list (None: refused)."""
+    import argparse
+    from kvengine.bench.throughput import add_common_args, resolve_common
+    ap = argparse.ArgumentParser()
+    add_common_args(ap, what)
+    args = ap.parse_args(["--transport", "ucx", "--out", str(tmp_path / "x"), *argv])
+    if peers is None:
+        with pytest.raises(SystemExit) as e:
+            resolve_common(ap, args, what)
+        assert e.value.code == 2
+    else:
+        resolve_common(ap, args, what)
+        assert [str(p) for p in args.peers] == peers
+
+
 def test_bench_memory_is_an_option_of_the_ucx_runs_only():
     """--memory picks the memory of kvengine's caches in the ucx runs; elsewhere the
     command refuses it rather than ignore it."""

@@ -339,7 +339,8 @@ def add_common_args(ap: argparse.ArgumentParser, what: str) -> None:
 
 
 def resolve_common(ap: argparse.ArgumentParser, args: argparse.Namespace, what: str) -> None:
-    if args.transport == "ucx" and what != "throughput" and args.peers.lower() not in ("auto", "none"):
+    kv_only = args.transport == "ucx" and what.endswith(("-paged", "-headsplit"))   # no peer runs these over UCX
+    if kv_only and args.peers.lower() not in ("auto", "none"):
         ap.error("--layout paged --transport ucx: kvengine only (--peers none)")
     if args.memory is not None and args.transport != "ucx":
         ap.error("--memory: with --transport ucx only")
@@ -349,7 +350,7 @@ def resolve_common(ap: argparse.ArgumentParser, args: argparse.Namespace, what: 
     args.peer_log = args.out + "-peers.log"
     p = args.peers.lower()
     if p == "auto":
-        args.peers = ([P.NIXL, "UCXX"] if what == "throughput" else []) if args.transport == "ucx" else list(P.ENGINES)
+        args.peers = ([] if kv_only else [P.NIXL, "UCXX"]) if args.transport == "ucx" else list(P.ENGINES)
     elif p == "none":
         args.peers = []
     else:
