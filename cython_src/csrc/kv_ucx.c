@@ -315,9 +315,9 @@ typedef struct ucx_cmd {
 /* How the landing thread lands a large staged 1-D piece (land_how): a pread from the
  * staging memfd, or a process_vm_writev into ourselves from its mapping. Both are one
  * system call (the fence, decisions.md #29); which is faster depends on the destination's
- * memory: on this VM pread copies ~10 GB/s into anything, process_vm_writev (which pins
- * the destination's pages) ~16 GB/s into transparent huge pages (numpy's large arrays) and
- * 6-8 GB/s into 4 KiB pages (docs/benchmarks.md, "UCX: the landing's system call"). An
+ * memory: on this VM pread copies 13-15 GB/s into transparent huge pages (numpy's large
+ * arrays) and 9-13 into 4 KiB pages, process_vm_writev (which pins the destination's
+ * pages) 17-23 and 6-8.5 (docs/benchmarks.md, "UCX: the landing's system call"). An
  * engine's caches are mostly of one kind, so one choice per engine is learned. */
 typedef struct {
     uint32_t pieces; /* pieces timed */
@@ -1232,12 +1232,6 @@ static void land_timed(ucx_land_pick *p, int how, uint64_t ns, uint64_t n) {
     p->pieces++;
 }
 
-static uint64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* May the next piece of a push on link `l` (NULL: abandoned) land now: the link
  * alive and our lease from the pusher held? If not, the drop is counted and a live
  * link is marked to fail at the next round (*marked = 1: marked by this call; the
@@ -1336,10 +1330,10 @@ static void *land_main(void *arg) {
                 /* a large 1-D piece: the faster way (land_how), timed */
                 ucx_land_pick *p = &u->pick;
                 int how = land_how(p);
-                uint64_t t0 = mono_ns();
+                uint64_t t0 = now_ns();
                 copy_into(u->pid, &self_copy, d + off, (const uint8_t *)op->stage->buf + off, n, how ? -1 : op->stage->fd,
                           off);
-                land_timed(p, how, mono_ns() - t0, n);
+                land_timed(p, how, now_ns() - t0, n);
                 way = how;
             } else {
                 copy_rows_into(u->pid, &self_copy, d, op->row, op->stride, op->stage->buf, off, n, op->stage->fd, NULL,
