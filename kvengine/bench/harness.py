@@ -141,6 +141,18 @@ def odd_stats(name: str, s: Report) -> str | None:
     return f"note: {name}: {odd}" if odd else None
 
 
+def ucx_tls_of(transport: str) -> str | None:
+    """The report's ``ucx_tls`` of a paged or head-split run: the UCX_TLS both engines
+    ran with (set from --ucx-tls before they start), None off UCX."""
+    import os
+    return os.environ.get("UCX_TLS", "") if transport == "ucx" else None
+
+
+def tls_words(r: Report) -> str:
+    """" (UCX_TLS=...)" for a report's first line, "" off UCX (:func:`ucx_tls_of`)."""
+    return f" (UCX_TLS={r['ucx_tls']})" if r.get("ucx_tls") is not None else ""
+
+
 def footer(r: Report) -> list[str]:
     """The lines after a report's table: the machine's load, odd engine counters."""
     from .common import load_line

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import time
 from typing import Any
@@ -42,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .common import MiB, Progress, Report, cpu_snapshot, record_timing
-from .harness import KvSide, footer, gbps, ratio, table
+from .harness import KvSide, footer, gbps, ratio, table, tls_words, ucx_tls_of
 
 TENSORS, TOKENS, HEADS, DIM = 64, 16, 8, 128
 BLOCK = TOKENS * HEADS * DIM * 2
@@ -58,7 +57,7 @@ async def run(args: argparse.Namespace) -> Report:
     if HEADS % N:
         raise SystemExit(f"--head-split must divide the {HEADS} KV heads")
     out: Report = {"transport": T, "layout": "paged", "head_split": N, "pool_blocks": pool, "block_bytes": BLOCK,
-                   "ucx_tls": os.environ.get("UCX_TLS", "") if T == "ucx" else None,
+                   "ucx_tls": ucx_tls_of(T),
                    "tensors": TENSORS, "tables": [], "loop": args.loop_name}
     t_setup = time.perf_counter()
     kvs = KvSide(T, args.movers, heartbeat_timeout=60.0)
@@ -167,8 +166,7 @@ def goals(r: Report) -> list[Report]:
 
 def report(r: Report, reps: int) -> list[str]:
     N, T = r["head_split"], r["transport"]
-    tls = f" (UCX_TLS={r['ucx_tls']})" if r.get("ucx_tls") is not None else ""
-    lines = [f"kvengine bench throughput --layout paged --head-split {N} --transport {T}{tls}: push_kv_blocks of random "
+    lines = [f"kvengine bench throughput --layout paged --head-split {N} --transport {T}{tls_words(r)}: push_kv_blocks of random "
              f"tables of a TP=1 vLLM-shaped cache ({TENSORS} tensors x {BLOCK // 1024} KiB blocks of {HEADS} heads) "
              f"into {N} TP={N} ranks' caches in another process, each its {HEADS // N} heads, beside the same bytes "
              f"contiguous; median GB/s of {reps} interleaved repetitions, ratio: median of the same repetition's",

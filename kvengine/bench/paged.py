@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
@@ -39,7 +38,7 @@ from numpy.typing import NDArray
 
 from . import peers as P
 from .common import KiB, MiB, Progress, Report, cpu_snapshot, record_timing
-from .harness import KvSide, close_all, footer, gbps, ratio, table
+from .harness import KvSide, close_all, footer, gbps, ratio, table, tls_words, ucx_tls_of
 
 if TYPE_CHECKING:
     from kvengine import BlocksCacheKey, Cache
@@ -73,7 +72,7 @@ async def run(args: argparse.Namespace) -> Report:
     T, pool = args.transport, args.pool
     say = print
     out: Report = {"transport": T, "layout": "paged", "pool_blocks": pool, "block_bytes": BLOCK,
-                   "ucx_tls": os.environ.get("UCX_TLS", "") if T == "ucx" else None,
+                   "ucx_tls": ucx_tls_of(T),
                    "tensors": TENSORS, "tables": [], "peers": {}, "loop": args.loop_name}
     size = TENSORS * pool * BLOCK
     say(f"setup: a {size / 2**30:.1f} GiB cache on each side of each engine ({T}) ...", flush=True)
@@ -186,8 +185,7 @@ def goals(r: Report) -> list[Report]:
 def report(r: Report, reps: int) -> list[str]:
     T, cols = r["transport"], r["columns"]
     others = [c for c in cols if c != PAGED]
-    tls = f" (UCX_TLS={r['ucx_tls']})" if r.get("ucx_tls") is not None else ""
-    lines = [f"kvengine bench throughput --layout paged --transport {T}{tls}: push_kv_blocks of random tables of a "
+    lines = [f"kvengine bench throughput --layout paged --transport {T}{tls_words(r)}: push_kv_blocks of random tables of a "
              f"vLLM-shaped cache ({TENSORS} tensors x {BLOCK // KiB} KiB blocks, pool {r['pool_blocks']}) into "
              f"another process, median GB/s of {reps} interleaved repetitions; 'x col' = kvengine paged / that "
              f"column, median of the same repetition's ratio", ""]
