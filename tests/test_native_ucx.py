@@ -56,6 +56,22 @@ def test_kv_ucx_asan(exe, tls):
     assert want in r.stdout, out[-4000:]
 
 
+@pytest.mark.skipif(not _ucx(), reason="UCX headers not installed (libucx wheel)")
+@pytest.mark.parametrize("tls", ["tcp", "sm,self"])
+def test_kv_ucx_close_fence_asan(exe, tls):
+    """Nothing of a link lands after kv_ucx_link_close returns: the landing thread's first
+    piece is held (kv_test_land_hook) until the close has marked the link refused; it
+    lands before the close returns, and no later piece lands. Run alone, with LeakSanitizer
+    ignoring only UCX's registration-cache entries of the receives the close abandons
+    (tests/native/lsan_ucx_close.supp says why)."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update(ENV, UCX_TLS=tls, LSAN_OPTIONS=f"suppressions={ROOT / 'tests' / 'native' / 'lsan_ucx_close.supp'}")
+    r = subprocess.run([str(exe), "close_fence"], capture_output=True, text=True, timeout=150, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "1 passed, 0 failed" in r.stdout, out[-4000:]
+
+
 PROBE = ROOT / "tests" / "native" / "ucx_put_probe.c"
 
 

@@ -16,11 +16,13 @@
 #include "kv_internal.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -391,6 +393,84 @@ static void test_loopback(void) {
     kv_core_free(a);
     kv_core_free(b);
 }
+
+/* kv_ucx.c's test hook (built with -DKV_TEST_HOOKS): the landing thread calls it
+ * between a piece's checks and its copy. */
+extern void (*kv_test_land_hook)(const int *refused);
+static int g_land_held, g_land_saw_mark; /* atomics */
+
+/* Holds the first piece until kv_ucx_link_close has marked its link refused (the close
+ * then waits for this piece), and 5 ms longer, so a close that did not wait for the
+ * piece under way would return before its bytes land. */
+static void land_hook(const int *refused) {
+    if (__atomic_fetch_add(&g_land_held, 1, __ATOMIC_SEQ_CST) || !refused)
+        return;
+    uint64_t end = ms() + WAIT_MS;
+    while (!__atomic_load_n(refused, __ATOMIC_SEQ_CST) && ms() < end)
+        sched_yield();
+    __atomic_store_n(&g_land_saw_mark, __atomic_load_n(refused, __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST);
+    for (uint64_t until = ms() + 5; ms() < until;)
+        ;
+}
+
+/* Nothing of a link lands after kv_ucx_link_close returns (its caller reports the link
+ * down next): the piece the landing thread is copying ends before the close returns,
+ * and no later piece lands. An 8 MiB push: staged rendezvous messages, landed in pieces
+ * by the landing thread; its first piece is held until the close. */
+static void test_close_fence(void) {
+    g_test = "close_fence";
+    const uint64_t L = 8u << 20;
+    kv_core *a, *b;
+    uint8_t ta[KV_UCX_TOKEN], tb[KV_UCX_TOKEN];
+    pair(&a, &b, ta, tb);
+    uint8_t *s8 = mmap(NULL, L, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint8_t *d8 = mmap(NULL, L, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint8_t *seen = malloc(L);
+    CHECK(s8 != MAP_FAILED && d8 != MAP_FAILED && seen != NULL);
+    for (uint64_t k = 0; k < L; k++)
+        s8[k] = (uint8_t)(k * 11 + 3);
+    memset(d8, 0x5A, L);
+    uint32_t rs, rd, rr;
+    CHECK_EQ(kv_region_add(a, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)s8, L, KV_REGION_F_EXPORT, &rs), 0);
+    CHECK_EQ(kv_region_add(b, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)d8, L, KV_REGION_F_EXPORT, &rd), 0);
+    CHECK_EQ(kv_ucx_mem_map(a, rs), 0);
+    CHECK_EQ(kv_ucx_mem_map(b, rd), 0);
+    CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 1, rd, L, 0, &rr), 0);
+    g_land_held = g_land_saw_mark = 0;
+    kv_test_land_hook = land_hook;
+    uint64_t seg[5] = {rs, 0, rr, 0, L};
+    int done;
+    uint64_t nb;
+    CHECK_EQ(kv_core_submit(a, 31, seg, 1, 0, &done, &nb), 0);
+    uint64_t end = ms() + WAIT_MS;
+    while (!__atomic_load_n(&g_land_held, __ATOMIC_SEQ_CST) && ms() < end)
+        usleep(1000);
+    CHECK(__atomic_load_n(&g_land_held, __ATOMIC_SEQ_CST));
+    CHECK_EQ(kv_ucx_link_close(b, 1, 0), 0);
+    memcpy(seen, d8, L); /* what had landed when the close returned */
+    CHECK(__atomic_load_n(&g_land_saw_mark, __ATOMIC_SEQ_CST));
+    uint64_t t_end = ms() + WAIT_MS; /* the receives the close abandoned end (UCX's requests freed) */
+    while (stat_of(b, offsetof(kv_stats, ucx_rx_orphans)) && ms() < t_end)
+        usleep(1000);
+    CHECK_EQ(stat_of(b, offsetof(kv_stats, ucx_rx_orphans)), 0);
+    kv_core_close(b); /* joins the landing thread: nothing of b lands after this */
+    CHECK(memcmp(seen, d8, L) == 0); /* nothing landed after the close returned */
+    uint64_t landed = 0; /* the held piece landed before the close returned */
+    for (uint64_t k = 0; k < L; k++)
+        landed += seen[k] == s8[k] && s8[k] != 0x5A;
+    CHECK(landed > 0);
+    CHECK(landed < L - L / 256); /* and not the whole push (0x5A is 1/256 of the source) */
+    kv_test_land_hook = NULL;
+    kv_core_close(a); /* the push, never acknowledged, ends with the engine (no heartbeat here) */
+    kv_completion cp;
+    CHECK(wait_for(a, 31, &cp));
+    CHECK(cp.status != 0);
+    kv_core_free(a);
+    kv_core_free(b);
+    munmap(s8, L);
+    munmap(d8, L);
+    free(seen);
+}
 #endif
 
 static void on_alarm(int sig) {
@@ -401,10 +481,23 @@ static void on_alarm(int sig) {
     _exit(2);
 }
 
-int main(void) {
+/* `test_kv_ucx` runs every test but close_fence; `test_kv_ucx close_fence` runs that one
+ * alone. It is apart because the receives its link close abandons (the push's other
+ * messages, in flight in UCX) can leave UCX's registration-cache entry of each behind
+ * at close (decisions.md #29): tests/test_native_ucx.py runs it with LeakSanitizer
+ * told to ignore that one UCX allocation, and the rest with every leak reported. */
+int main(int argc, char **argv) {
     signal(SIGALRM, on_alarm);
     alarm(120);
     int passed = 0;
+    if (argc > 1 && strcmp(argv[1], "close_fence") == 0) {
+#ifdef KV_HAVE_UCX
+        test_close_fence();
+        passed++;
+#endif
+        printf("%d passed, 0 failed (%lu checks)\n", passed, g_checks);
+        return 0;
+    }
     test_check();
     passed++;
 #ifdef KV_HAVE_UCX
