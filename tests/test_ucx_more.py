@@ -431,9 +431,13 @@ async def test_killed_pusher_without_peer_errors_leaves_nothing_pending(monkeypa
     bound = HB["heartbeat_timeout"] + HB["heartbeat_interval"] + 1.0
     loop = asyncio.get_running_loop()
     d = await kv.KvEngine(2, kv.Role.DECODER, "127.0.0.1:0", opts(**HB)).start()
+    # `other` judges this process's silence by a longer heartbeat_timeout: the checks below
+    # copy and scan 256 MiB on this loop, which under load (CI) held it past 1 s, and
+    # `other` then dropped its link before its push (our own watchdog allows for our stalls)
     killed, other = await asyncio.gather(
         PeerProcess.start(cluster_id=1, transport="ucx", secret=SECRET, options=dict(HB)),
-        PeerProcess.start(cluster_id=3, transport="ucx", secret=SECRET, options=dict(HB)))
+        PeerProcess.start(cluster_id=3, transport="ucx", secret=SECRET,
+                          options=dict(HB, heartbeat_timeout=10.0)))
     try:
         dst = d.allocate_cache(kv.CacheDesc(2, (1, 128 << 20), np.uint8))
         dst2 = d.allocate_cache(kv.CacheDesc(2, (1, 4 << 20), np.uint8))
