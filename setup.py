@@ -8,8 +8,10 @@ KVENGINE_DEBUG=1 builds -O0 -g; KVENGINE_SANITIZE=1 adds ASan/UBSan.
 
 The UCX transport (cython_src/csrc/kv_ucx.c, ``transport="ucx"``) is built when
 UCX's headers and libraries are found: ``$UCX_HOME`` (include/, lib/), else the
-``libucx`` wheel (``pip install "kvengine[ucx]"``, or ``libucx-cu12`` before
-building), else pkg-config ``ucx``. ``KVENGINE_UCX=0`` builds without it;
+``libucx`` wheel installed in the interpreter that builds (``pip install libucx-cu12``
+before ``pip install kvengine``: pip installs an extra's packages after it built
+kvengine, so ``kvengine[ucx]`` alone is not enough the first time), else pkg-config
+``ucx``. ``KVENGINE_UCX=0`` builds without it;
 ``KVENGINE_UCX=1`` fails the build when it is not found.
 """
 import os
@@ -41,14 +43,21 @@ def find_ucx() -> tuple[str, str] | None:
     home = os.environ.get("UCX_HOME")
     if home and ok(os.path.join(home, "include"), os.path.join(home, "lib")):
         return os.path.join(home, "include"), os.path.join(home, "lib")
-    try:   # the RAPIDS wheel (libucx-cu12): headers and libraries in its package dir
-        out = subprocess.run([sys.executable, "-c", "import libucx, os; print(os.path.dirname(libucx.__file__))"],
-                             capture_output=True, text=True, timeout=60)
+    # the RAPIDS wheel (libucx-cu12): headers and libraries in its package dir, as the
+    # interpreter that will run kvengine sees it. pip builds in an isolated environment
+    # (PYTHONPATH to its build env, PYTHONNOUSERSITE) that hides the target environment's
+    # packages from this interpreter: look with the environment as given, then without
+    # those two, so a libucx-cu12 installed before `pip install kvengine` is found
+    plain = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+    for env in (None, plain):
+        try:
+            out = subprocess.run([sys.executable, "-c", "import libucx, os; print(os.path.dirname(libucx.__file__))"],
+                                 capture_output=True, text=True, timeout=60, env=env)
+        except (OSError, subprocess.SubprocessError):
+            continue
         d = out.stdout.strip()
         if out.returncode == 0 and d and ok(os.path.join(d, "include"), os.path.join(d, "lib")):
             return os.path.join(d, "include"), os.path.join(d, "lib")
-    except (OSError, subprocess.SubprocessError):
-        pass
     if shutil.which("pkg-config"):
         try:
             inc = subprocess.run(["pkg-config", "--variable=includedir", "ucx"], capture_output=True, text=True).stdout.strip()

@@ -37,7 +37,8 @@ class EngineOptions:
       read and write every registered cache. Default False (docs/security.md).
     transport: ``"auto"`` (local in one process, shm on one host, tcp across hosts),
       ``"local"``, ``"shm"``, ``"tcp"`` or ``"ucx"`` (forced; both ends must agree or say
-      auto). ``"ucx"``: one-sided puts and gets through UCX (``pip install "kvengine[ucx]"``;
+      auto). ``"ucx"``: UCX active messages that the target checks, as tcp frames (docs/decisions.md
+      #27; ``pip install libucx-cu12`` before kvengine is built: docs/tuning.md;
       ``UCX_TLS`` and the other ``UCX_*`` settings pass through; docs/tuning.md).
     auto_ucx: whether this engine lets ``"auto"`` pick ``"ucx"`` across hosts (it does
       when both ends allow it, else tcp; on one host never): True, False, or None
