@@ -73,7 +73,7 @@ class EngineOptions:
     transport: str = "auto"
     auto_ucx: bool | None = field(default_factory=_env_auto_ucx)
     movers: int = 2
-    inline_threshold: int = 256 * 1024
+    inline_threshold: int = 1 << 20
     chunk_bytes: int = 1 << 20
     tcp_streams: int = 4
     tcp_window_bytes: int = 4 << 20

@@ -53,9 +53,10 @@ async def test_urgent_small_push_overtakes_a_running_large_one(spair):
 async def test_queued_transfers_past_their_deadline_never_start(spair):
     p, d = spair
     big_src, big_dst = await caches(p, d, kv.CacheDesc(2, (1, 128 << 20), np.uint8))
-    src, dst = await caches(p, d, kv.CacheDesc(1, (64, 1 << 20), np.uint8))   # rows of 1 MiB
+    row = 2 * p.options.inline_threshold   # above the inline threshold: these queue
+    src, dst = await caches(p, d, kv.CacheDesc(1, (64, row), np.uint8))
     big = p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst.cache_id, 0), timeout=30, priority=10)
-    # lower priority, 1 MiB each (above the inline threshold): they queue behind the big push
+    # lower priority, each above the inline threshold: they queue behind the big push
     waiting = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r, timeout=0.005)
                for r in range(64)]
     statuses = await asyncio.gather(*waiting)
@@ -70,7 +71,8 @@ async def test_finished_transfers_leave_the_deadline_heap(spair):
     """Deadlines share the scheduler's one timer (a heap of them): a transfer that finished
     leaves the heap, in any order of deadlines, so it holds the live transfers only."""
     p, d = spair
-    src, dst = await caches(p, d, kv.CacheDesc(1, (64, 1 << 20), np.uint8))   # rows of 1 MiB
+    row = 2 * p.options.inline_threshold   # above the inline threshold: these queue
+    src, dst = await caches(p, d, kv.CacheDesc(1, (64, row), np.uint8))
     heap = p._p.scheduler._deadlines
     for r in range(100):   # one at a time: each is the head, and leaves as it finishes
         t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r % 64), r % 64, timeout=60)

@@ -349,7 +349,7 @@ def test_engine_options_defaults(monkeypatch):
     assert o.secret is None
     assert o.transport == "auto"
     assert o.movers == 2
-    assert o.inline_threshold == 256 * 1024
+    assert o.inline_threshold == 1 << 20
     assert o.chunk_bytes == 1 << 20
     assert o.tcp_window_bytes == 4 << 20
     assert o.max_inflight_bytes is None and o.piece_bytes is None   # per transport (scheduler.py)
