@@ -370,3 +370,77 @@ cdef class FastPath:
         per.success(nbytes, dt)
         self.taken += 1
         return 0
+
+
+# ------------------------------------------------------------------ block tables, planned in C
+
+from libc.stdint cimport int64_t
+from libc.stdlib cimport qsort
+
+
+cdef int _cmp_i64(const void *a, const void *b) noexcept nogil:
+    cdef int64_t x = (<const int64_t *>a)[0], y = (<const int64_t *>b)[0]
+    return (x > y) - (x < y)
+
+
+def plan_blocks_packed(const int64_t[::1] sbl, const int64_t[::1] dbl, int64_t src_blocks, int64_t dst_blocks,
+                       const uint64_t[:, ::1] reg, uint64_t src_stride, uint64_t dst_stride, uint64_t nbytes,
+                       bint runs):
+    """kvengine/plan.py's ``Planner.blocks`` for whole blocks, in one pass of C: the tables
+    ``sbl -> dbl`` (int64, equal lengths) checked (ids in ``[0, *_blocks)``, no destination
+    block twice), cut into runs where both advance by one (``runs``; else a segment per
+    block: strided layouts), packed per tensor pair (``reg``: rows ``(src region, src
+    offset, dst region, dst offset)``) into 5-word segments ``count * nbytes`` long,
+    blocks ``*_stride`` bytes apart, a pair's last run merged with the next pair's first
+    where they touch. Returns ``(flat uint64 array, bytes)``, or None if a rule is broken:
+    plan.py then checks the tables itself and says which (it is the one place for the
+    rules' messages)."""
+    import numpy as _np
+    cdef Py_ssize_t n = sbl.shape[0], p = reg.shape[0], i, k, m = 0, nr = 0
+    cdef int64_t *srt
+    if n == 0 or dbl.shape[0] != n or p == 0:
+        return None
+    for i in range(n):
+        if sbl[i] < 0 or sbl[i] >= src_blocks or dbl[i] < 0 or dbl[i] >= dst_blocks:
+            return None
+    if n > 1:
+        srt = <int64_t *>malloc(n * sizeof(int64_t))
+        if srt == NULL:
+            raise MemoryError()
+        memcpy(srt, &dbl[0], n * sizeof(int64_t))
+        qsort(srt, n, sizeof(int64_t), _cmp_i64)
+        for i in range(1, n):
+            if srt[i] == srt[i - 1]:
+                free(srt)
+                return None
+        free(srt)
+    for i in range(n):   # runs: a new one where either table does not advance by one
+        if i == 0 or not runs or sbl[i] != sbl[i - 1] + 1 or dbl[i] != dbl[i - 1] + 1:
+            nr += 1
+    out = _np.empty(p * nr * 5, _np.uint64)
+    cdef uint64_t[::1] o = out
+    cdef uint64_t so, do_, ln
+    cdef Py_ssize_t j
+    for k in range(p):
+        i = 0
+        while i < n:
+            j = i + 1
+            if runs:
+                while j < n and sbl[j] == sbl[j - 1] + 1 and dbl[j] == dbl[j - 1] + 1:
+                    j += 1
+            so = reg[k, 1] + <uint64_t>sbl[i] * src_stride
+            do_ = reg[k, 3] + <uint64_t>dbl[i] * dst_stride
+            ln = <uint64_t>(j - i) * nbytes
+            if (i == 0 and m > 0 and o[5 * (m - 1)] == reg[k, 0] and o[5 * (m - 1) + 2] == reg[k, 2]
+                    and o[5 * (m - 1) + 1] + o[5 * (m - 1) + 4] == so
+                    and o[5 * (m - 1) + 3] + o[5 * (m - 1) + 4] == do_):
+                o[5 * (m - 1) + 4] += ln   # touches the previous pair's last run: one segment
+            else:
+                o[5 * m] = reg[k, 0]
+                o[5 * m + 1] = so
+                o[5 * m + 2] = reg[k, 2]
+                o[5 * m + 3] = do_
+                o[5 * m + 4] = ln
+                m += 1
+            i = j
+    return out[:5 * m], <uint64_t>n * nbytes * <uint64_t>p

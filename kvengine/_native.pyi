@@ -130,3 +130,9 @@ class FastPath:
     def pull(self, where: object, cache: object, batch_index: object, size: object, ext_param: object,
              timeout: object, priority: object) -> Any: ...
     def forget(self) -> None: ...
+
+def plan_blocks_packed(sbl: NDArray[np.int64], dbl: NDArray[np.int64], src_blocks: int, dst_blocks: int,
+                       reg: NDArray[np.uint64], src_stride: int, dst_stride: int, nbytes: int,
+                       runs: bool) -> tuple[NDArray[np.uint64], int] | None:
+    """kvengine/plan.py's Planner.blocks of whole blocks in one pass of C: ``(flat 5-word
+    segments, bytes)``, or None if a rule is broken (plan.py then says which)."""

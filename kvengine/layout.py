@@ -4,7 +4,8 @@ and head-split block transfers (pure numpy, no I/O).
 Owns: reading a registered buffer (numpy, buffer protocol, ``__dlpack__`` tensors and
 their views) as a strided numpy array and checking its strides against a
 :class:`~kvengine.types.CacheDesc`; the spans a tensor covers (what becomes a native
-region); the geometry of a block (rows, heads, head bytes); the vectorised packing of a
+region); the geometry of a block (rows, heads, head bytes); the runs of a block table
+and the merging of segments that continue each other; the vectorised packing of a
 block table into 5-word (1-D) or 8-word (2-D) segments; and the splitting of serving
 frameworks' per-layer tensors into the K/V tensors a desc counts:
 
@@ -31,7 +32,8 @@ from numpy.typing import NDArray
 from .types import CacheDesc, DataType, param_invalid
 
 __all__ = ["LAYOUTS", "kv_tensors", "describe", "as_strided_array", "check_tensor", "union_spans",
-           "block_geometry", "pack_blocks", "pack_rows", "submit_form", "SEG1", "SEG2"]
+           "block_geometry", "run_arrays", "block_runs", "coalesce", "regs", "pack_blocks", "pack_rows",
+           "submit_form", "SEG1", "SEG2"]
 
 LAYOUTS = ("vllm", "flashinfer", "separate")
 SEG1, SEG2 = 5, 8   # words of a 1-D and of a 2-D (strided) segment
@@ -154,6 +156,42 @@ def union_spans(addrs: Sequence[int], span: int) -> tuple[list[tuple[int, int]],
     return regions, [(first[which[k]], addrs[k] - merged[which[k]][0]) for k in range(len(addrs))]
 
 
+def run_arrays(sbl: NDArray[np.int64], dbl: NDArray[np.int64]
+               ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+    """``(src_starts, dst_starts, counts)`` of the runs where both tables advance by one."""
+    brk = np.ones(sbl.size, np.bool_)
+    if sbl.size > 1:
+        np.logical_not((sbl[1:] == sbl[:-1] + 1) & (dbl[1:] == dbl[:-1] + 1), out=brk[1:])
+    starts = np.flatnonzero(brk)
+    counts = np.diff(starts, append=sbl.size)
+    return sbl[starts], dbl[starts], counts
+
+
+def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src_start, dst_start, count)`` runs where both lists advance by one."""
+    if not len(src_blocks):
+        return []
+    rs, rd, n = run_arrays(np.asarray(src_blocks, np.int64), np.asarray(dst_blocks, np.int64))
+    return list(zip(rs.tolist(), rd.tolist(), n.tolist()))
+
+
+def coalesce(segments: Sequence[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """Merge consecutive segments that continue each other on both sides.
+
+    Input and output are ``(src_region, src_offset, dst_region, dst_offset, nbytes)``;
+    order is kept, and only neighbours in that order merge.
+    """
+    out: list[list[int]] = []
+    for sr, so, dr, do, n in segments:
+        if out:
+            last = out[-1]
+            if last[0] == sr and last[2] == dr and last[1] + last[4] == so and last[3] + last[4] == do:
+                last[4] += n
+                continue
+        out.append([sr, so, dr, do, n])
+    return [(x[0], x[1], x[2], x[3], x[4]) for x in out]
+
+
 def block_geometry(desc: CacheDesc, side: str = "") -> tuple[int, int, int]:
     """``(rows, heads, head_bytes)`` of one block: rows are the dims between dim 0 and the
     head axis (a block's tokens), a row holds ``heads`` heads of ``head_bytes``."""
@@ -165,7 +203,7 @@ def block_geometry(desc: CacheDesc, side: str = "") -> tuple[int, int, int]:
             math.prod(desc.shape[a + 1:]) * desc.dtype.itemsize)
 
 
-def _regs(pairs: list[tuple[int, int]], src_regions: Sequence[tuple[int, int]],
+def regs(pairs: list[tuple[int, int]], src_regions: Sequence[tuple[int, int]],
           dst_regions: Sequence[tuple[int, int]]) -> NDArray[np.uint64]:
     return np.array([(src_regions[s][0], src_regions[s][1], dst_regions[d][0], dst_regions[d][1])
                      for s, d in pairs], U64).reshape(-1, 4)
@@ -178,7 +216,7 @@ def pack_blocks(pairs: list[tuple[int, int]], runs: tuple[NDArray[np.int64], ...
     ``strides`` bytes apart, ``count * nbytes`` bytes (a run of more than one block only
     where blocks are contiguous on both sides)."""
     rs, rd, n = runs
-    reg = _regs(pairs, src_regions, dst_regions)
+    reg = regs(pairs, src_regions, dst_regions)
     out = np.empty((reg.shape[0], rs.size, SEG1), U64)
     out[:, :, 0] = reg[:, 0:1]
     np.add(reg[:, 1:2], rs.astype(U64) * U64(strides[0]), out=out[:, :, 1])
@@ -196,7 +234,7 @@ def pack_rows(pairs: list[tuple[int, int]], runs: tuple[NDArray[np.int64], ...],
     rows`` rows of ``row_bytes`` from byte ``starts`` of the first block, rows
     ``row_strides`` apart (a head range of each token of the run's blocks)."""
     rs, rd, n = runs
-    reg = _regs(pairs, src_regions, dst_regions)
+    reg = regs(pairs, src_regions, dst_regions)
     out = np.empty((reg.shape[0], rs.size, SEG2), U64)
     out[:, :, 0] = reg[:, 0:1]
     np.add(reg[:, 1:2], rs.astype(U64) * U64(block_strides[0]) + U64(starts[0]), out=out[:, :, 1])

@@ -38,9 +38,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import layout
+from .layout import block_runs, coalesce, run_arrays
+from .native import _native
+from .status import LLMError
 from .types import CacheDesc, KvCacheExtParam, check_timeout, param_invalid
 
-__all__ = ["Segment", "Packed", "Planner", "block_ids", "check_blocks", "layer_tensors", "plan_cache", "plan_blocks", "coalesce", "block_runs",
+__all__ = ["Segment", "Packed", "Planner", "block_ids", "check_blocks", "layer_tensors", "plan_cache", "plan_blocks", "coalesce", "block_runs", "run_arrays",
            "check_tensor_num_per_layer", "head_split", "transfer_options", "check_notify", "MAX_NOTIFY"]
 
 Segment = tuple[int, int, int, int, int]  # (src_tensor, src_offset, dst_tensor, dst_offset, nbytes)
@@ -279,25 +282,6 @@ def check_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Any,
     return sbl, dbl
 
 
-def run_arrays(sbl: NDArray[np.int64], dbl: NDArray[np.int64]
-               ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
-    """``(src_starts, dst_starts, counts)`` of the runs where both tables advance by one."""
-    brk = np.ones(sbl.size, np.bool_)
-    if sbl.size > 1:
-        np.logical_not((sbl[1:] == sbl[:-1] + 1) & (dbl[1:] == dbl[:-1] + 1), out=brk[1:])
-    starts = np.flatnonzero(brk)
-    counts = np.diff(starts, append=sbl.size)
-    return sbl[starts], dbl[starts], counts
-
-
-def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(src_start, dst_start, count)`` runs where both lists advance by one."""
-    if not len(src_blocks):
-        return []
-    rs, rd, n = run_arrays(np.asarray(src_blocks, np.int64), np.asarray(dst_blocks, np.int64))
-    return list(zip(rs.tolist(), rd.tolist(), n.tolist()))
-
-
 def _block_plan(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: Any, ext: KvCacheExtParam | None,
                 op: str) -> tuple[list[tuple[int, int]], Any, tuple[NDArray[np.int64], ...]]:
     """Every rule of a block push or pull: (tensor pairs, head split or None, runs)."""
@@ -325,21 +309,23 @@ def plan_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Sequence[int], dst_b
     return [(s, so, d, do, nb) for s, d in pairs for so, do, nb in runs]
 
 
-def coalesce(segments: Sequence[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
-    """Merge consecutive segments that continue each other on both sides.
-
-    Input and output are ``(src_region, src_offset, dst_region, dst_offset, nbytes)``;
-    order is kept, and only neighbours in that order merge.
-    """
-    out: list[list[int]] = []
-    for sr, so, dr, do, n in segments:
-        if out:
-            last = out[-1]
-            if last[0] == sr and last[2] == dr and last[1] + last[4] == so and last[3] + last[4] == do:
-                last[4] += n
-                continue
-        out.append([sr, so, dr, do, n])
-    return [(x[0], x[1], x[2], x[3], x[4]) for x in out]
+def _native_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: Any, ext: KvCacheExtParam | None,
+                   op: str, src_regions: Sequence[tuple[int, int]], dst_regions: Sequence[tuple[int, int]],
+                   strides: tuple[int, int]) -> tuple[NDArray[np.uint64], int] | None:
+    """Planner.blocks of whole blocks in one pass of C (``_native.plan_blocks_packed``: the
+    same checks, runs, packing and merging), or None: then _block_plan plans, and names any
+    broken rule, in its own order (a wrong table before a wrong ext param)."""
+    try:
+        _check_op(op)
+        sbl, dbl = block_ids("src_blocks", src_blocks), block_ids("dst_blocks", dst_blocks)
+        pairs, heads = _tensor_pairs(src, dst, ext), head_split(src, dst, ext)
+    except LLMError:
+        return None
+    if heads is not None or src.row_bytes != dst.row_bytes:
+        return None
+    return _native.plan_blocks_packed(np.ascontiguousarray(sbl), np.ascontiguousarray(dbl), src.shape[0],
+                                      dst.shape[0], layout.regs(pairs, src_regions, dst_regions), *strides,
+                                      src.row_bytes, src.block_stride is None and dst.block_stride is None)
 
 
 class Planner:
@@ -383,9 +369,14 @@ class Planner:
                dst_regions: Sequence[tuple[int, int]]) -> tuple[NDArray[np.uint64], int]:
         """:func:`plan_blocks` mapped, coalesced and packed like :meth:`segments`, vectorised:
         numpy over the runs, a Python step per tensor pair only (not per block or segment).
-        With head ranges: 2-D segments, an ``(n, 8)`` array (kvengine/layout.py)."""
-        pairs, heads, runs = _block_plan(src, dst, src_blocks, dst_blocks, ext, op)
+        With head ranges: 2-D segments, an ``(n, 8)`` array (kvengine/layout.py). Whole blocks
+        go through ``_native.plan_blocks_packed`` first (the same plan in one pass of C; on any
+        broken rule it answers None and the checks below name it)."""
         strides = (src.block_stride_bytes, dst.block_stride_bytes)
+        got = _native_blocks(src, dst, src_blocks, dst_blocks, ext, op, src_regions, dst_regions, strides)
+        if got is not None:
+            return got
+        pairs, heads, runs = _block_plan(src, dst, src_blocks, dst_blocks, ext, op)
         if heads is not None:
             row_bytes, rows, starts, row_strides = heads
             out8 = layout.pack_rows(pairs, runs, strides, starts, row_bytes, rows, row_strides,
