@@ -39,9 +39,15 @@ from numpy.typing import NDArray
 
 from . import layout
 from .layout import block_runs, coalesce, run_arrays
-from .native import _native
 from .status import LLMError
 from .types import CacheDesc, KvCacheExtParam, check_timeout, param_invalid
+
+_packed: Callable[..., tuple[NDArray[np.uint64], int] | None] | None
+try:
+    from .native import _native
+    _packed = _native.plan_blocks_packed
+except ImportError:   # the planner works without a build (tests/test_status.py): numpy only
+    _packed = None
 
 __all__ = ["Segment", "Packed", "Planner", "block_ids", "check_blocks", "layer_tensors", "plan_cache", "plan_blocks", "coalesce", "block_runs", "run_arrays",
            "check_tensor_num_per_layer", "head_split", "transfer_options", "check_notify", "MAX_NOTIFY"]
@@ -315,6 +321,8 @@ def _native_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: 
     """Planner.blocks of whole blocks in one pass of C (``_native.plan_blocks_packed``: the
     same checks, runs, packing and merging), or None: then _block_plan plans, and names any
     broken rule, in its own order (a wrong table before a wrong ext param)."""
+    if _packed is None:
+        return None
     try:
         _check_op(op)
         sbl, dbl = block_ids("src_blocks", src_blocks), block_ids("dst_blocks", dst_blocks)
@@ -323,9 +331,9 @@ def _native_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: 
         return None
     if heads is not None or src.row_bytes != dst.row_bytes:
         return None
-    return _native.plan_blocks_packed(np.ascontiguousarray(sbl), np.ascontiguousarray(dbl), src.shape[0],
-                                      dst.shape[0], layout.regs(pairs, src_regions, dst_regions), *strides,
-                                      src.row_bytes, src.block_stride is None and dst.block_stride is None)
+    return _packed(np.ascontiguousarray(sbl), np.ascontiguousarray(dbl), src.shape[0], dst.shape[0],
+                   layout.regs(pairs, src_regions, dst_regions), *strides, src.row_bytes,
+                   src.block_stride is None and dst.block_stride is None)
 
 
 class Planner:
