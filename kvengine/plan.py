@@ -320,16 +320,17 @@ def _native_blocks(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: 
                    strides: tuple[int, int]) -> tuple[NDArray[np.uint64], int] | None:
     """Planner.blocks of whole blocks in one pass of C (``_native.plan_blocks_packed``: the
     same checks, runs, packing and merging), or None: then _block_plan plans, and names any
-    broken rule, in its own order (a wrong table before a wrong ext param)."""
-    if _packed is None:
+    broken rule, in its own order (a wrong table before a wrong ext param). Head ranges go
+    to _block_plan at once: it would check them all again."""
+    if _packed is None or src.row_bytes != dst.row_bytes or not (
+            ext is None or (isinstance(ext, KvCacheExtParam) and _all(ext.src_head_range)
+                            and _all(ext.dst_head_range))):
         return None
     try:
         _check_op(op)
         sbl, dbl = block_ids("src_blocks", src_blocks), block_ids("dst_blocks", dst_blocks)
-        pairs, heads = _tensor_pairs(src, dst, ext), head_split(src, dst, ext)
+        pairs = _tensor_pairs(src, dst, ext)
     except LLMError:
-        return None
-    if heads is not None or src.row_bytes != dst.row_bytes:
         return None
     return _packed(np.ascontiguousarray(sbl), np.ascontiguousarray(dbl), src.shape[0], dst.shape[0],
                    layout.regs(pairs, src_regions, dst_regions), *strides, src.row_bytes,
