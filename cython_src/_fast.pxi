@@ -353,6 +353,8 @@ cdef class FastPath:
         with nogil:   # the inline copy
             st = kvc.kv_core_submit_leased(self.core.c, job, plan.words, plan.nsegs, inline_max, 0, lease,
                                            &done, &nbytes)
+        if st == kvc.KV_INLINE_REFUSED:
+            return None   # CMA: never copied on this thread (kv_core.h); the Python path queues it
         if st != 0 or not done:
             what = ("pull_kv_cache" if pull else "push_kv_cache", cid, rc.cache_id, None, row)
             return self.failed(link, what, lease, st, done != 0, nbytes, t0)

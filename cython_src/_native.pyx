@@ -29,6 +29,7 @@ F_UNMAP = kvc.KV_REGION_F_UNMAP
 F_EXPORT = kvc.KV_REGION_F_EXPORT
 F_NOTIFY = kvc.KV_REGION_F_NOTIFY
 DONE_UNSTARTED = kvc.KV_DONE_UNSTARTED
+INLINE_REFUSED = kvc.KV_INLINE_REFUSED
 EVENT = kvc.KV_EVENT
 EVENT_LINK_READY = kvc.KV_EVENT_LINK_READY
 EVENT_LINK_DOWN = kvc.KV_EVENT_LINK_DOWN
@@ -154,6 +155,18 @@ cdef class Core:
         if self.c == NULL:
             return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_core_abort(self.c, job_id, status)
+
+    def reap(self, uint64_t bound_ns):
+        """Movers whose copy has not returned for ``bound_ns`` (another process holds it):
+        retired, their jobs completed LLM_LINK_FAILED now (kv_core_reap). Returns those
+        job ids."""
+        cdef uint64_t ids[64]
+        cdef size_t n
+        if self.c == NULL:
+            return []
+        with nogil:
+            n = kvc.kv_core_reap(self.c, bound_ns, ids, 64)
+        return [ids[i] for i in range(n)]
 
     def poll(self):
         """Reset the eventfd and return ready completions as ``[(job_id, status, nbytes, flags), ...]``."""
@@ -299,6 +312,7 @@ cdef class Core:
             "ucx_rx_staged": s.ucx_rx_staged,
             "ucx_rx_rows": s.ucx_rx_rows, "ucx_land_pread": s.ucx_land_pread, "ucx_land_pvw": s.ucx_land_pvw,
             "ucx_ep_closes": s.ucx_ep_closes, "ucx_ep_closing": s.ucx_ep_closing,
+            "jobs_abandoned": s.jobs_abandoned, "movers_stuck": s.movers_stuck,
         }
 
 

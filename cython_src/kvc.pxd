@@ -14,6 +14,7 @@ cdef extern from "kv_core.h" nogil:
     unsigned KV_REGION_F_UNMAP
     unsigned KV_REGION_F_EXPORT
     unsigned KV_DONE_UNSTARTED
+    unsigned KV_INLINE_REFUSED
     unsigned KV_REGION_F_NOTIFY
     unsigned long long KV_EVENT
     unsigned long long KV_EVENT_LINK_READY
@@ -68,6 +69,8 @@ cdef extern from "kv_core.h" nogil:
         uint64_t ucx_land_pvw
         uint64_t ucx_ep_closes
         uint64_t ucx_ep_closing
+        uint64_t jobs_abandoned
+        uint64_t movers_stuck
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)
@@ -85,6 +88,7 @@ cdef extern from "kv_core.h" nogil:
     uint32_t kv_core_submit_ranked(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                                    uint64_t inline_max, uint64_t rank, int *done, uint64_t *nbytes)
     uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status)
+    size_t kv_core_reap(kv_core *core, uint64_t bound_ns, uint64_t *ids, size_t max)
     uint32_t kv_lease_add(kv_core *core, uint64_t until_ns, uint32_t *lease_id)
     uint32_t kv_lease_renew(kv_core *core, uint32_t lease_id, uint64_t until_ns)
     uint32_t kv_lease_remove(kv_core *core, uint32_t lease_id)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 from time import perf_counter
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -58,9 +59,12 @@ if TYPE_CHECKING:
 
 __all__ = ["Scheduler", "rank"]
 
+log = logging.getLogger("kvengine")
+
 _seq = itertools.count()
 _NO_LIMIT = 1 << 62   # default budget and piece: the native queues keep the order
 _UNSTARTED = _native.DONE_UNSTARTED
+_INLINE_REFUSED = _native.INLINE_REFUSED
 _RANK_DEADLINE = (1 << 52) - 1   # deadline in microseconds of the loop clock (142 years)
 
 
@@ -93,6 +97,7 @@ class Scheduler:
         self.queued = 0                          # transfers waiting in link queues or in flight
         # the link manager's link_down(link, LLM_LINK_FAILED): a transfer found the peer gone
         self.on_link_failed: Callable[["Link"], None] = lambda link: None
+        self._reaper: asyncio.TimerHandle | None = None   # armed while copies are in flight (_reap)
         # (deadline, id, transfer) of queued transfers; finished ones leave from the head
         self._deadlines: list[tuple[float, int, Transfer]] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -162,9 +167,11 @@ class Scheduler:
             t._link, t._notify = link, notify
             t._t_queued = t._t_started = perf_counter()   # latency: a fine clock (uvloop's ticks in ms)
             st, done, nbytes = self._core.submit(next(self._jobs), segs, opts.inline_threshold, 0, lease, t._words)
-            assert done or st, "kv_core_submit copies a local job of at most inline_max bytes inline"
-            t._finish(st, nbytes)
-            return t
+            if st != _INLINE_REFUSED:   # (CMA is never copied on this thread: the movers take it)
+                assert done or st, "kv_core_submit copies a local job of at most inline_max bytes inline"
+                t._finish(st, nbytes)
+                return t
+            t._link = t._notify = None
         if self.queued >= opts.max_queued:
             t._finish(S.LLM_OUT_OF_MEMORY, 0,
                       f"{t.what}: {self.queued} transfers queued already (EngineOptions.max_queued)")
@@ -223,7 +230,29 @@ class Scheduler:
         t._jobs[job] = n
         self.pending[job] = t
         link.inflight_bytes += n
+        if self._reaper is None and link.transport not in ("tcp", "ucx"):
+            self._reaper = self._loop.call_later(self._options.heartbeat_interval, self._reap)
         return True
+
+    def _reap(self) -> None:
+        """Every heartbeat_interval while mover copies are in flight. A copy into or out of
+        a peer's memory (CMA) that has not returned for heartbeat_timeout is held by that
+        peer (its page under userfaultfd, or swapped out) and cannot be interrupted: the
+        core retires its mover (a new one takes its place) and completes the job
+        LLM_LINK_FAILED now, and the link fails (docs/reliability.md, "A peer that holds
+        our copy")."""
+        self._reaper = None
+        bound = self._options.heartbeat_timeout
+        for job in self._core.reap(int(bound * 1e9)):
+            t = self.pending.get(job)
+            link = t._link if t is not None else None
+            if link is not None and link.up:
+                log.warning("link %s: a copy into or out of the peer's memory has not returned for %.2f s "
+                            "(heartbeat_timeout; the peer holds its pages): link failed, the copy thread "
+                            "abandoned", link.cluster_id, bound)
+                self.on_link_failed(link)
+        if self.pending:
+            self._reaper = self._loop.call_later(self._options.heartbeat_interval, self._reap)
 
     def _dispatch(self, link: "Link") -> None:
         """Feed the core from the head of the link's queue while the budget allows."""
@@ -281,6 +310,9 @@ class Scheduler:
 
     def close(self) -> None:
         """The core is closed and drained: nothing may be left; never leave a waiter."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         for t in list(self.pending.values()):
             t._jobs.clear()
             t._finish(S.LLM_ENGINE_FINALIZED, t.nbytes)

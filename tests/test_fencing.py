@@ -466,6 +466,131 @@ async def test_shm_push_after_a_stall_of_our_loop_renews_the_mover_lease_first()
         await d.close()
 
 
+# ------------------------------------------------------------------ shm: a peer that holds our copy
+
+async def _held_peer(size: int, movers: int = 1):
+    """A shm prefill (``movers`` movers), a peer (cluster 2) whose cache is caller-owned memory
+    under its userfaultfd (so our copies reach it with CMA and fault there), and a fresh peer
+    (cluster 3). Returns (prefill, peer, fresh, the peer's cache id)."""
+    prefill = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", options("shm", movers=movers)).start()
+    peer, fresh = await start_peers(2, 3, transport="shm")
+    dst = (await peer.call("register_held", n=2, shape=[1, size // 2], dtype="uint8"))["cache_id"]
+    await linked(prefill, 2, peer.address)
+    await prefill.wait_remote_cache(2, dst, timeout=5)
+    return prefill, peer, fresh, dst
+
+
+async def _loop_gaps(stop: asyncio.Event) -> float:
+    """The longest time this loop did not run, until ``stop``."""
+    loop, worst = asyncio.get_running_loop(), 0.0
+    last = loop.time()
+    while not stop.is_set():
+        await asyncio.sleep(0.005)
+        now = loop.time()
+        worst, last = max(worst, now - last), now
+    return worst
+
+
+async def _until_held(peer: PeerProcess) -> None:
+    end = time.monotonic() + 5
+    while (await peer.call("held"))["held"] is None:   # our copy faulted on the held page
+        assert time.monotonic() < end, "our copy never reached the peer's memory"
+        await asyncio.sleep(0.01)
+
+
+def _native(engine: kv.KvEngine) -> dict:
+    return engine.stats()["native"]
+
+
+@pytest.mark.parametrize("size", [32 << 10, 8 << 20], ids=["inline-sized", "mover-sized"])
+async def test_shm_push_into_memory_the_peer_holds_is_bounded_and_never_stalls_our_loop(size):
+    """A peer holds a page of its caller-owned cache with userfaultfd: our process_vm_writev
+    into it waits in the kernel, where only a fatal signal reaches it, for as long as the peer
+    likes. Our event loop never runs such a copy (even one below inline_threshold goes to a
+    mover); a mover held for heartbeat_timeout is abandoned: the push resolves LLM_LINK_FAILED
+    within the bound, the link fails, a fresh mover takes the held one's place and the
+    engine pushes to another peer (one mover in all, so only the fresh one can)."""
+    prefill, peer, fresh, dst = await _held_peer(size)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    gaps = asyncio.ensure_future(_loop_gaps(stop))
+    try:
+        src = prefill.allocate_cache(kv.CacheDesc(2, (1, size // 2), np.uint8))
+        for i, t in enumerate(src.tensors):
+            fill_pattern(t, SRC_SEED, i)
+        await peer.call("held", arm=True)
+        t0 = loop.time()
+        t = prefill.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=DEADLINE)
+        assert loop.time() - t0 < 0.5, "the submit itself waited on the peer's memory"
+        await _until_held(peer)
+        status = await status_within(t, STATUS_BOUND + 5)
+        elapsed = loop.time() - t0
+        stop.set()
+        worst = await gaps
+        assert status == S.LLM_LINK_FAILED, f"{status} ({t.message()})"
+        assert elapsed <= STATUS_BOUND, f"the status took {elapsed:.2f} s (bound {STATUS_BOUND:.2f} s)"
+        assert worst < 0.5, f"our loop stood still for {worst:.2f} s"
+        n = _native(prefill)
+        assert (n["jobs_abandoned"], n["movers_stuck"]) == (1, 1), n
+        with pytest.raises((kv.LLMLinkFailedError, kv.LLMNotYetLinkError)):
+            await prefill.wait_remote_cache(2, dst, timeout=HBT + 2 * HBI + 5)
+        await push_fresh_peer(prefill, fresh, 3, prefill.allocate_cache(ROW), "alloc")
+        await peer.call("held", release=True)
+        await poll_until(lambda: _native(prefill)["movers_stuck"] == 0, 10, "the held mover returned")
+        assert _native(prefill)["jobs_live"] == 0
+    finally:
+        stop.set()
+        await close_all([prefill], [peer, fresh])
+
+
+async def test_shm_pull_from_memory_the_peer_holds_lands_nothing_after_the_status():
+    """The same hold on the source of a pull (process_vm_readv from the peer): the pull
+    resolves LLM_LINK_FAILED within the bound, and when the peer lets the read go on, none
+    of it lands in our cache (a mover reads a CMA pull into a buffer of its own and copies
+    it into place only if its job was not abandoned meanwhile)."""
+    size = 4 << 20
+    prefill, peer, fresh, src = await _held_peer(size)
+    loop = asyncio.get_running_loop()
+    try:
+        mine = prefill.allocate_cache(kv.CacheDesc(2, (1, size // 2), np.uint8))
+        for i, t in enumerate(mine.tensors):
+            fill_pattern(t, DST_SEED, i)
+        before = own(mine)
+        await peer.call("held", arm=True)
+        t0 = loop.time()
+        t = prefill.submit_pull_kv_cache(kv.CacheIndex(2, src, 0), mine, timeout=DEADLINE)
+        await _until_held(peer)
+        status = await status_within(t, STATUS_BOUND + 5)
+        assert status == S.LLM_LINK_FAILED, f"{status} ({t.message()})"
+        assert loop.time() - t0 <= STATUS_BOUND
+        await peer.call("held", release=True)
+        await poll_until(lambda: _native(prefill)["movers_stuck"] == 0, 10, "the held mover returned")
+        n = changed(before, own(mine))
+        assert n == 0, f"{n} bytes of the pull landed after its status"
+    finally:
+        await close_all([prefill], [peer, fresh])
+
+
+async def test_engine_close_with_a_copy_the_peer_holds_is_bounded():
+    """Closing the engine while a mover is held in the peer's memory (before the heartbeat
+    bound abandoned it): the close waits for it at most 2 s (kv_core.c KV_CLOSE_MOVER_NS),
+    then leaves that thread and the native core to it, and the push resolves."""
+    prefill, peer, fresh, dst = await _held_peer(8 << 20)
+    loop = asyncio.get_running_loop()
+    try:
+        src = prefill.allocate_cache(kv.CacheDesc(2, (1, 4 << 20), np.uint8))
+        await peer.call("held", arm=True)
+        t = prefill.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0))   # no deadline
+        await _until_held(peer)
+        t0 = loop.time()
+        await asyncio.wait_for(prefill.close(), LINK_TIMEOUT + HBT + 5)
+        took = loop.time() - t0
+        assert took <= 2.0 + LINK_TIMEOUT + SLACK, f"close took {took:.2f} s"
+        assert await status_within(t, 1) in (S.LLM_ENGINE_FINALIZED, S.LLM_LINK_FAILED)
+    finally:
+        await close_all([prefill], [peer, fresh])
+
+
 async def test_shm_caller_owned_memory_is_not_written_after_unregister_reported_it_released():
     """Beyond finding 5: the stopped shm pusher writes into our *caller-owned* cache with CMA
     (process_vm_writev into this process). Our link to it fails; unregister_kv_cache's

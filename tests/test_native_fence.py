@@ -6,7 +6,9 @@ fence, release, bad answers) is checked frame by frame by tests/native/fuzz_tcp.
 """
 
 import os
+import select
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -71,6 +73,14 @@ def test_cma_stops_once_the_pidfd_process_exited(core):
     finally:
         os.close(pidfd)                                                # the core keeps its own
     segs = np.array([rs, 0, rd, 0, src.nbytes], dtype=np.uint64)
-    st, done, nbytes = core.submit(1, segs, 1 << 20)                   # inline
-    assert (st, done, nbytes) == (S.LLM_LINK_FAILED, True, 0)
+    st, done, nbytes = core.submit(1, segs, 1 << 20)   # CMA is never inline (decisions.md #31)
+    assert (st, done, nbytes) == (_native.INLINE_REFUSED, False, 0)
+    assert core.submit(1, segs, 0) == (S.LLM_SUCCESS, False, 0)        # the movers take it
+    end = time.monotonic() + 10
+    got: list = []
+    while not got and time.monotonic() < end:
+        select.select([core.fileno()], [], [], 0.5)
+        got = core.poll()
+    assert [(j, st) for j, st, _, _ in got] == [(1, S.LLM_LINK_FAILED)]
+    assert got[0][2] == 0
     assert (dst == 0x5A).all()

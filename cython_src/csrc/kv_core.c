@@ -290,6 +290,8 @@ static int process_gone(int pidfd) {
     return r != 0; /* exited (POLLIN), or the pidfd is unusable: either way, no CMA through that pid */
 }
 
+#define KV_CLOSE_MOVER_NS 2000000000ull /* kv_core_close waits this long for movers to return */
+#define KV_BOUNCE_BYTES (1u << 20) /* a mover's CMA pull buffer: one process_vm_readv at most */
 #define KV_CMA_IOV 256 /* rows one process_vm_{read,write}v call moves at most */
 
 /* Streaming (non-temporal) stores for the movers' local copies of large jobs
@@ -433,7 +435,10 @@ static void stream_fence(void) {}
 /* Copy `n` bytes from byte `off` (row order) of segment `s`. `stream`: with
  * streaming stores where a run is long enough (the caller fences); `next`: the
  * segment copied after this one (for the read-ahead), or NULL. No locks held. */
-static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int stream, const kv_segment *next) {
+static uint32_t cma_pull(kv_mover *mv, const kv_segment *s, uint64_t off, uint64_t n);
+
+static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int stream, const kv_segment *next,
+                           kv_mover *mv) {
     uint64_t src, dst, t;
     if (s->src_kind == KV_REGION_LOCAL && s->dst_kind == KV_REGION_LOCAL) {
         /* row by row from the run at `off` on (one division, not one per row:
@@ -475,6 +480,8 @@ static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int st
     /* CMA: one call for up to KV_CMA_IOV rows (local and remote iovecs pair up) */
     struct iovec local[KV_CMA_IOV], remote[KV_CMA_IOV];
     int to_peer = s->dst_kind == KV_REGION_PROCESS;
+    if (!to_peer && mv)
+        return cma_pull(mv, s, off, n);
     while (n) {
         if (s->pidfd >= 0 && process_gone(s->pidfd))
             return KV_LLM_LINK_FAILED;
@@ -494,6 +501,61 @@ static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int st
         }
         if (r == 0)
             return KV_LLM_FAILED;
+        off += (uint64_t)r;
+        n -= (uint64_t)r;
+    }
+    return KV_LLM_SUCCESS;
+}
+
+/* A CMA pull's chunk through the mover's bounce buffer: process_vm_readv into it,
+ * then, unless the mover was retired meanwhile (kv_core_reap: the peer held the read
+ * past the bound, and the job was completed for the caller), a memcpy into place.
+ * So a read the peer holds never writes our memory after the pull's status; what it
+ * costs is one more copy of every CMA pull byte, from a buffer the read left in cache. */
+static uint32_t cma_pull(kv_mover *mv, const kv_segment *s, uint64_t off, uint64_t n) {
+    kv_core *c = mv->core;
+    if (!mv->bounce && !(mv->bounce = malloc(KV_BOUNCE_BYTES)))
+        return KV_LLM_OUT_OF_MEMORY;
+    struct iovec remote[KV_CMA_IOV];
+    uint64_t to[KV_CMA_IOV], src, dst, t;
+    while (n) {
+        if (s->pidfd >= 0 && process_gone(s->pidfd))
+            return KV_LLM_LINK_FAILED;
+        size_t cnt = 0;
+        uint64_t got = 0;
+        for (uint64_t o = off, left = n; left && cnt < KV_CMA_IOV && got < KV_BOUNCE_BYTES; cnt++) {
+            t = kv_seg_run(s, o, left < KV_BOUNCE_BYTES - got ? left : KV_BOUNCE_BYTES - got, &src, &dst);
+            remote[cnt].iov_base = (void *)(uintptr_t)src;
+            remote[cnt].iov_len = (size_t)t;
+            to[cnt] = dst;
+            got += t;
+            o += t;
+            left -= t;
+        }
+        struct iovec lo = {mv->bounce, (size_t)got};
+        ssize_t r = process_vm_readv(s->pid, &lo, 1, remote, cnt, 0);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return status_from_errno(errno);
+        }
+        if (r == 0)
+            return KV_LLM_FAILED;
+        pthread_mutex_lock(&c->lock);
+        int ok = !mv->retired;
+        mv->landing = ok;
+        pthread_mutex_unlock(&c->lock);
+        if (!ok)
+            return KV_LLM_LINK_FAILED; /* completed for the caller already: nothing lands */
+        uint64_t at = 0;
+        for (size_t i = 0; i < cnt && at < (uint64_t)r; i++) {
+            uint64_t k = remote[i].iov_len < (uint64_t)r - at ? remote[i].iov_len : (uint64_t)r - at;
+            memcpy((void *)(uintptr_t)to[i], mv->bounce + at, (size_t)k);
+            at += k;
+        }
+        pthread_mutex_lock(&c->lock);
+        mv->landing = 0;
+        pthread_mutex_unlock(&c->lock);
         off += (uint64_t)r;
         n -= (uint64_t)r;
     }
@@ -648,11 +710,12 @@ static void mover_maybe_finish(kv_core *c, kv_mover_job *m) {
 
 /* The movers' queue holds mover jobs only: the head job's next chunk is claimed. */
 static void *mover_main(void *arg) {
-    kv_core *c = arg;
+    kv_mover *mv = arg;
+    kv_core *c = mv->core;
     pthread_mutex_lock(&c->lock);
     for (;;) {
         kv_mover_job *m = (kv_mover_job *)c->mover_queue_head;
-        if (c->stopping)
+        if (c->stopping || mv->retired)
             break;
         if (!m) {
             pthread_cond_wait(&c->work_ready, &c->lock);
@@ -685,6 +748,8 @@ static void *mover_main(void *arg) {
             }
         }
         m->chunks_active++;
+        mv->job = m;
+        mv->since_ns = boottime_ns();
         pthread_mutex_unlock(&c->lock);
 
         uint32_t st = KV_LLM_SUCCESS;
@@ -694,7 +759,7 @@ static void *mover_main(void *arg) {
             uint64_t take = kv_seg_bytes(&j->segments[i]) - off;
             if (take > n - done)
                 take = n - done;
-            st = copy_chunk(&j->segments[i], off, take, stream, i + 1 < j->nsegments ? &j->segments[i + 1] : NULL);
+            st = copy_chunk(&j->segments[i], off, take, stream, i + 1 < j->nsegments ? &j->segments[i + 1] : NULL, mv);
             if (st != KV_LLM_SUCCESS)
                 break;
             done += take;
@@ -703,6 +768,7 @@ static void *mover_main(void *arg) {
             stream_fence(); /* the chunk's streamed bytes are visible before it is counted done */
 
         pthread_mutex_lock(&c->lock);
+        mv->job = NULL;
         m->chunks_active--;
         c->stats.bytes_moved += done;
         j->bytes_done += done;
@@ -710,8 +776,76 @@ static void *mover_main(void *arg) {
             mover_job_fail(c, m, st);
         mover_maybe_finish(c, m);
     }
+    if (mv->retired)
+        c->stats.movers_stuck--;
+    free(mv->bounce);
+    mv->bounce = NULL;
+    mv->running = 0;
+    pthread_cond_broadcast(&c->mover_exit);
     pthread_mutex_unlock(&c->lock);
     return NULL;
+}
+
+/* Start the mover of slot `i` (c->nmovers must be i). Movers take no signals:
+ * Python handles them on the main thread. Returns 0, or -1 if no thread. */
+static int mover_start(kv_core *c, int i) {
+    kv_mover *mv = &c->movers[i];
+    memset(mv, 0, sizeof *mv);
+    mv->core = c;
+    mv->running = 1;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int r = pthread_create(&mv->thread, NULL, mover_main, mv);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (r != 0) {
+        mv->running = 0;
+        return -1;
+    }
+    char name[16]; /* what top -H and py-spy show (15 characters at most) */
+    snprintf(name, sizeof name, "kv-mover-%u", (unsigned)(unsigned char)i); /* i < KV_MAX_MOVERS */
+    pthread_setname_np(mv->thread, name);
+    c->nmovers++;
+    return 0;
+}
+
+size_t kv_core_reap(kv_core *c, uint64_t bound_ns, uint64_t *ids, size_t max) {
+    size_t n = 0;
+    int sig = 0;
+    pthread_mutex_lock(&c->lock);
+    uint64_t now = boottime_ns();
+    int slots = c->nmovers;
+    for (int i = 0; i < slots && !c->stopping; i++) {
+        kv_mover *mv = &c->movers[i];
+        if (mv->retired || !mv->job || mv->landing || now - mv->since_ns < bound_ns)
+            continue;
+        kv_mover_job *m = mv->job;
+        if (!m->abandoned) {
+            kv_event *ev = malloc(sizeof *ev);
+            if (!ev)
+                continue; /* the next call tries again */
+            m->abandoned = 1;
+            if (m->job.state == KV_JS_QUEUED)
+                mover_job_fail(c, m, KV_LLM_LINK_FAILED); /* no more chunks of it */
+            else if (m->job.record.status == KV_LLM_SUCCESS)
+                m->job.record.status = KV_LLM_LINK_FAILED;
+            ev->record = (kv_record){.id = m->job.record.id, .kind = KV_RECORD_ABANDONED,
+                                     .status = KV_LLM_LINK_FAILED};
+            sig |= post_record(c, &ev->record);
+            c->stats.jobs_abandoned++;
+            if (n < max)
+                ids[n++] = m->job.record.id;
+        }
+        mv->retired = 1; /* it exits once its copy returns */
+        pthread_detach(mv->thread);
+        c->stats.movers_stuck++;
+        if (c->nmovers < KV_MAX_MOVERS)
+            mover_start(c, c->nmovers); /* keep the pool's size (no thread: one mover fewer) */
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (sig)
+        kv__signal_loop(c);
+    return n;
 }
 
 /* Regions the movers cannot reach: a transport carries their bytes. */
@@ -819,7 +953,7 @@ uint32_t kv_core_submit_ranked(kv_core *c, uint64_t job_id, const uint64_t *segs
 static uint32_t copy_inline(const kv_segment *segs, size_t nsegs, uint64_t *nbytes) {
     uint32_t st = KV_LLM_SUCCESS;
     for (size_t i = 0; i < nsegs && st == KV_LLM_SUCCESS; i++) {
-        st = copy_chunk(&segs[i], 0, kv_seg_bytes(&segs[i]), 0, NULL);
+        st = copy_chunk(&segs[i], 0, kv_seg_bytes(&segs[i]), 0, NULL, NULL);
         if (st == KV_LLM_SUCCESS)
             *nbytes += kv_seg_bytes(&segs[i]);
     }
@@ -952,6 +1086,16 @@ uint32_t kv_core_submit_job(kv_core *c, uint64_t job_id, const uint64_t *segs, s
         return KV_LLM_SUCCESS;
     }
     if (total <= inline_max) {
+        for (size_t i = 0; i < nsegs; i++) {
+            if (rs[i].src_kind == KV_REGION_PROCESS || rs[i].dst_kind == KV_REGION_PROCESS) {
+                /* CMA: the other process may hold the copy (kv_core.h); the movers take it */
+                int sig = job_release_refs(c, &fields, 2 * nsegs);
+                pthread_mutex_unlock(&c->lock);
+                if (sig)
+                    kv__signal_loop(c);
+                return KV_INLINE_REFUSED;
+            }
+        }
         c->stats.jobs_inline++;
         if (!lease_ok(c, lease))
             st = KV_LLM_LINK_FAILED;
@@ -1042,19 +1186,16 @@ uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes) {
     }
     pthread_mutex_init(&c->lock, NULL);
     pthread_cond_init(&c->work_ready, NULL);
-    /* Movers take no signals: Python handles them on the main thread. */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old);
-    for (int i = 0; i < movers; i++) {
-        if (pthread_create(&c->movers[i], NULL, mover_main, c) != 0)
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&c->mover_exit, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_mutex_lock(&c->lock);
+    for (int i = 0; i < movers; i++)
+        if (mover_start(c, i) != 0)
             break;
-        char name[16]; /* what top -H and py-spy show (15 characters at most) */
-        snprintf(name, sizeof name, "kv-mover-%u", (unsigned)(unsigned char)i); /* i < KV_MAX_MOVERS */
-        pthread_setname_np(c->movers[i], name);
-        c->nmovers++;
-    }
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_mutex_unlock(&c->lock);
     if (c->nmovers != movers) {
         kv_core_close(c);
         kv_core_free(c);
@@ -1081,7 +1222,9 @@ size_t kv_core_poll(kv_core *c, kv_completion *out, size_t max) {
         out[n].status = r->status;
         out[n].nbytes = 0;
         out[n].flags = KV_DONE_UNSTARTED; /* an event moves nothing */
-        if (r->kind != KV_RECORD_EVENT) {
+        if (r->kind == KV_RECORD_ABANDONED)
+            out[n].flags = 0; /* its job's bytes went out; some may still land (kv_core_reap) */
+        else if (r->kind != KV_RECORD_EVENT) {
             const kv_job *j = (const kv_job *)r;
             out[n].nbytes = j->bytes_done;
             /* nothing of it went out: no chunk (mover) or frame (TCP) claimed */
@@ -1125,9 +1268,39 @@ void kv_core_close(kv_core *c) {
     }
     c->stopping = 1;
     pthread_cond_broadcast(&c->work_ready);
+    /* Wait for every mover (retired ones too) to return, bounded: one stuck in a
+     * copy another process holds may never return (kv_core_reap). */
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += (time_t)(KV_CLOSE_MOVER_NS / 1000000000ull);
+    until.tv_nsec += (long)(KV_CLOSE_MOVER_NS % 1000000000ull);
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    for (;;) {
+        int running = 0;
+        for (int i = 0; i < c->nmovers; i++)
+            running += c->movers[i].running;
+        if (!running || pthread_cond_timedwait(&c->mover_exit, &c->lock, &until) == ETIMEDOUT)
+            break;
+    }
+    int nmovers = c->nmovers;
+    for (int i = 0; i < nmovers; i++) {
+        kv_mover *mv = &c->movers[i];
+        if (mv->retired)
+            continue; /* detached when it was retired */
+        if (mv->running) { /* it touches the core when its copy returns: kv_core_free leaves it */
+            mv->retired = 1;
+            pthread_detach(mv->thread);
+            c->stats.movers_stuck++;
+        } else {
+            pthread_mutex_unlock(&c->lock);
+            pthread_join(mv->thread, NULL);
+            pthread_mutex_lock(&c->lock);
+        }
+    }
     pthread_mutex_unlock(&c->lock);
-    for (int i = 0; i < c->nmovers; i++)
-        pthread_join(c->movers[i], NULL);
     /* A mover that was copying finished its chunk and posted before exiting. */
     kv__signal_loop(c);
 }
@@ -1136,6 +1309,13 @@ void kv_core_free(kv_core *c) {
     if (!c)
         return;
     kv_core_close(c);
+    int running = 0;
+    pthread_mutex_lock(&c->lock);
+    for (int i = 0; i < c->nmovers; i++)
+        running += c->movers[i].running;
+    pthread_mutex_unlock(&c->lock);
+    if (running)
+        return; /* a mover stuck in a copy still uses it (kv_core_close): left as it is */
     for (int kind = 0; kind < KV_REGION_KINDS; kind++) {
         if (c->transports[kind])
             c->transports[kind]->ops->destroy(c->transports[kind]);
@@ -1161,6 +1341,7 @@ void kv_core_free(kv_core *c) {
     close(c->event_fd);
     pthread_mutex_destroy(&c->lock);
     pthread_cond_destroy(&c->work_ready);
+    pthread_cond_destroy(&c->mover_exit);
     free(c);
 }
 

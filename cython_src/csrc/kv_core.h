@@ -55,6 +55,8 @@ typedef struct kv_core kv_core;
 
 /* kv_completion flags */
 #define KV_DONE_UNSTARTED 1u /* aborted before any of its bytes was copied or sent */
+/* kv_core_submit_job: a job that may not be copied on the calling thread (CMA); not a status */
+#define KV_INLINE_REFUSED 0xFFFFFFFEu
 
 typedef struct {
     uint64_t job_id;
@@ -100,6 +102,8 @@ typedef struct {
     uint64_t ucx_land_pvw;      /* ... and by process_vm_writev into ourselves */
     uint64_t ucx_ep_closes;     /* UCX endpoint closes started (a link failed, or the engine closes) */
     uint64_t ucx_ep_closing;    /* now: closes UCX has not completed (a flush waiting for a stopped peer) */
+    uint64_t jobs_abandoned;    /* mover jobs kv_core_reap completed LINK_FAILED, a copy of theirs stuck */
+    uint64_t movers_stuck;      /* now: retired movers whose copy has not returned */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a
@@ -112,6 +116,10 @@ size_t kv_core_poll(kv_core *core, kv_completion *out, size_t max);
 /* Abort every job with KV_LLM_ENGINE_FINALIZED, join the movers. Idempotent.
  * TCP pushes not fenced by their peer complete at their lease release (at most
  * lease + margin from now: kv_tcp_link_add), so this may wait that long.
+ * A mover whose copy has not returned within KV_CLOSE_MOVER_NS (another process
+ * holds it: kv_core_reap) is left running, detached; kv_core_free then leaves
+ * the core as it is (that mover touches it when its copy returns), unless every
+ * mover has returned by the time it is called (it may be called again).
  * Completions stay pollable until kv_core_free. */
 void kv_core_close(kv_core *core);
 void kv_core_free(kv_core *core);
@@ -142,6 +150,13 @@ uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr);
  * thread: *done is set to 1, the status is returned and no completion is
  * posted. Otherwise *done is 0, KV_LLM_SUCCESS is returned and a completion
  * follows. A validation failure returns its status and starts nothing.
+ * A job of at most `inline_max` bytes that reads or writes another process's
+ * memory (a KV_REGION_PROCESS region: CMA) is not copied on the calling thread:
+ * that process can hold the copy inside the kernel for as long as it likes (a
+ * page under its userfaultfd, or swapped out), and the caller is an event
+ * loop. Nothing starts and KV_INLINE_REFUSED is returned (*done 0): submit it
+ * again with inline_max 0, for the movers, whose stuck copies kv_core_reap
+ * bounds.
  * A job's source and destination bytes should not overlap (same memory, within
  * one segment or across segments): movers copy chunk by chunk, concurrently, so
  * overlapping bytes come out unspecified (not checked; an inline job happens to
@@ -188,6 +203,20 @@ uint32_t kv_core_submit_job(kv_core *core, uint64_t job_id, const uint64_t *segs
  * An abort that lands while the last chunks are being copied still succeeds:
  * the completion then carries `status` with nbytes up to the full size. */
 uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status);
+
+/* Movers whose current chunk has been inside its copy for `bound_ns` or more
+ * (CLOCK_BOOTTIME): a process_vm_readv/writev that another process holds (its
+ * page under userfaultfd, swapped out, or its memory being migrated) cannot be
+ * interrupted, so the core stops waiting for it. Each such mover is retired (it
+ * exits once its copy returns; a new mover takes its slot's place, while slots
+ * last), and its job is completed for the caller now: a completion with
+ * KV_LLM_LINK_FAILED is posted (flags 0: bytes of it went out), and a copy still
+ * under way may finish later, in the other process's memory (push) or in this
+ * process's destination rows (pull): at most one chunk per retired mover. The
+ * job's own completion follows when its copies return (the caller, which
+ * dropped the id, ignores it); until then it keeps its region references.
+ * Writes up to `max` job ids (each once) into `ids`; returns how many. */
+size_t kv_core_reap(kv_core *core, uint64_t bound_ns, uint64_t *ids, size_t max);
 
 /* ---- TCP data plane (kv_tcp.c). One epoll I/O thread per core, started by
  * the first call below. Frames: docs/protocol.md. */

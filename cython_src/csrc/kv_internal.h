@@ -68,6 +68,7 @@ enum {
     KV_RECORD_EVENT = 1,     /* kv_event */
     KV_RECORD_MOVER_JOB,     /* kv_mover_job: local and process (CMA) copies */
     KV_RECORD_TRANSPORT_JOB, /* a transport's job (kv_job.transport) */
+    KV_RECORD_ABANDONED,     /* kv_event: a mover job kv_core_reap completed for the caller */
 };
 
 typedef struct kv_record {
@@ -124,7 +125,25 @@ typedef struct kv_mover_job {
     kv_job job;         /* first */
     uint32_t lease;     /* mover lease (kv_lease_add), 0: none */
     int chunks_active;  /* movers copying a chunk of it now */
+    int abandoned;      /* kv_core_reap completed it for the caller (LINK_FAILED) while a
+                           chunk of it was still inside its copy: its own completion, once
+                           that copy returns, is of an id the caller no longer knows */
 } kv_mover_job;
+
+/* A mover thread's slot. A mover whose chunk stays inside its copy (a CMA page of
+ * the peer held by userfaultfd, or swapped out) longer than kv_core_reap's bound is
+ * retired: the core stops counting on it (a fresh mover takes its place) and it
+ * exits when its copy returns. */
+typedef struct kv_mover {
+    kv_core *core;
+    pthread_t thread;
+    kv_mover_job *job; /* whose chunk it copies now, or NULL */
+    uint64_t since_ns; /* CLOCK_BOOTTIME when that chunk began */
+    int retired;       /* reaped (detached): exits after its copy, replaced */
+    int running;       /* the thread has not returned from mover_main yet */
+    int landing;       /* copying a CMA pull's bytes from `bounce` into place (ours, not held) */
+    uint8_t *bounce;   /* CMA pulls read into this first (KV_BOUNCE_BYTES), lazily allocated */
+} kv_mover;
 
 #define KV_REGION_KINDS 4 /* KV_REGION_LOCAL, _PROCESS, _TCP, _UCX */
 #define KV_UCX_MAX_BLOB 16384 /* a worker address from a peer: at most this */
@@ -132,8 +151,9 @@ typedef struct kv_mover_job {
 struct kv_core {
     pthread_mutex_t lock;          /* guards everything below and every job */
     pthread_cond_t work_ready;     /* movers wait here for a job or stopping */
-    pthread_t movers[KV_MAX_MOVERS];
-    int nmovers;
+    pthread_cond_t mover_exit;     /* a mover returned (kv_core_close waits, bounded) */
+    kv_mover movers[KV_MAX_MOVERS]; /* slots; a retired mover keeps its slot until the engine is freed */
+    int nmovers;                   /* slots used */
     int stopping;
     int closed;
     int event_fd;                  /* readable when completions are ready */

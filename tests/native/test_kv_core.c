@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <netinet/in.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -503,22 +504,36 @@ static void test_inline(void) {
     CHECK(memcmp(dst, src, 12289) == 0);
     CHECK(all_eq(dst + 12289, n - 12289, 0));
 
-    /* an inline copy that fails part-way: the status, done=1, bytes of the good segments */
+    /* a job that reads or writes another process's memory (CMA) is never copied on
+     * the calling thread, whatever its size (that process may hold the copy in the
+     * kernel: kv_core.h): refused, nothing of it moves, nothing is posted or kept */
     long pg = sysconf(_SC_PAGESIZE);
     void *noacc = mmap(NULL, (size_t)pg, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     CHECK(noacc != MAP_FAILED);
     uint32_t rbad = add_proc(c, getpid(), noacc, (uint64_t)pg);
+    memset(dst, 0, (size_t)n);
     seg(w, rs, 0, rd, 0, 4096);
     seg(w + 5, rs, 0, rbad, 0, 64);
-    CHECK_EQ(kv_core_submit(c, 4, w, 2, UINT64_MAX, &done, &nb), KV_LLM_FAILED);
-    CHECK_EQ(done, 1);
-    CHECK_EQ(nb, 4096);
+    nb = 7;
+    CHECK_EQ(kv_core_submit(c, 4, w, 2, UINT64_MAX, &done, &nb), KV_INLINE_REFUSED);
+    CHECK_EQ(done, 0);
+    CHECK_EQ(nb, 0);
+    CHECK(all_eq(dst, 4096, 0)); /* not even its local segment */
     CHECK(!readable_now(c));
     check_no_more(c);
     check_quiet_stats(c);
+    /* the movers take it (inline_max 0): the copy that fails part-way completes with
+     * the status and the bytes of the good segment */
+    CHECK_EQ(kv_core_submit(c, 4, w, 2, 0, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(done, 0);
+    cp = wait_one(c, 4);
+    CHECK_EQ(cp.status, KV_LLM_FAILED);
+    CHECK_EQ(cp.nbytes, 4096);
+    CHECK(memcmp(dst, src, 4096) == 0);
+    check_quiet_stats(c);
     s = stats(c);
-    CHECK_EQ(s.jobs_inline, 4);
-    CHECK_EQ(s.jobs_submitted, 1);
+    CHECK_EQ(s.jobs_inline, 3);
+    CHECK_EQ(s.jobs_submitted, 2);
     CHECK_EQ(s.regions_live, 4);
     kv_core_free(c);
     CHECK(munmap(noacc, (size_t)pg) == 0);
@@ -642,16 +657,21 @@ static void test_process_self(void) {
     CHECK_EQ(cp.status, KV_LLM_SUCCESS);
     CHECK_EQ(cp.nbytes, N);
     CHECK(memcmp(dst2, src, (size_t)N) == 0);
-    /* both directions inline */
+    /* both directions, small: never inline (CMA), refused, nothing moved; the movers
+     * take it (a pull's bytes through the mover's bounce buffer, unaligned) */
     int done = -1;
     uint64_t nb = 0;
     memset(dst, 0, (size_t)N);
     memset(dst2, 0, (size_t)N);
     seg(w, rls, 7, rpd, 9, 8192);
     seg(w + 5, rps, 11, rld, 13, 8192);
-    CHECK_EQ(kv_core_submit(c, 3, w, 2, 16384, &done, &nb), KV_LLM_SUCCESS);
-    CHECK_EQ(done, 1);
-    CHECK_EQ(nb, 16384);
+    CHECK_EQ(kv_core_submit(c, 3, w, 2, 16384, &done, &nb), KV_INLINE_REFUSED);
+    CHECK_EQ(done, 0);
+    CHECK(all_eq(dst, N, 0) && all_eq(dst2, N, 0));
+    submit_async(c, 3, w, 2);
+    cp = wait_one(c, 3);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, 16384);
     CHECK(memcmp(dst + 9, src + 7, 8192) == 0);
     CHECK(memcmp(dst2 + 13, src + 11, 8192) == 0);
     CHECK(all_eq(dst, 9, 0) && all_eq(dst + 9 + 8192, N - 9 - 8192, 0));
@@ -754,9 +774,13 @@ static void test_process_child(void) {
     int done = -1;
     uint64_t nb = 99;
     seg(w, rls, 0, rcs, 0, 4096);
-    CHECK_EQ(kv_core_submit(c, 6, w, 1, UINT64_MAX, &done, &nb), KV_LLM_LINK_FAILED);
-    CHECK_EQ(done, 1);
+    CHECK_EQ(kv_core_submit(c, 6, w, 1, UINT64_MAX, &done, &nb), KV_INLINE_REFUSED); /* CMA: never inline */
+    CHECK_EQ(done, 0);
     CHECK_EQ(nb, 0);
+    submit_async(c, 6, w, 1);
+    cp = wait_one(c, 6);
+    CHECK_EQ(cp.status, KV_LLM_LINK_FAILED);
+    CHECK_EQ(cp.nbytes, 0);
     check_no_more(c);
     check_quiet_stats(c);
     kv_core_free(c);
@@ -1486,8 +1510,8 @@ static void test_pidfd(void) {
     CHECK_EQ(cp.nbytes, 0);
     int done = -1;
     uint64_t nb = 99;
-    CHECK_EQ(kv_core_submit(c, 3, w, 1, UINT64_MAX, &done, &nb), KV_LLM_LINK_FAILED); /* inline */
-    CHECK_EQ(done, 1);
+    CHECK_EQ(kv_core_submit(c, 3, w, 1, UINT64_MAX, &done, &nb), KV_INLINE_REFUSED); /* CMA: never inline */
+    CHECK_EQ(done, 0);
     CHECK_EQ(nb, 0);
     CHECK(all_eq(dst, N, 0x5A));
     uint8_t *dst2 = xmap(N);
@@ -2079,6 +2103,222 @@ static void test_tcp_close_fence(void) {
     xunmap(seen, N);
 }
 
+/* ---- a copy another process holds (kv_core_reap) */
+
+/* Anonymous memory under userfaultfd (missing mode): every fault is served with a
+ * page of `byte`, but only once `open` is set (held_release); until then a fault (here:
+ * a mover's process_vm_writev/readv into this process, as another process's
+ * held page would hold it) waits in the kernel, which no signal but a fatal one
+ * interrupts. */
+typedef struct {
+    int fd;
+    uint8_t *mem;
+    uint64_t len;
+    uint8_t *page;
+    pthread_mutex_t mu;
+    int open, faults;
+    uint64_t held[16]; /* pages of the faults held so far */
+    int stop[2];       /* a pipe: held_free ends the server */
+    pthread_t th;
+} held_mem;
+
+/* <linux/userfaultfd.h>, spelled out (the x86-64 ABI) */
+struct kv_uffdio_api { uint64_t api, features, ioctls; };
+struct kv_uffdio_register { uint64_t start, len, mode, ioctls; };
+struct kv_uffdio_copy { uint64_t dst, src, len, mode; int64_t copy; };
+#define KV_UFFDIO_API 0xC018AA3Ful
+#define KV_UFFDIO_REGISTER 0xC020AA00ul
+#define KV_UFFDIO_COPY 0xC028AA03ul
+
+static void held_serve_page(held_mem *h, uint64_t addr) {
+    struct kv_uffdio_copy cp = {addr, A(h->page), (uint64_t)sysconf(_SC_PAGESIZE), 0, 0};
+    ioctl(h->fd, KV_UFFDIO_COPY, &cp); /* EEXIST: served already */
+}
+
+static void *held_serve(void *arg) {
+    held_mem *h = arg;
+    uint8_t msg[32];
+    for (;;) {
+        struct pollfd p[2] = {{h->fd, POLLIN, 0}, {h->stop[0], POLLIN, 0}};
+        if (poll(p, 2, -1) < 0 || p[1].revents)
+            return NULL; /* held_free */
+        ssize_t r = read(h->fd, msg, sizeof msg);
+        if (r < 0 && (errno == EINTR || errno == EAGAIN))
+            continue;
+        if (r != (ssize_t)sizeof msg)
+            return NULL;
+        if (msg[0] != 0x12) /* UFFD_EVENT_PAGEFAULT */
+            continue;
+        uint64_t addr;
+        memcpy(&addr, msg + 16, sizeof addr);
+        addr &= ~(uint64_t)(sysconf(_SC_PAGESIZE) - 1);
+        pthread_mutex_lock(&h->mu);
+        if (h->open)
+            held_serve_page(h, addr);
+        else if (h->faults < 16)
+            h->held[h->faults++] = addr; /* served by held_release */
+        pthread_mutex_unlock(&h->mu);
+    }
+}
+
+/* 0 if userfaultfd is not available here (the test then says so and fails). */
+static int held_init(held_mem *h, uint64_t len, uint8_t byte) {
+    memset(h, 0, sizeof *h);
+    long pg = sysconf(_SC_PAGESIZE);
+    h->len = len;
+    h->fd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
+    if (h->fd < 0)
+        return 0;
+    struct kv_uffdio_api api = {0xAA, 0, 0};
+    CHECK(ioctl(h->fd, KV_UFFDIO_API, &api) == 0);
+    h->mem = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(h->mem != MAP_FAILED);
+    struct kv_uffdio_register reg = {A(h->mem), len, 1 /* MISSING */, 0};
+    CHECK(ioctl(h->fd, KV_UFFDIO_REGISTER, &reg) == 0);
+    h->page = xmap((uint64_t)pg);
+    memset(h->page, byte, (size_t)pg);
+    pthread_mutex_init(&h->mu, NULL);
+    CHECK(pipe(h->stop) == 0);
+    CHECK(pthread_create(&h->th, NULL, held_serve, h) == 0);
+    return 1;
+}
+
+/* Wait (bounded) until `n` faults are held. */
+static void held_wait(held_mem *h, int n) {
+    double end = now_ms() + WAIT_MS;
+    pthread_mutex_lock(&h->mu);
+    while (h->faults < n && now_ms() < end) {
+        pthread_mutex_unlock(&h->mu);
+        sleep_us(1000); /* polling a condition, bounded */
+        pthread_mutex_lock(&h->mu);
+    }
+    int got = h->faults;
+    pthread_mutex_unlock(&h->mu);
+    CHECK(got >= n);
+}
+
+static void held_release(held_mem *h) {
+    pthread_mutex_lock(&h->mu);
+    h->open = 1;
+    for (int i = 0; i < h->faults; i++)
+        held_serve_page(h, h->held[i]);
+    pthread_mutex_unlock(&h->mu);
+}
+
+static void held_free(held_mem *h) {
+    held_release(h);
+    CHECK(write(h->stop[1], "x", 1) == 1);
+    CHECK(pthread_join(h->th, NULL) == 0);
+    close(h->stop[0]);
+    close(h->stop[1]);
+    close(h->fd);
+    CHECK(munmap(h->mem, (size_t)h->len) == 0);
+    xunmap(h->page, (uint64_t)sysconf(_SC_PAGESIZE));
+    pthread_mutex_destroy(&h->mu);
+}
+
+/* Wait (bounded) until no retired mover is left in its copy. */
+static void wait_unstuck(kv_core *c) {
+    double end = now_ms() + WAIT_MS;
+    while (stats(c).movers_stuck && now_ms() < end)
+        sleep_us(1000);
+    CHECK_EQ(stats(c).movers_stuck, 0);
+}
+
+static void test_reap(void) {
+    const uint64_t N = 64 * KiB;
+    long pg = sysconf(_SC_PAGESIZE);
+    held_mem h;
+    if (!held_init(&h, 4 * (uint64_t)pg, 0xAB)) {
+        FAILED_AT("userfaultfd: %s (the test needs it: vm.unprivileged_userfaultfd, or root)", strerror(errno));
+        die();
+    }
+    kv_core *c = mk(1, N); /* one mover: its replacement must run the next job */
+    uint8_t *src = xmap(N), *dst = xmap(N), *dst2 = xmap(N);
+    fill(src, N, 9);
+    memset(dst2, 0x77, (size_t)N);
+    uint32_t rs = add_local(c, src, N), rd = add_local(c, dst, N), rd2 = add_local(c, dst2, N);
+    uint32_t rh = add_proc(c, getpid(), h.mem, h.len);
+    uint64_t w[KV_SEG_WORDS];
+    uint64_t ids[4];
+
+    /* a push whose destination page is held: its mover stays in process_vm_writev */
+    seg(w, rs, 0, rh, 0, 100);
+    submit_async(c, 1, w, 1);
+    held_wait(&h, 1);
+    CHECK_EQ(kv_core_reap(c, 60ull * 1000000000ull, ids, 4), 0); /* not that long yet */
+    CHECK(!readable_now(c));
+    CHECK_EQ(kv_core_reap(c, 0, ids, 4), 1);
+    CHECK_EQ(ids[0], 1);
+    kv_completion cp = wait_one(c, 1); /* completed for the caller now */
+    CHECK_EQ(cp.status, KV_LLM_LINK_FAILED);
+    CHECK_EQ(cp.flags, 0);             /* bytes of it went out */
+    CHECK_EQ(kv_core_reap(c, 0, ids, 4), 0); /* retired once */
+    kv_stats s = stats(c);
+    CHECK_EQ(s.jobs_abandoned, 1);
+    CHECK_EQ(s.movers_stuck, 1);
+    CHECK_EQ(s.jobs_live, 1); /* its copy has not returned: it keeps its regions */
+    CHECK_EQ(kv_core_abort(c, 1, KV_LLM_TIMEOUT), KV_LLM_PARAM_INVALID); /* failed already */
+
+    /* the pool still copies: a fresh mover took the stuck one's place */
+    seg(w, rs, 0, rd, 0, N);
+    submit_async(c, 2, w, 1);
+    cp = wait_one(c, 2);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK(memcmp(dst, src, (size_t)N) == 0);
+
+    /* a pull whose source page is held (another page: another fault) */
+    seg(w, rh, 2 * (uint64_t)pg, rd2, 0, 2 * (uint64_t)pg);
+    submit_async(c, 3, w, 1);
+    held_wait(&h, 2);
+    CHECK_EQ(kv_core_reap(c, 0, ids, 4), 1);
+    CHECK_EQ(ids[0], 3);
+    cp = wait_one(c, 3);
+    CHECK_EQ(cp.status, KV_LLM_LINK_FAILED);
+    CHECK_EQ(stats(c).movers_stuck, 2);
+
+    /* the held pages come in: both copies return. The push's bytes land in the
+     * memory that held them (that process's own); the pull's read lands nothing here */
+    held_release(&h);
+    wait_unstuck(c);
+    kv_completion late[2];
+    CHECK_EQ(drain(c, late, 2, WAIT_MS), 2); /* the jobs' own completions, ids the caller dropped */
+    CHECK((late[0].job_id == 1 && late[1].job_id == 3) || (late[0].job_id == 3 && late[1].job_id == 1));
+    CHECK(late[0].status == KV_LLM_LINK_FAILED && late[1].status == KV_LLM_LINK_FAILED);
+    CHECK(all_eq(dst2, N, 0x77)); /* nothing of the pull after its status */
+    CHECK(memcmp(h.mem, src, 100) == 0);
+    check_no_more(c);
+    check_quiet_stats(c);
+    s = stats(c);
+    CHECK_EQ(s.jobs_abandoned, 2);
+    (void)rd2;
+    kv_core_free(c);
+
+    /* close with a mover still held: bounded (KV_CLOSE_MOVER_NS, 2 s), the core
+     * left for that mover; freed once it returned */
+    c = mk(1, N);
+    rs = add_local(c, src, N);
+    held_free(&h);
+    CHECK(held_init(&h, 4 * (uint64_t)pg, 0xCD));
+    rh = add_proc(c, getpid(), h.mem, h.len);
+    seg(w, rs, 0, rh, 0, 100);
+    submit_async(c, 4, w, 1);
+    held_wait(&h, 1);
+    double t0 = now_ms();
+    kv_core_close(c);
+    double took = now_ms() - t0;
+    CHECK(took >= 1500 && took < 5000);
+    CHECK_EQ(stats(c).movers_stuck, 1);
+    kv_core_free(c); /* returns: the mover still uses it */
+    held_release(&h);
+    wait_unstuck(c);
+    kv_core_free(c); /* now it frees */
+    held_free(&h);
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(dst2, N);
+}
+
 int main(int argc, char **argv) {
     static const test_case tests[] = {
         {"new_params", test_new_params},
@@ -2104,6 +2344,7 @@ int main(int argc, char **argv) {
         {"large_copy", test_large_copy},
         {"tcp_2d", test_tcp_2d},
         {"tcp_close_fence", test_tcp_close_fence},
+        {"reap", test_reap},
     };
     const size_t nt = sizeof tests / sizeof tests[0];
     setvbuf(stdout, NULL, _IOLBF, 0);
