@@ -437,6 +437,17 @@ static void stream_fence(void) {}
  * segment copied after this one (for the read-ahead), or NULL. No locks held. */
 static uint32_t cma_pull(kv_mover *mv, const kv_segment *s, uint64_t off, uint64_t n);
 
+/* What a process_vm_{read,write}v returned: 1 (bytes moved), 0 (EINTR: call again), or
+ * -1 with the status in *st (an errno's, or KV_LLM_FAILED for nothing moved). */
+static int cma_result(ssize_t r, uint32_t *st) {
+    if (r > 0)
+        return 1;
+    if (r < 0 && errno == EINTR)
+        return 0;
+    *st = r < 0 ? status_from_errno(errno) : KV_LLM_FAILED;
+    return -1;
+}
+
 static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int stream, const kv_segment *next,
                            kv_mover *mv) {
     uint64_t src, dst, t;
@@ -494,13 +505,12 @@ static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int st
         }
         ssize_t r = to_peer ? process_vm_writev(s->pid, local, cnt, remote, cnt, 0)
                             : process_vm_readv(s->pid, local, cnt, remote, cnt, 0);
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            return status_from_errno(errno);
-        }
-        if (r == 0)
-            return KV_LLM_FAILED;
+        uint32_t st;
+        int k = cma_result(r, &st);
+        if (k == 0)
+            continue;
+        if (k < 0)
+            return st;
         off += (uint64_t)r;
         n -= (uint64_t)r;
     }
@@ -534,13 +544,12 @@ static uint32_t cma_pull(kv_mover *mv, const kv_segment *s, uint64_t off, uint64
         }
         struct iovec lo = {mv->bounce, (size_t)got};
         ssize_t r = process_vm_readv(s->pid, &lo, 1, remote, cnt, 0);
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            return status_from_errno(errno);
-        }
-        if (r == 0)
-            return KV_LLM_FAILED;
+        uint32_t st;
+        int k = cma_result(r, &st);
+        if (k == 0)
+            continue;
+        if (k < 0)
+            return st;
         pthread_mutex_lock(&c->lock);
         int ok = !mv->retired;
         mv->landing = ok;
