@@ -1325,6 +1325,16 @@ static void *land_main(void *arg) {
             if (kv_test_land_hook)
                 kv_test_land_hook(l ? &l->refused : NULL);
 #endif
+            /* The lease once more, unlocked, right before the piece's system call: the
+             * unlock above may itself have been one (a waiter on c->lock), where a
+             * SIGSTOP takes effect; resumed after the lease ran out, the piece must not
+             * land (tests/test_ucx_more.py's stopped peer saw 1 MiB land so in CI). */
+            if (l && now_ns() >= __atomic_load_n(&l->lease_until, __ATOMIC_ACQUIRE)) {
+                __atomic_store_n(&u->land_piece, NULL, __ATOMIC_RELEASE);
+                pthread_mutex_lock(&c->lock);
+                off -= piece; /* this piece again: the checks above, under the lock, decide */
+                continue;
+            }
             int way = -1; /* counted under the lock below */
             if (op->row >= op->len && n >= UCX_PICK_MIN && op->stage->fd >= 0 && op->stage->mapped && self_copy) {
                 /* a large 1-D piece: the faster way (land_how), timed */
@@ -1725,7 +1735,8 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
             if (!l->lease_seen)
                 l->next_lease_req = 0; /* tell the peer at once (the next round's LEASE_REQ) */
             l->lease_seen = h.tag;
-            l->lease_until = l->lease_asked[h.tag % 8] + l->lease_ns;
+            __atomic_store_n(&l->lease_until, l->lease_asked[h.tag % 8] + l->lease_ns,
+                             __ATOMIC_RELEASE); /* the landing thread reads it unlocked too */
         }
         break;
     }
