@@ -156,6 +156,20 @@ cdef class Core:
             return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_core_abort(self.c, job_id, status)
 
+    def posted(self):
+        """Completions and events posted so far (kv_core_posted)."""
+        return kvc.kv_core_posted(self.c) if self.c != NULL else 0
+
+    def wait_posted(self, uint64_t seen, uint64_t bound_ns):
+        """Spin (without the GIL) until ``posted()`` differs from ``seen``, at most
+        ``bound_ns``: True if it did."""
+        cdef int r = 0
+        if self.c == NULL:
+            return False
+        with nogil:
+            r = kvc.kv_core_wait_posted(self.c, seen, bound_ns)
+        return r != 0
+
     def reap(self, uint64_t bound_ns):
         """Movers whose copy has not returned for ``bound_ns`` (another process holds it):
         retired, their jobs completed LLM_LINK_FAILED now (kv_core_reap). Returns those

@@ -65,6 +65,7 @@ _seq = itertools.count()
 _NO_LIMIT = 1 << 62   # default budget and piece: the native queues keep the order
 _UNSTARTED = _native.DONE_UNSTARTED
 _INLINE_REFUSED = _native.INLINE_REFUSED
+_SMALL_CMA_WAIT_NS = 200_000   # the loop waits this long at most for a small CMA copy's completion
 _RANK_DEADLINE = (1 << 52) - 1   # deadline in microseconds of the loop clock (142 years)
 
 
@@ -98,6 +99,8 @@ class Scheduler:
         # the link manager's link_down(link, LLM_LINK_FAILED): a transfer found the peer gone
         self.on_link_failed: Callable[["Link"], None] = lambda link: None
         self._reaper: asyncio.TimerHandle | None = None   # armed while copies are in flight (_reap)
+        # the engine's drain of the core's completions (Parts.drain), for a small CMA copy
+        self.drain_now: Callable[[], None] = lambda: None
         # (deadline, id, transfer) of queued transfers; finished ones leave from the head
         self._deadlines: list[tuple[float, int, Transfer]] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -172,6 +175,9 @@ class Scheduler:
                 t._finish(st, nbytes)
                 return t
             t._link = t._notify = None
+            small_cma = True
+        else:
+            small_cma = False
         if self.queued >= opts.max_queued:
             t._finish(S.LLM_OUT_OF_MEMORY, 0,
                       f"{t.what}: {self.queued} transfers queued already (EngineOptions.max_queued)")
@@ -189,7 +195,13 @@ class Scheduler:
         t._rank = rank(t._key)
         if not link.heap and not opts.max_inflight_bytes and not opts.piece_bytes and link.up:
             segs, n = t._next_piece(_NO_LIMIT)   # nothing waits before it: no heap
-            self._hand_over(link, t, segs, n)
+            seen = self._core.posted()
+            if self._hand_over(link, t, segs, n) and small_cma and \
+                    self._core.wait_posted(seen, _SMALL_CMA_WAIT_NS):
+                # a copy this thread would have made inline if the peer could not hold it:
+                # wait for it a bounded moment, and take its completion without the
+                # eventfd's wake-up (decisions.md #31)
+                self.drain_now()
             return t
         heapq.heappush(link.heap, (t._key, t))
         self._dispatch(link)

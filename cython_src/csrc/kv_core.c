@@ -290,6 +290,7 @@ static int process_gone(int pidfd) {
     return r != 0; /* exited (POLLIN), or the pidfd is unusable: either way, no CMA through that pid */
 }
 
+#define KV_MOVER_POLL_NS 100000ull /* a mover polls the queue this long after its last chunk */
 #define KV_CLOSE_MOVER_NS 2000000000ull /* kv_core_close waits this long for movers to return */
 #define KV_BOUNCE_BYTES (1u << 20) /* a mover's CMA pull buffer: one process_vm_readv at most */
 #define KV_CMA_IOV 256 /* rows one process_vm_{read,write}v call moves at most */
@@ -655,6 +656,7 @@ void kv__signal_loop(kv_core *c) {
 /* Append a finished job or an event to the completion list (no allocation: a
  * completion cannot be lost). Returns 1 if the eventfd must be signalled. */
 static int post_record(kv_core *c, kv_record *r) {
+    __atomic_add_fetch(&c->posted, 1, __ATOMIC_RELEASE); /* kv_core_wait_posted */
     r->done_next = NULL;
     int was_empty = c->done_head == NULL;
     if (c->done_tail)
@@ -727,6 +729,24 @@ static void *mover_main(void *arg) {
         if (c->stopping || mv->retired)
             break;
         if (!m) {
+            /* a mover that just copied polls a moment before it sleeps: the next small
+             * job (a layer's CMA copy, which the loop waits for: kv_core_wait_posted)
+             * then starts without a wake-up */
+            uint64_t t0 = mv->busy_ns ? boottime_ns() : 0;
+            if (t0 && t0 - mv->busy_ns < KV_MOVER_POLL_NS) {
+                uint64_t queued = c->mover_queued;
+                pthread_mutex_unlock(&c->lock);
+                for (unsigned k = 0; __atomic_load_n(&c->mover_queued, __ATOMIC_ACQUIRE) == queued && k < 4096; k++) {
+                    if ((k & 63) == 63 && boottime_ns() - t0 > KV_MOVER_POLL_NS)
+                        break;
+#ifdef KV_HAVE_STREAM
+                    _mm_pause();
+#endif
+                }
+                pthread_mutex_lock(&c->lock);
+                mv->busy_ns = 0; /* one poll per burst of work */
+                continue;
+            }
             pthread_cond_wait(&c->work_ready, &c->lock);
             continue;
         }
@@ -778,6 +798,7 @@ static void *mover_main(void *arg) {
 
         pthread_mutex_lock(&c->lock);
         mv->job = NULL;
+        mv->busy_ns = boottime_ns();
         m->chunks_active--;
         c->stats.bytes_moved += done;
         j->bytes_done += done;
@@ -1134,6 +1155,7 @@ uint32_t kv_core_submit_job(kv_core *c, uint64_t job_id, const uint64_t *segs, s
     m->lease = lease;
     kv__job_hash(c, &m->job);
     kv__rank_insert(&c->mover_queue_head, &c->mover_queue_tail, &m->job); /* movers claim chunks of the head job */
+    __atomic_add_fetch(&c->mover_queued, 1, __ATOMIC_RELEASE); /* a polling mover sees it */
     c->stats.jobs_submitted++;
     c->stats.jobs_live++;
     pthread_cond_broadcast(&c->work_ready);
@@ -1215,6 +1237,26 @@ uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes) {
 }
 
 int kv_core_fileno(const kv_core *c) { return c->event_fd; }
+
+uint64_t kv_core_posted(kv_core *c) { return __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE); }
+
+int kv_core_wait_posted(kv_core *c, uint64_t seen, uint64_t bound_ns) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    uint64_t end = (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec + bound_ns;
+    for (unsigned k = 0;; k++) {
+        if (__atomic_load_n(&c->posted, __ATOMIC_ACQUIRE) != seen)
+            return 1;
+        if ((k & 63) == 63) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec >= end)
+                return 0;
+        }
+#ifdef KV_HAVE_STREAM
+        _mm_pause();
+#endif
+    }
+}
 
 size_t kv_core_poll(kv_core *c, kv_completion *out, size_t max) {
     uint64_t v;

@@ -111,6 +111,14 @@ typedef struct {
 uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes);
 /* The eventfd that becomes readable when completions are ready. */
 int kv_core_fileno(const kv_core *core);
+/* How many completions and events were posted so far (a counter, never reset). */
+uint64_t kv_core_posted(kv_core *core);
+/* Spin on the calling thread until kv_core_posted() differs from `seen`, at most
+ * `bound_ns`: 1 if it did (poll now, without waiting for the eventfd's wake-up),
+ * 0 at the bound. For a small job handed to the movers that the caller would
+ * otherwise have copied itself (KV_INLINE_REFUSED): the bound is what a peer that
+ * holds that copy can take from the caller. */
+int kv_core_wait_posted(kv_core *core, uint64_t seen, uint64_t bound_ns);
 /* Reset the eventfd, then move up to `max` completions into `out`. */
 size_t kv_core_poll(kv_core *core, kv_completion *out, size_t max);
 /* Abort every job with KV_LLM_ENGINE_FINALIZED, join the movers. Idempotent.

@@ -139,6 +139,7 @@ typedef struct kv_mover {
     pthread_t thread;
     kv_mover_job *job; /* whose chunk it copies now, or NULL */
     uint64_t since_ns; /* CLOCK_BOOTTIME when that chunk began */
+    uint64_t busy_ns;  /* when its last chunk ended (0: polled since) */
     int retired;       /* reaped (detached): exits after its copy, replaced */
     int running;       /* the thread has not returned from mover_main yet */
     int landing;       /* copying a CMA pull's bytes from `bounce` into place (ours, not held) */
@@ -165,9 +166,11 @@ struct kv_core {
     size_t region_cap;
 
     kv_job *mover_queue_head, *mover_queue_tail; /* mover jobs with chunks to claim, by rank */
+    uint64_t mover_queued;         /* mover jobs queued so far (atomic: a polling mover reads it) */
     kv_job *jobs_by_id[KV_HASH_BUCKETS]; /* every live job */
 
     kv_record *done_head, *done_tail; /* finished jobs and events not yet polled */
+    uint64_t posted;                  /* records posted so far (atomic: kv_core_wait_posted) */
 
     kv_transport *transports[KV_REGION_KINDS]; /* by region kind; NULL until first used */
 
