@@ -195,7 +195,7 @@ class Scheduler:
         t._rank = rank(t._key)
         if not link.heap and not opts.max_inflight_bytes and not opts.piece_bytes and link.up:
             segs, n = t._next_piece(_NO_LIMIT)   # nothing waits before it: no heap
-            seen = self._core.posted()
+            seen = self._core.posted() if small_cma else 0
             if self._hand_over(link, t, segs, n) and small_cma and \
                     self._core.wait_posted(seen, _SMALL_CMA_WAIT_NS):
                 # a copy this thread would have made inline if the peer could not hold it:

@@ -8,6 +8,7 @@
 
 #include <assert.h>
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -438,15 +439,25 @@ static void stream_fence(void) {}
  * segment copied after this one (for the read-ahead), or NULL. No locks held. */
 static uint32_t cma_pull(kv_mover *mv, const kv_segment *s, uint64_t off, uint64_t n);
 
-/* What a process_vm_{read,write}v returned: 1 (bytes moved), 0 (EINTR: call again), or
- * -1 with the status in *st (an errno's, or KV_LLM_FAILED for nothing moved). */
-static int cma_result(ssize_t r, uint32_t *st) {
-    if (r > 0)
-        return 1;
-    if (r < 0 && errno == EINTR)
-        return 0;
-    *st = r < 0 ? status_from_errno(errno) : KV_LLM_FAILED;
-    return -1;
+/* One process_vm_writev (`to_peer`) or process_vm_readv with the process of `s`, once
+ * its pidfd says it is still there, again on EINTR: the bytes moved (> 0), or -1 with
+ * the status in *st (LINK_FAILED: gone; an errno's; FAILED: nothing moved). */
+static ssize_t cma_call(const kv_segment *s, int to_peer, const struct iovec *local, size_t nlocal,
+                        const struct iovec *remote, size_t nremote, uint32_t *st) {
+    for (;;) {
+        if (s->pidfd >= 0 && process_gone(s->pidfd)) {
+            *st = KV_LLM_LINK_FAILED;
+            return -1;
+        }
+        ssize_t r = to_peer ? process_vm_writev(s->pid, local, nlocal, remote, nremote, 0)
+                            : process_vm_readv(s->pid, local, nlocal, remote, nremote, 0);
+        if (r > 0)
+            return r;
+        if (r < 0 && errno == EINTR)
+            continue;
+        *st = r < 0 ? status_from_errno(errno) : KV_LLM_FAILED;
+        return -1;
+    }
 }
 
 static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int stream, const kv_segment *next,
@@ -495,8 +506,6 @@ static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int st
     if (!to_peer && mv)
         return cma_pull(mv, s, off, n);
     while (n) {
-        if (s->pidfd >= 0 && process_gone(s->pidfd))
-            return KV_LLM_LINK_FAILED;
         size_t cnt = 0;
         for (uint64_t o = off, left = n; left && cnt < KV_CMA_IOV; cnt++, o += t, left -= t) {
             t = kv_seg_run(s, o, left, &src, &dst);
@@ -504,18 +513,29 @@ static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int st
             remote[cnt].iov_base = (void *)(uintptr_t)(to_peer ? dst : src);
             local[cnt].iov_len = remote[cnt].iov_len = (size_t)t;
         }
-        ssize_t r = to_peer ? process_vm_writev(s->pid, local, cnt, remote, cnt, 0)
-                            : process_vm_readv(s->pid, local, cnt, remote, cnt, 0);
         uint32_t st;
-        int k = cma_result(r, &st);
-        if (k == 0)
-            continue;
-        if (k < 0)
+        ssize_t r = cma_call(s, to_peer, local, cnt, remote, cnt, &st);
+        if (r < 0)
             return st;
         off += (uint64_t)r;
         n -= (uint64_t)r;
     }
     return KV_LLM_SUCCESS;
+}
+
+/* Spin (pausing) until the atomic `*counter` differs from `seen`: 1; or 0 once
+ * CLOCK_BOOTTIME reaches `end_ns` or after `max_spins` pauses. */
+static int spin_until_changed(const uint64_t *counter, uint64_t seen, uint64_t end_ns, unsigned max_spins) {
+    for (unsigned k = 0; k < max_spins; k++) {
+        if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) != seen)
+            return 1;
+        if ((k & 63) == 63 && boottime_ns() >= end_ns)
+            return 0;
+#ifdef KV_HAVE_STREAM
+        _mm_pause();
+#endif
+    }
+    return 0;
 }
 
 /* A CMA pull's chunk through the mover's bounce buffer: process_vm_readv into it,
@@ -530,8 +550,6 @@ static uint32_t cma_pull(kv_mover *mv, const kv_segment *s, uint64_t off, uint64
     struct iovec remote[KV_CMA_IOV];
     uint64_t to[KV_CMA_IOV], src, dst, t;
     while (n) {
-        if (s->pidfd >= 0 && process_gone(s->pidfd))
-            return KV_LLM_LINK_FAILED;
         size_t cnt = 0;
         uint64_t got = 0;
         for (uint64_t o = off, left = n; left && cnt < KV_CMA_IOV && got < KV_BOUNCE_BYTES; cnt++) {
@@ -544,12 +562,9 @@ static uint32_t cma_pull(kv_mover *mv, const kv_segment *s, uint64_t off, uint64
             left -= t;
         }
         struct iovec lo = {mv->bounce, (size_t)got};
-        ssize_t r = process_vm_readv(s->pid, &lo, 1, remote, cnt, 0);
         uint32_t st;
-        int k = cma_result(r, &st);
-        if (k == 0)
-            continue;
-        if (k < 0)
+        ssize_t r = cma_call(s, 0, &lo, 1, remote, cnt, &st);
+        if (r < 0)
             return st;
         pthread_mutex_lock(&c->lock);
         int ok = !mv->retired;
@@ -736,13 +751,7 @@ static void *mover_main(void *arg) {
             if (t0 && t0 - mv->busy_ns < KV_MOVER_POLL_NS) {
                 uint64_t queued = c->mover_queued;
                 pthread_mutex_unlock(&c->lock);
-                for (unsigned k = 0; __atomic_load_n(&c->mover_queued, __ATOMIC_ACQUIRE) == queued && k < 4096; k++) {
-                    if ((k & 63) == 63 && boottime_ns() - t0 > KV_MOVER_POLL_NS)
-                        break;
-#ifdef KV_HAVE_STREAM
-                    _mm_pause();
-#endif
-                }
+                spin_until_changed(&c->mover_queued, queued, t0 + KV_MOVER_POLL_NS, 4096);
                 pthread_mutex_lock(&c->lock);
                 mv->busy_ns = 0; /* one poll per burst of work */
                 continue;
@@ -814,6 +823,14 @@ static void *mover_main(void *arg) {
     pthread_cond_broadcast(&c->mover_exit);
     pthread_mutex_unlock(&c->lock);
     return NULL;
+}
+
+/* Movers whose thread has not returned yet, retired ones too. Caller holds the lock. */
+static int movers_running(const kv_core *c) {
+    int n = 0;
+    for (int i = 0; i < c->nmovers; i++)
+        n += c->movers[i].running;
+    return n;
 }
 
 /* Start the mover of slot `i` (c->nmovers must be i). Movers take no signals:
@@ -1241,21 +1258,7 @@ int kv_core_fileno(const kv_core *c) { return c->event_fd; }
 uint64_t kv_core_posted(kv_core *c) { return __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE); }
 
 int kv_core_wait_posted(kv_core *c, uint64_t seen, uint64_t bound_ns) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    uint64_t end = (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec + bound_ns;
-    for (unsigned k = 0;; k++) {
-        if (__atomic_load_n(&c->posted, __ATOMIC_ACQUIRE) != seen)
-            return 1;
-        if ((k & 63) == 63) {
-            clock_gettime(CLOCK_MONOTONIC, &t);
-            if ((uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec >= end)
-                return 0;
-        }
-#ifdef KV_HAVE_STREAM
-        _mm_pause();
-#endif
-    }
+    return spin_until_changed(&c->posted, seen, boottime_ns() + bound_ns, UINT_MAX);
 }
 
 size_t kv_core_poll(kv_core *c, kv_completion *out, size_t max) {
@@ -1329,13 +1332,9 @@ void kv_core_close(kv_core *c) {
         until.tv_sec++;
         until.tv_nsec -= 1000000000L;
     }
-    for (;;) {
-        int running = 0;
-        for (int i = 0; i < c->nmovers; i++)
-            running += c->movers[i].running;
-        if (!running || pthread_cond_timedwait(&c->mover_exit, &c->lock, &until) == ETIMEDOUT)
+    while (movers_running(c))
+        if (pthread_cond_timedwait(&c->mover_exit, &c->lock, &until) == ETIMEDOUT)
             break;
-    }
     int nmovers = c->nmovers;
     for (int i = 0; i < nmovers; i++) {
         kv_mover *mv = &c->movers[i];
@@ -1360,10 +1359,8 @@ void kv_core_free(kv_core *c) {
     if (!c)
         return;
     kv_core_close(c);
-    int running = 0;
     pthread_mutex_lock(&c->lock);
-    for (int i = 0; i < c->nmovers; i++)
-        running += c->movers[i].running;
+    int running = movers_running(c);
     pthread_mutex_unlock(&c->lock);
     if (running)
         return; /* a mover stuck in a copy still uses it (kv_core_close): left as it is */
