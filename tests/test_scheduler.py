@@ -366,6 +366,10 @@ async def test_notification_arrives_after_the_data_and_only_on_success(spair):
 
 async def test_stats_match_what_happened(spair, sched_transport):
     p, d = spair
+    # 1 GiB: ~50 ms of copying, so the 2 ms deadline below aborts it first even when the
+    # loop waits a few ms for a CPU beside two busy movers (128 MiB finished first once in
+    # CI); allocated first, so the pushes after it renew the mover lease its filling delayed
+    big_src, big_dst = await caches(p, d, kv.CacheDesc(2, (1, 512 << 20), np.uint8))
     src, dst = await caches(p, d, kv.CacheDesc(2, (8, 1 << 20), np.uint8))
     for r in range(5):
         await p.push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r)
@@ -374,7 +378,6 @@ async def test_stats_match_what_happened(spair, sched_transport):
     before = snapshot(dst)
     with pytest.raises(kv.LLMKvCacheNotExistError):
         await p.push_kv_cache(src, kv.CacheIndex(2, 999, 0))
-    big_src, big_dst = await caches(p, d, kv.CacheDesc(2, (1, 64 << 20), np.uint8))
     assert await p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst.cache_id, 0), timeout=0.002) \
         == S.LLM_TIMEOUT
     st = p.stats()
