@@ -150,6 +150,13 @@ cdef class Core:
             return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_lease_remove(self.c, lease_id)
 
+    def lease_busy(self, uint32_t lease_id):
+        """Movers copying a chunk under the lease now (0 after lease_remove: none of our
+        bytes can reach the peer any more)."""
+        if self.c == NULL:
+            return 0
+        return kvc.kv_lease_busy(self.c, lease_id)
+
     def abort(self, uint64_t job_id, uint32_t status):
         """Fenced abort: the job's completion (with ``status``) follows once no byte can land."""
         if self.c == NULL:

@@ -94,6 +94,7 @@ cdef extern from "kv_core.h" nogil:
     uint32_t kv_lease_add(kv_core *core, uint64_t until_ns, uint32_t *lease_id)
     uint32_t kv_lease_renew(kv_core *core, uint32_t lease_id, uint64_t until_ns)
     uint32_t kv_lease_remove(kv_core *core, uint32_t lease_id)
+    int kv_lease_busy(kv_core *core, uint32_t lease_id)
     uint32_t kv_core_submit_leased(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                                    uint64_t inline_max, uint64_t rank, uint32_t lease_id, int *done,
                                    uint64_t *nbytes)

@@ -119,6 +119,10 @@ class SeqpacketChannel:
         self._eof = False
         self._paused = False
         self._hold = hold             # read one message, then wait for release()
+        self._peer_eof = False        # the peer shut its end (or the socket failed)
+        self._shut = False            # we shut ours (shutdown_write)
+        self._draining = False        # finish(): reading and dropping until the peer's EOF
+        self._finished: asyncio.Future[None] | None = None
         loop.add_reader(sock.fileno(), self._on_readable)
 
     def release(self, max_frame: int = MAX_FRAME, max_fds: int = MAX_FDS) -> None:
@@ -144,6 +148,7 @@ class SeqpacketChannel:
             if not data:
                 for fd in fds:
                     os.close(fd)
+                self._peer_eof = True
                 self._finish()
                 return
             if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) > self.max_fds:
@@ -183,7 +188,7 @@ class SeqpacketChannel:
         return item
 
     async def send(self, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
-        if self._closed:
+        if self._closed or self._shut:
             raise ConnectionError("channel closed")
         data = encode(msg)
         if len(data) > MAX_FRAME:
@@ -200,7 +205,7 @@ class SeqpacketChannel:
 
     def send_nowait(self, msg: Message) -> bool:
         """Send a small message if the socket takes it now; False if it would block."""
-        if self._closed:
+        if self._closed or self._shut:
             return True
         try:
             self.sock.sendmsg([encode(msg)])
@@ -235,10 +240,55 @@ class SeqpacketChannel:
         except OSError:
             return 0
 
-    def close(self) -> None:
-        if self._closed:
+    def finish(self) -> asyncio.Future[None]:
+        """The conversation is over, but the socket is not closed yet: nothing more is
+        received (what arrives is dropped) or sent; once :meth:`shutdown_write` was called
+        and the peer shut its end too (it reads our EOF; we read its), the socket closes and
+        the future is done. So each end learns when the other has finished: a shm peer shuts
+        its end only once none of its copies into our memory can still run (links.py,
+        "link_down"). :meth:`close` ends it at once."""
+        if self._finished is None:
+            self._finished = self.loop.create_future()
+            self._stop_reading()
+            if self._closed:
+                self._finished.set_result(None)
+            elif not self._peer_eof:
+                self._draining = True
+                self.loop.add_reader(self.sock.fileno(), self._drain)
+        return self._finished
+
+    def shutdown_write(self) -> None:
+        """Send EOF (nothing more from us); after :meth:`finish`, close once the peer did too."""
+        if self._closed or self._shut:
             return
-        self._closed = True
+        self._shut = True
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        if self._peer_eof and self._finished is not None:
+            self.close()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self.sock, MAX_FRAME, MAX_FDS)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data, fds = b"", []
+            for fd in fds:
+                os.close(fd)
+            if not data:
+                self._peer_eof = True
+                self._draining = False
+                self.loop.remove_reader(self.sock.fileno())
+                if self._shut:
+                    self.close()
+                return
+
+    def _stop_reading(self) -> None:
+        """No more messages for recv(): it sees EOF; descriptors queued unread are closed."""
         if not self._eof:
             self._eof = True
             if not self._paused:
@@ -250,7 +300,18 @@ class SeqpacketChannel:
                 for fd in item[1]:
                     os.close(fd)
         self._queue.put_nowait(None)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_reading()
+        if self._draining:
+            self._draining = False
+            self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
+        if self._finished is not None and not self._finished.done():
+            self._finished.set_result(None)
 
 
 

@@ -210,7 +210,9 @@ class KvEngine:
         The memory stays referenced until transfers in flight on it have finished
         (bounded by their deadlines and fences) and every linked peer has confirmed it
         will not touch it any more; a peer that does not confirm within ``link_timeout``
-        is unlinked. Returns a future that is done then; awaiting it is optional.
+        is unlinked. Caller-owned memory also waits for every same-host peer whose link
+        went down meanwhile to finish it (or die): a stopped one could still write it
+        (docs/decisions.md #32). Returns a future that is done then; awaiting it is optional.
         """
         p = self._open()
         if cache_id in p.registry:

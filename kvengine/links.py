@@ -20,6 +20,7 @@ import logging
 import os
 from typing import Any, Awaitable, Callable
 
+from .closing import ShmClosings
 from .control import ProtocolError
 from .dataplane import DataPlane
 from .link import Key, Link, TaskSet, boot_ns, lease_waiters_done, mover_lease_ns
@@ -54,6 +55,7 @@ class LinkManager:
         self._linking: set[int] = set()         # cluster ids whose handshake is under way
         self._waiters: dict[int, list[asyncio.Future[S]]] = {}   # wait_link
         self.data = DataPlane(loop, core, options, self._lost_stream)
+        self.closings = ShmClosings(loop, core, tasks, options.heartbeat_timeout, options.link_timeout)
         self.closed = False
 
     def abandon(self, link: Link) -> None:
@@ -370,6 +372,8 @@ class LinkManager:
                         [link.cluster_id for link in unsure], self._options.link_timeout)
             for link in unsure:
                 self.link_down(link, S.LLM_LINK_FAILED)
+        if state.memfd is None:   # and until every such peer whose link went down says it is out
+            await self.closings.wait_writers(state.born, state.cache.cache_id)
 
     # ------------------------------------------------------------ going down
 
@@ -382,9 +386,9 @@ class LinkManager:
         if self._links.get(link.cluster_id) is link:
             del self._links[link.cluster_id]
         self._scheduler.stop_link(link, status)
-        if link.lease_id:   # our movers start no more chunks into the peer's memory
-            self._core.lease_remove(link.lease_id)
-            link.lease_id = 0
+        lease_id, link.lease_id = link.lease_id, 0
+        if lease_id:   # our movers start no more chunks into the peer's memory
+            self._core.lease_remove(lease_id)
         lease_waiters_done(link, False)
         self.data.close(link, status)   # the data streams; the link's jobs complete with `status`
         self._tables.drop(link, status)
@@ -392,7 +396,8 @@ class LinkManager:
             if not fut.done():
                 fut.set_result(None)
         _close_pidfd(link)
-        link.ch.close()
+        if not self.closings.close(link, lease_id):   # shm: once our movers are out (closing.py)
+            link.ch.close()
         for task in (link.reader, link.beat):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()

@@ -107,6 +107,7 @@ class Parts:
         await self.scheduler.settle(self.options.heartbeat_timeout)
         self.tasks.cancel()
         self.core.close()          # aborts every job, joins the movers and the I/O thread
+        self.links.closings.close_all()   # shm sockets still waiting for a peer to finish
         self.loop.remove_reader(self.core.fileno())
         self.drain()
         self.core.release()        # its descriptors and threads' memory, now (not at a GC)

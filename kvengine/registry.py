@@ -35,7 +35,7 @@ LOCAL_REGISTRIES: "weakref.WeakValueDictionary[str, CacheRegistry]" = weakref.We
 class LocalCache:
     """Registry-side bookkeeping of one local cache."""
 
-    __slots__ = ("cache", "serial", "regions", "memfd", "users", "idle", "unfreed", "released")
+    __slots__ = ("cache", "serial", "regions", "memfd", "users", "idle", "unfreed", "released", "born")
 
     def __init__(self, cache: Cache, regions: list[tuple[int, int]], memfd: int | None) -> None:
         self.cache = cache
@@ -46,6 +46,7 @@ class LocalCache:
         self.idle: asyncio.Future[None] | None = None
         self.unfreed: set[int] = set()    # regions removed, not yet released by the core
         self.released: asyncio.Future[None] | None = None
+        self.born = 0.0                   # loop time of the registration (links down before it never had it)
 
     @property
     def region_ids(self) -> list[int]:
@@ -180,6 +181,7 @@ class CacheRegistry:
 
     def _add(self, cache: Cache, regions: list[tuple[int, int]], memfd: int | None) -> None:
         state = LocalCache(cache, regions, memfd)
+        state.born = self._loop.time()
         self._caches[cache.cache_id] = state
         self.peers.announce(state)
 

@@ -264,6 +264,17 @@ uint32_t kv_lease_remove(kv_core *c, uint32_t id) {
     return st;
 }
 
+int kv_lease_busy(kv_core *c, uint32_t id) {
+    int n = 0;
+    pthread_mutex_lock(&c->lock);
+    for (int i = 0; id && i < c->nmovers; i++) {
+        const kv_mover *mv = &c->movers[i];
+        n += mv->running && mv->job && mv->job->lease == id;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
+
 /* May a job under lease `id` move another chunk? Caller holds c->lock. */
 static int lease_ok(kv_core *c, uint32_t id) { return id == 0 || c->lease_until[id] > boottime_ns(); }
 

@@ -187,6 +187,11 @@ uint32_t kv_core_submit_ranked(kv_core *core, uint64_t job_id, const uint64_t *s
 uint32_t kv_lease_add(kv_core *core, uint64_t until_ns, uint32_t *lease_id);
 uint32_t kv_lease_renew(kv_core *core, uint32_t lease_id, uint64_t until_ns);
 uint32_t kv_lease_remove(kv_core *core, uint32_t lease_id);
+/* Movers copying a chunk of a job under the lease right now (reaped ones too:
+ * their copy has not returned). After kv_lease_remove, 0 means no byte of ours
+ * can reach the peer's memory any more (kvengine tells the peer so: protocol.md,
+ * "Closing a shm link"). */
+int kv_lease_busy(kv_core *core, uint32_t lease_id);
 /* kv_core_submit_ranked with a lease (0: none; TCP jobs ignore it: their
  * link has its own, see kv_tcp_link_add). */
 uint32_t kv_core_submit_leased(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,

@@ -2225,6 +2225,54 @@ static void wait_unstuck(kv_core *c) {
     CHECK_EQ(stats(c).movers_stuck, 0);
 }
 
+/* kv_lease_busy counts the movers inside a chunk under a lease, also after the
+ * lease was removed and after the mover was reaped: until its copy returns, our
+ * bytes may still reach the peer (kvengine keeps the link's socket open till then). */
+static void test_lease_busy(void) {
+    const uint64_t N = 64 * KiB;
+    long pg = sysconf(_SC_PAGESIZE);
+    held_mem h;
+    if (!held_init(&h, 4 * (uint64_t)pg, 0xAB)) {
+        FAILED_AT("userfaultfd: %s (the test needs it: vm.unprivileged_userfaultfd, or root)", strerror(errno));
+        die();
+    }
+    kv_core *c = mk(2, N);
+    uint8_t *src = xmap(N);
+    fill(src, N, 5);
+    uint32_t rs = add_local(c, src, N), rh = add_proc(c, getpid(), h.mem, h.len);
+    struct timespec ts;
+    clock_gettime(CLOCK_BOOTTIME, &ts);
+    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    uint32_t lid = 0, other = 0;
+    CHECK_EQ(kv_lease_add(c, now + 60000000000ull, &lid), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_lease_add(c, now + 60000000000ull, &other), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_lease_busy(c, lid), 0);
+    uint64_t w[KV_SEG_WORDS], ids[2];
+    int done = -1;
+    uint64_t nb = 0;
+    seg(w, rs, 0, rh, 0, 100);
+    CHECK_EQ(kv_core_submit_leased(c, 1, w, 1, 0, 0, lid, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(done, 0);
+    held_wait(&h, 1); /* its mover is inside process_vm_writev */
+    CHECK_EQ(kv_lease_busy(c, lid), 1);
+    CHECK_EQ(kv_lease_busy(c, other), 0);
+    CHECK_EQ(kv_lease_busy(c, 0), 0);
+    CHECK_EQ(kv_lease_remove(c, lid), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_lease_busy(c, lid), 1); /* removed: no new chunk, but this one runs */
+    CHECK_EQ(kv_core_reap(c, 0, ids, 2), 1);
+    CHECK_EQ(wait_one(c, 1).status, KV_LLM_LINK_FAILED);
+    CHECK_EQ(kv_lease_busy(c, lid), 1); /* reaped: the copy has still not returned */
+    held_release(&h);
+    wait_unstuck(c);
+    CHECK_EQ(kv_lease_busy(c, lid), 0);
+    kv_completion late;
+    CHECK_EQ(drain(c, &late, 1, WAIT_MS), 1); /* the job's own completion */
+    check_no_more(c);
+    kv_core_free(c);
+    held_free(&h);
+    xunmap(src, N);
+}
+
 static void test_reap(void) {
     const uint64_t N = 64 * KiB;
     long pg = sysconf(_SC_PAGESIZE);
@@ -2373,6 +2421,7 @@ int main(int argc, char **argv) {
         {"tcp_2d", test_tcp_2d},
         {"tcp_close_fence", test_tcp_close_fence},
         {"reap", test_reap},
+        {"lease_busy", test_lease_busy},
         {"wait_posted", test_wait_posted},
     };
     const size_t nt = sizeof tests / sizeof tests[0];
