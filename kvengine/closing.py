@@ -92,6 +92,13 @@ class ShmClosings:
                         ", ".join(_who(link) for link in late))
             await asyncio.wait(pending)
 
+    def summary(self) -> dict[int, dict[str, object]]:
+        """cluster id -> the peer's pid and seconds since its link went down, for each shm
+        link whose peer has not finished it yet (it may still write into our memory)."""
+        now = self._loop.time()
+        return {link.cluster_id: {"pid": link.peer_pid, "down_s": round(now - down, 3)}
+                for link, (down, _) in self._open.items()}
+
     def close_all(self) -> None:
         """The engine closed (its movers are stopped): close every socket now."""
         for link in list(self._open):

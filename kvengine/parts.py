@@ -122,6 +122,7 @@ class Parts:
             "transfers": whole["transfers"], "bytes": whole["bytes"], "by_status": whole["by_status"],
             "queued": self.scheduler.queued, "in_flight": len(self.scheduler.pending),
             "latency": whole["latency"], "links": self.links.summary(),
+            "links_closing": self.links.closings.summary(),
             "peers": {f"{cid}/{tr}": c.summary() for (cid, tr), c in self.accounting.peers.items()},
             "notifications": self.notifier.stats(),
             "control_refused": self.acceptor.preauth.refused, "control_pending": self.acceptor.preauth.count,
@@ -133,7 +134,8 @@ class Parts:
     def empty_stats() -> dict[str, Any]:
         """``stats()`` of an engine not started."""
         return {"transfers": 0, "bytes": 0, "by_status": {}, "queued": 0, "in_flight": 0,
-                "latency": {k: h.summary() for k, h in Accounting().all.hists.items()}, "links": {}, "peers": {},
+                "latency": {k: h.summary() for k, h in Accounting().all.hists.items()}, "links": {},
+                "links_closing": {}, "peers": {},
                 "notifications": {"sent": 0, "received": 0, "dropped": 0, "pending": 0},
                 "control_refused": 0, "control_pending": 0, "caches": 0, "cache_keys": 0}
 

@@ -625,6 +625,8 @@ async def test_shm_caller_owned_memory_is_not_written_after_unregister_reported_
         done, _ = await asyncio.wait([released], timeout=LINK_TIMEOUT + SLACK)
         assert not done, "unregister_kv_cache reported the memory released while the stopped peer, which " \
                          "can still write into it, lives"
+        closing = prefill.stats()["links_closing"]
+        assert list(closing) == [2] and closing[2]["pid"] == peer.pid, closing   # what an operator sees
         # a cache registered after the link went down was never the peer's to write
         fresh = prefill.register_kv_cache(kv.CacheDesc(1, (1, 4096), np.uint8), [np.zeros((1, 4096), np.uint8)])
         await asyncio.wait_for(prefill.unregister_kv_cache(fresh.cache_id), SLACK)
@@ -642,6 +644,7 @@ async def test_shm_caller_owned_memory_is_not_written_after_unregister_reported_
         reply = await peer.call("push_wait", handle=handle, wait=HBT + 2 * HBI + 5)
         assert reply["status"] is not None, "the resumed peer's push did not resolve"
         await asyncio.wait_for(prefill.unregister_kv_cache(other.cache_id), SLACK)   # the peer is out
+        assert prefill.stats()["links_closing"] == {}
         late = changed(at_release, bufs)
         assert late == 0, f"{late} bytes landed in caller-owned memory after unregister_kv_cache reported " \
                           f"it released"
