@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Cost of decisions.md #31: pushes and pulls into / out of a same-host peer's registered
-(numpy, CMA) cache. Prints p50 of awaited one-layer (2 x 32 KiB) pushes, and median GB/s
+(numpy, CMA) cache. Prints p50/p90/p99 of awaited one-layer (2 x 32 KiB) pushes (the first
+sixth left out) and eventfd wake-ups per push, and median GB/s
 of 256 MiB pushes and pulls (9 each), as one JSON line, after the tree it imported.
 
     PYTHONPATH=<tree> python benchmarks/cma_cost.py     # compare two trees, alternated
+    KV_N=19000 python benchmarks/cma_cost.py            # more one-layer pushes (default 3000)
 """
-import asyncio, statistics, sys, time, json
+import asyncio, os, statistics, sys, time, json
 import numpy as np
 import kvengine as kv
 from kvengine._peer import PeerProcess
@@ -27,11 +29,17 @@ async def main():
         for t in ss.tensors: t[...] = 1
         for t in bs.tensors: t[...] = 2
         lat = []
-        for i in range(3000):
+        n = int(os.environ.get("KV_N", "3000"))
+        native0 = e.stats()["native"]
+        for i in range(n):
             t0 = time.perf_counter()
             await e.push_kv_cache(ss, kv.CacheIndex(2, sd, 0))
             lat.append(time.perf_counter() - t0)
-        out["push 64 KiB p50 us"] = statistics.median(lat[500:]) * 1e6
+        lat = sorted(lat[n // 6:])
+        out["push 64 KiB p50 us"] = lat[len(lat) // 2] * 1e6
+        out["p90 us"] = lat[int(len(lat) * 0.9)] * 1e6
+        out["p99 us"] = lat[int(len(lat) * 0.99)] * 1e6
+        out["eventfd wake-ups per push"] = (e.stats()["native"]["wakeups"] - native0["wakeups"]) / n
         for name in ("push", "pull"):
             xs = []
             for r in range(9):

@@ -174,6 +174,7 @@ cdef class _Plan:
     cdef uint64_t *words
     cdef size_t nsegs
     cdef uint64_t total
+    cdef object packed   # the memo's array (Scheduler.launch takes it)
 
     def __dealloc__(self):
         free(self.words)
@@ -191,9 +192,11 @@ cdef _Plan _plan_of(object packed, uint64_t total):
     memcpy(p.words, &w[0], n * sizeof(uint64_t))
     p.nsegs = n // kvc.KV_SEG_WORDS
     p.total = total
+    p.packed = packed
     return p
 
 
+cdef long long _CMA_WAIT_NS = 200000   # scheduler.py's _SMALL_CMA_WAIT_NS: what a peer holding the copy costs us
 cdef tuple _ALL_HEADS = (-1, -1)   # KvCacheExtParam head ranges by default (plan.py _ALL)
 
 
@@ -210,7 +213,7 @@ cdef class FastPath:
     landed, accounted), or the finished Transfer of a failed inline job (``failed``).
     """
     cdef Core core
-    cdef object loop, get_loop, jobs, options, peer, failed, launch
+    cdef object loop, get_loop, jobs, options, peer, failed, launch, adopt, direct
     cdef object t_cache, t_index, t_ext
     cdef dict caches, links, memo, plans, by_link
     cdef Counts whole
@@ -219,19 +222,21 @@ cdef class FastPath:
     cdef readonly uint64_t launched    # tcp and ucx transfers it handed to the scheduler's launch
 
     def __init__(self, loop, Core core, options, jobs, caches, links, memo, Counts whole, peer, failed,
-                 launch, long long lease_low_ns, t_cache, t_index, t_ext):
+                 sched, long long lease_low_ns, t_cache, t_index, t_ext):
         """``jobs``: the scheduler's job-id iterator; ``caches``/``links``/``memo``: the
         registry's, the link manager's and the Planner's dicts (read only);
         ``peer(key)``: the accounting's Counts of ``(cluster id, transport)``;
         ``failed(link, what, lease, status, done, nbytes, t0)``: the finished Transfer;
-        ``launch``: ``Scheduler.launch`` (tcp links); ``lease_low_ns``: kvengine/link.py's
+        ``sched``: the Scheduler (its ``launch``, tcp and ucx links; ``direct`` and ``adopt``, a
+        small CMA copy the movers did not finish within _CMA_WAIT_NS); ``lease_low_ns``: kvengine/link.py's
         lease_low_ns (a shm push with less mover lease left goes the Python way)."""
         import asyncio.events
         self.loop, self.core, self.options, self.jobs = loop, core, options, jobs
         self.get_loop = asyncio.events._get_running_loop
         self.caches, self.links, self.memo = caches, links, memo
         self.plans, self.by_link = {}, {}
-        self.whole, self.peer, self.failed, self.launch = whole, peer, failed, launch
+        self.whole, self.peer, self.failed = whole, peer, failed
+        self.launch, self.adopt, self.direct = sched.launch, sched.adopt, sched.direct
         self.t_cache, self.t_index, self.t_ext = t_cache, t_index, t_ext
         self.lease_low_ns = lease_low_ns
 
@@ -353,8 +358,30 @@ cdef class FastPath:
         with nogil:   # the inline copy
             st = kvc.kv_core_submit_leased(self.core.c, job, plan.words, plan.nsegs, inline_max, 0, lease,
                                            &done, &nbytes)
+        cdef kvc.kv_completion comp
+        cdef int took = 0
         if st == kvc.KV_INLINE_REFUSED:
-            return None   # CMA: never copied on this thread (kv_core.h); the Python path queues it
+            # CMA: never copied on this thread (a peer can hold it in the kernel: kv_core.h).
+            # The movers copy it; this thread waits for it at most _CMA_WAIT_NS and takes its
+            # completion itself (no eventfd wake-up, no Transfer); past that, the scheduler
+            # adopts the job (decisions.md #31)
+            what = ("pull_kv_cache" if pull else "push_kv_cache", cid, rc.cache_id, None, row)
+            tmo = self.options.sync_kv_timeout if timeout is None else float(timeout)
+            if not self.direct(link):
+                self.launched += 1
+                return self.launch(link, (state, rc), plan.packed, plan.total, tmo, priority, None, what, lease)
+            with nogil:
+                st = kvc.kv_core_submit_leased(self.core.c, job, plan.words, plan.nsegs, 0, 0, lease,
+                                               &done, &nbytes)
+                if st == 0 and not done:
+                    took = kvc.kv_core_wait_take(self.core.c, job, _CMA_WAIT_NS, &comp)
+            if st != 0 or done:
+                return self.failed(link, what, lease, st, done != 0, nbytes, t0)
+            if not took:
+                self.launched += 1
+                return self.adopt(link, (state, rc), plan.packed, plan.total, tmo, priority, what, lease, job, t0)
+            st, nbytes = comp.status, comp.nbytes
+            done = 1
         if st != 0 or not done:
             what = ("pull_kv_cache" if pull else "push_kv_cache", cid, rc.cache_id, None, row)
             return self.failed(link, what, lease, st, done != 0, nbytes, t0)

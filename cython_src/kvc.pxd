@@ -75,6 +75,7 @@ cdef extern from "kv_core.h" nogil:
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)
     size_t kv_core_poll(kv_core *core, kv_completion *out, size_t max)
+    int kv_core_wait_take(kv_core *core, uint64_t job_id, uint64_t bound_ns, kv_completion *out)
     void kv_core_close(kv_core *core)
     void kv_core_free(kv_core *core)
     void kv_core_stats(kv_core *core, kv_stats *out)

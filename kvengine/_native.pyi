@@ -126,7 +126,7 @@ class FastPath:
     def __init__(self, loop: object, core: Core, options: object, jobs: Iterator[int],
                  caches: dict[int, Any], links: dict[Any, Any], memo: dict[Any, Any], whole: Counts,
                  peer: Callable[[tuple[int, str]], Counts], failed: Callable[..., Any],
-                 launch: Callable[..., Any], lease_low_ns: int, t_cache: type, t_index: type,
+                 sched: Any, lease_low_ns: int, t_cache: type, t_index: type,
                  t_ext: type) -> None: ...
     def push(self, cache: object, where: object, src_batch_index: object, size: object, ext_param: object,
              timeout: object, priority: object, notify: object) -> Any:

@@ -197,6 +197,8 @@ class _Server:
             h = self.held
             if h is None:
                 raise ValueError("no register_held cache")
+            if m.get("zap"):   # drop the pages: the next touch faults again (after a warm-up)
+                h.mem.madvise(mmap.MADV_DONTNEED)
             if m.get("arm"):
                 h.armed = True
             if m.get("release"):

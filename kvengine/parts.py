@@ -73,7 +73,7 @@ class Parts:
         # only what the planner memoized, and answers "not mine" to anything else
         self.fast = _native.FastPath(loop, self.core, options, self.scheduler.jobs, self.registry.table,
                                      self.links.table, self.planner.memo, self.accounting.all,
-                                     self.accounting.peer, self.scheduler.inline_done, self.scheduler.launch,
+                                     self.accounting.peer, self.scheduler.inline_done, self.scheduler,
                                      lease_low_ns(options.heartbeat_timeout), Cache, CacheIndex, KvCacheExtParam)
         self.registry.peers = self.links
         self.keys.peers = self.links

@@ -182,17 +182,7 @@ class Scheduler:
             t._finish(S.LLM_OUT_OF_MEMORY, 0,
                       f"{t.what}: {self.queued} transfers queued already (EngineOptions.max_queued)")
             return t
-        t._queue(link, refs, segs, total, timeout, priority, notify, self._loop.time())  # deadlines: the loop's clock
-        dl = self._deadlines
-        heapq.heappush(dl, (t.deadline, id(t), t))
-        if self._timer is None or dl[0][0] < self._timer_at:
-            self._arm(dl[0][0])
-        link.inflight.add(t)
-        t._inq = True
-        self.queued += 1
-        seq = next(_seq)
-        t._key = (seq,) if opts.scheduling == "fifo" else (-priority, t.deadline, seq)
-        t._rank = rank(t._key)
+        self._enqueue(t, link, refs, segs, total, timeout, priority, notify)
         if not link.heap and not opts.max_inflight_bytes and not opts.piece_bytes and link.up:
             segs, n = t._next_piece(_NO_LIMIT)   # nothing waits before it: no heap
             seen = self._core.posted() if small_cma else 0
@@ -206,6 +196,40 @@ class Scheduler:
         heapq.heappush(link.heap, (t._key, t))
         self._dispatch(link)
         return t
+
+    def adopt(self, link: "Link", refs: tuple[Counted, ...], segs: "Packed", total: int, timeout: float,
+              priority: int, what: What, lease: int, job: int, t0: float) -> Transfer:
+        """The Transfer of ``job``, which the native fast path handed to the movers itself
+        (a small CMA copy, kv_core.h KV_INLINE_REFUSED) and waited for in vain: in flight
+        from now on, as if :meth:`launch` had handed it over. The fast path calls it only
+        where launch would hand over at once (:meth:`direct`)."""
+        t = Transfer(self, what)
+        t._lease = lease
+        self._enqueue(t, link, refs, segs, total, timeout, priority, None)
+        segs, n = t._next_piece(_NO_LIMIT)
+        t._t_started = t0
+        self._adopted(link, t, job, n)
+        return t
+
+    def direct(self, link: "Link") -> bool:
+        """Would :meth:`launch` hand a transfer on ``link`` to the core at once?"""
+        opts = self._options
+        return (not link.heap and not opts.max_inflight_bytes and not opts.piece_bytes and link.up
+                and self.queued < opts.max_queued)
+
+    def _enqueue(self, t: Transfer, link: "Link", refs: tuple[Counted, ...], segs: "Packed", total: int,
+                 timeout: float, priority: int, notify: bytes | None) -> None:
+        t._queue(link, refs, segs, total, timeout, priority, notify, self._loop.time())  # deadlines: the loop's clock
+        dl = self._deadlines
+        heapq.heappush(dl, (t.deadline, id(t), t))
+        if self._timer is None or dl[0][0] < self._timer_at:
+            self._arm(dl[0][0])
+        link.inflight.add(t)
+        t._inq = True
+        self.queued += 1
+        seq = next(_seq)
+        t._key = (seq,) if self._options.scheduling == "fifo" else (-priority, t.deadline, seq)
+        t._rank = rank(t._key)
 
     def _arm(self, when: float) -> None:
         if self._timer is not None:
@@ -239,12 +263,16 @@ class Scheduler:
             t._left = 0
             t._abort(to_status(st))
             return False
+        self._adopted(link, t, job, n)
+        return True
+
+    def _adopted(self, link: "Link", t: Transfer, job: int, n: int) -> None:
+        """``job`` (``n`` bytes of ``t``) is in the core: its completion finishes it."""
         t._jobs[job] = n
         self.pending[job] = t
         link.inflight_bytes += n
         if self._reaper is None and link.transport not in ("tcp", "ucx"):
             self._reaper = self._loop.call_later(self._options.heartbeat_interval, self._reap)
-        return True
 
     def _reap(self) -> None:
         """Every heartbeat_interval while mover copies are in flight. A copy into or out of

@@ -3,6 +3,7 @@ and the native accounting (_native.Counts, _native.Histogram): the fast path tak
 common case the Planner memoized, answers it exactly as the Python path does (bytes, status,
 stats), and leaves everything else to the Python path with its rules and messages."""
 
+import asyncio
 import math
 import random
 
@@ -201,3 +202,51 @@ def test_counts_keep_the_order_statuses_first_occurred():
     b.record(S.LLM_CANCELLED, 0, None, 0.0, 0.0)
     assert list(b.all.by_status.items()) == [("LLM_SUCCESS", 2), ("LLM_CANCELLED", 1)]
     assert b.all.summary()["by_status"] == {"LLM_SUCCESS": 2, "LLM_CANCELLED": 1}
+
+
+async def test_a_small_push_into_registered_memory_goes_to_a_mover_and_its_completion_is_taken_natively():
+    """Same host, a peer's registered (caller-owned) cache is reached with CMA, which never
+    runs on the loop thread (decisions.md #31): the fast path hands the copy to a mover, waits
+    for it at most 200 us and takes its completion out of the core's queue itself
+    (kv_core_take), or else has the scheduler adopt the job. Bytes and stats as the Python
+    path's; and a large push in flight meanwhile still completes: taking one completion
+    does not swallow the eventfd's signal for the others."""
+    p, d = await make_pair("shm")
+    try:
+        await link(p, d)
+        desc = kv.CacheDesc(8, (2, HALF), np.uint8)
+        src = filled(p.allocate_cache(desc), 7)
+        dst = d.register_kv_cache(desc, [np.zeros((2, HALF), np.uint8) for _ in range(8)])
+        big_desc = kv.CacheDesc(2, (1, 64 << 20), np.uint8)
+        big_src = filled(p.allocate_cache(big_desc), 3)
+        big_dst = d.register_kv_cache(big_desc, [np.zeros((1, 64 << 20), np.uint8) for _ in range(2)])
+        for c in (dst, big_dst):
+            await p.wait_remote_cache(2, c.cache_id)
+        fast = p._p.fast
+        exts = [kv.KvCacheExtParam((i, i), (i, i), 2) for i in range(4)]
+        idx = kv.CacheIndex(2, dst.cache_id, 1)
+        for e in exts:   # planned (and memoized) by the Python path
+            assert await p.push_kv_cache(src, idx, 0, ext_param=e, timeout=5) == S.LLM_SUCCESS
+        before = p.stats()["transfers"]
+        taken, launched = fast.taken, fast.launched
+        big = p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst.cache_id, 0), timeout=60)
+        n = 0
+        async with asyncio.timeout(60):   # a lost wake-up would leave the big push unreported
+            while not big.done() or n < 200:
+                layer = (2 * (n % 4), 2 * (n % 4) + 1)   # K and V of that layer
+                for t in layer:
+                    dst.tensors[t][1] = 0
+                assert await p.push_kv_cache(src, idx, 0, ext_param=exts[n % 4], timeout=5) == S.LLM_SUCCESS
+                for t in layer:
+                    np.testing.assert_array_equal(dst.tensors[t][1], src.tensors[t][0])
+                n += 1
+                await asyncio.sleep(0)   # a fast-path push returns without yielding: let the loop read
+        assert big.status == S.LLM_SUCCESS, big.message()
+        for t in range(2):
+            np.testing.assert_array_equal(big_dst.tensors[t], big_src.tensors[t])
+        assert fast.taken + fast.launched == taken + launched + n   # every small push: the fast path's
+        assert fast.taken > taken, "no completion was taken natively"
+        assert p.stats()["transfers"] == before + n + 1
+    finally:
+        await p.close()
+        await d.close()

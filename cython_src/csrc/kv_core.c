@@ -690,6 +690,9 @@ static int post_record(kv_core *c, kv_record *r) {
     else
         c->done_head = r;
     c->done_tail = r;
+    uint64_t take = __atomic_load_n(&c->take_job, __ATOMIC_RELAXED);
+    if (was_empty && take && r->id == take && r->kind != KV_RECORD_EVENT && r->kind != KV_RECORD_ABANDONED)
+        return 0; /* its waiter takes it (kv_core_wait_take), or signals when it gives up */
     if (was_empty)
         c->stats.wakeups++; /* the reader drains everything on one wake-up */
     return was_empty;
@@ -1270,6 +1273,65 @@ uint64_t kv_core_posted(kv_core *c) { return __atomic_load_n(&c->posted, __ATOMI
 
 int kv_core_wait_posted(kv_core *c, uint64_t seen, uint64_t bound_ns) {
     return spin_until_changed(&c->posted, seen, boottime_ns() + bound_ns, UINT_MAX);
+}
+
+/* Job `job_id`'s completion, unlinked from the queue, into `out`: 1; 0 if not
+ * posted. Caller holds the lock. */
+static int take_locked(kv_core *c, uint64_t job_id, kv_completion *out) {
+    kv_record *prev = NULL;
+    for (kv_record *x = c->done_head; x; prev = x, x = x->done_next) {
+        if (x->id != job_id || x->kind == KV_RECORD_EVENT || x->kind == KV_RECORD_ABANDONED)
+            continue;
+        if (prev)
+            prev->done_next = x->done_next;
+        else
+            c->done_head = x->done_next;
+        if (c->done_tail == x)
+            c->done_tail = prev;
+        const kv_job *j = (const kv_job *)x;
+        out->job_id = x->id;
+        out->status = x->status;
+        out->nbytes = j->bytes_done;
+        out->flags = j->claim_segment == 0 && j->claim_offset == 0 ? KV_DONE_UNSTARTED : 0;
+        free(x);
+        return 1;
+    }
+    return 0;
+}
+
+/* Take the core's lock, spinning a moment first: a waiter that blocked on it while a
+ * mover posts would sleep in the kernel, and wake tens of microseconds later. */
+static void lock_spinning(kv_core *c) {
+    for (int k = 0; k < 256; k++) {
+        if (pthread_mutex_trylock(&c->lock) == 0)
+            return;
+#ifdef KV_HAVE_STREAM
+        _mm_pause();
+#endif
+    }
+    pthread_mutex_lock(&c->lock);
+}
+
+int kv_core_wait_take(kv_core *c, uint64_t job_id, uint64_t bound_ns, kv_completion *out) {
+    uint64_t end = boottime_ns() + bound_ns;
+    int found = 0;
+    __atomic_store_n(&c->take_job, job_id, __ATOMIC_RELAXED); /* (a post before this signals: a spare wake-up) */
+    for (;;) {
+        lock_spinning(c);
+        uint64_t seen = __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE);
+        if ((found = take_locked(c, job_id, out)) != 0 || boottime_ns() >= end)
+            break;
+        pthread_mutex_unlock(&c->lock);
+        spin_until_changed(&c->posted, seen, end, UINT_MAX);
+    }
+    __atomic_store_n(&c->take_job, 0, __ATOMIC_RELAXED);
+    /* Its posting did not signal; nor did a post that found it at the head: whatever
+     * waits now must be signalled (at worst a spare wake-up of the reader). */
+    int sig = c->done_head != NULL;
+    pthread_mutex_unlock(&c->lock);
+    if (sig)
+        kv__signal_loop(c);
+    return found;
 }
 
 size_t kv_core_poll(kv_core *c, kv_completion *out, size_t max) {

@@ -119,6 +119,14 @@ uint64_t kv_core_posted(kv_core *core);
  * otherwise have copied itself (KV_INLINE_REFUSED): the bound is what a peer that
  * holds that copy can take from the caller. */
 int kv_core_wait_posted(kv_core *core, uint64_t seen, uint64_t bound_ns);
+/* Wait on the calling thread (spinning) at most `bound_ns` for job `job_id`'s
+ * completion and take it out of the queue kv_core_poll drains: 1 and `out` filled,
+ * or 0 at the bound (the completion is then polled as any other). Its posting does
+ * not signal the eventfd meanwhile (no wake-up of the reader for a completion the
+ * caller takes itself). For a small job handed to the movers that the caller would
+ * otherwise have copied itself (KV_INLINE_REFUSED): the bound is what a peer that
+ * holds that copy can take from the caller. One waiter at a time (the loop thread). */
+int kv_core_wait_take(kv_core *core, uint64_t job_id, uint64_t bound_ns, kv_completion *out);
 /* Reset the eventfd, then move up to `max` completions into `out`. */
 size_t kv_core_poll(kv_core *core, kv_completion *out, size_t max);
 /* Abort every job with KV_LLM_ENGINE_FINALIZED, join the movers. Idempotent.

@@ -69,7 +69,8 @@ async def run(args: argparse.Namespace) -> Report:
     try:
         await kvs.start()
         import kvengine as kv
-        src, idx = await kvs.alloc(2 * LAYERS, HALF, seed=5)
+        out["memory"] = args.memory or "engine"
+        src, idx = await kvs.alloc(2 * LAYERS, HALF, seed=5, memory=out["memory"])
         exts = [kv.KvCacheExtParam((i, i), (i, i), 2) for i in range(LAYERS)]
         rows = [t[0] for t in src.tensors]
         dst_rows: list[NDArray[np.uint8]] = []
@@ -163,7 +164,8 @@ async def run(args: argparse.Namespace) -> Report:
 def report(r: Report) -> list[str]:
     T = r["transport"]
     res, cols = r["results"], r["columns"]
-    tls = f" (UCX_TLS={r['ucx_tls']}; kvengine's caches: {r.get('memory', 'numpy')} memory)" if "ucx_tls" in r else ""
+    tls = f" (UCX_TLS={r['ucx_tls']}; kvengine's caches: {r.get('memory', 'numpy')} memory)" if "ucx_tls" in r else \
+        (" --memory numpy (register_kv_cache of numpy arrays)" if r.get("memory") == "numpy" else "")
     lines = [f"kvengine bench latency --transport {T}{tls}: one-layer push (K + V = 2 x 32 KiB = 64 KiB), awaited one "
              f"at a time, {res[KV]['n']} samples per column in {ROUNDS} interleaved rounds ({r['loop']} here); "
              f"'x kv' = that column's percentile / kvengine's (> 1: kvengine faster)", ""]

@@ -101,7 +101,7 @@ async def run(args: argparse.Namespace) -> Report:
     sizes = args.sizes
     max_bytes = max(t * r for t, r in sizes)
     say = print
-    out: Report = {"transport": T, "sizes": [], "peers": {}, "loop": args.loop_name}
+    out: Report = {"transport": T, "sizes": [], "peers": {}, "loop": args.loop_name, "memory": args.memory or "engine"}
     t_setup = time.perf_counter()
     say(f"setup: decode engine in a child process ({T}), baselines, peers ...", flush=True)
 
@@ -126,7 +126,7 @@ async def run(args: argparse.Namespace) -> Report:
         # one source cache per size (kvengine pushes row 0 of it; memcpy/raw/streams send the same rows)
         cases: list[_Case] = []
         for k, (tensors, row) in enumerate(sizes):
-            src, idx = await kvs.alloc(tensors, row, seed=11 + k)
+            src, idx = await kvs.alloc(tensors, row, seed=11 + k, memory=args.memory or "engine")
             case = _Case(tensors, row, src, idx, [t[0] for t in src.tensors], burst(tensors * row), f"s{k}")
             case.views = [r.data for r in case.rows]
             if T == "shm":
@@ -230,7 +230,8 @@ def report(r: Report, reps: int) -> list[str]:
     cols = r["columns"]
     others = [c for c in cols if c != KV]
     absent = [n for n in P.ENGINES if n not in cols]
-    tls = f" (UCX_TLS={r['ucx_tls']}; kvengine's caches: {r.get('memory', 'numpy')} memory)" if "ucx_tls" in r else ""
+    tls = f" (UCX_TLS={r['ucx_tls']}; kvengine's caches: {r.get('memory', 'numpy')} memory)" if "ucx_tls" in r else \
+        (" --memory numpy (register_kv_cache of numpy arrays)" if r.get("memory") == "numpy" else "")
     lines = [f"kvengine bench throughput --transport {T}{tls}: push of row 0 of a model-shaped cache into a decode "
              f"engine in another process ({r['loop']} here), median GB/s (1e9 B/s) of {reps} interleaved "
              f"repetitions; 'x col' = kvengine / that column, the median over repetitions of the same "
@@ -325,8 +326,10 @@ def add_common_args(ap: argparse.ArgumentParser, what: str) -> None:
                          "transport='ucx' beside kvengine tcp, NIXL, UCXX, ucx_perftest (bench/ucxbench.py)")
     ap.add_argument("--ucx-tls", default="tcp", help="ucx: UCX_TLS, tcp, sm (sm,self), cma (cma,tcp,self) or as written")
     ap.add_argument("--memory", choices=["numpy", "engine", "both"], default=None,
-                    help="ucx: kvengine's caches: numpy (the default: register_kv_cache of numpy arrays, as a serving "
-                         "framework registers its tensors), engine (allocate_cache: memfd shared memory), both")
+                    help="kvengine's caches: numpy (register_kv_cache of numpy arrays, as a serving framework "
+                         "registers its tensors: same host, the peer's reached with process_vm_writev; the default "
+                         "for ucx), engine (allocate_cache: memfd shared memory the peer maps; the default for shm "
+                         "and tcp), both (ucx only)")
     ap.add_argument("--quick", action="store_true", help="fewer sizes, repetitions and samples")
     ap.add_argument("--json", default=None, metavar="PATH", help="where to write the JSON (default PREFIX.json)")
     ap.add_argument("--out", default=None, metavar="PREFIX",
@@ -342,8 +345,10 @@ def resolve_common(ap: argparse.ArgumentParser, args: argparse.Namespace, what: 
     kv_only = args.transport == "ucx" and what.endswith(("-paged", "-headsplit"))   # no peer runs these over UCX
     if kv_only and args.peers.lower() not in ("auto", "none"):
         ap.error("--layout paged --transport ucx: kvengine only (--peers none)")
-    if args.memory is not None and args.transport != "ucx":
-        ap.error("--memory: with --transport ucx only")
+    if args.memory == "both" and args.transport != "ucx":
+        ap.error("--memory both: with --transport ucx only")
+    if args.memory is not None and args.transport != "ucx" and what.endswith(("-paged", "-headsplit")):
+        ap.error("--memory: not with --layout paged (its caches are the engine's)")
     tls = f"-{args.ucx_tls.replace(',', '+')}" if args.transport == "ucx" else ""
     args.out = args.out or os.path.join("kvengine-bench", f"{what}-{args.transport}{tls}")
     args.json_path, args.png_path = out_paths(args.out, args.json)

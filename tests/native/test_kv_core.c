@@ -2395,6 +2395,66 @@ static void test_wait_posted(void) {
     xunmap(dst, n);
 }
 
+/* kv_core_wait_take: the loop thread waits for its own small job and takes that
+ * job's completion out of the queue (its posting during the wait signals nobody); the other
+ * completions stay, to be polled, with the eventfd readable for them; past the
+ * bound the job completes as any other (polled, signalled). */
+static void test_wait_take(void) {
+    const uint64_t n = 64 * KiB;
+    long pg = sysconf(_SC_PAGESIZE);
+    held_mem h;
+    if (!held_init(&h, 4 * (uint64_t)pg, 0xAB)) {
+        FAILED_AT("userfaultfd: %s (the test needs it: vm.unprivileged_userfaultfd, or root)", strerror(errno));
+        die();
+    }
+    kv_core *c = mk(1, 64 * KiB);
+    uint8_t *src = xmap(3 * n), *dst = xmap(3 * n);
+    fill(src, 3 * n, 6);
+    uint32_t rs = add_local(c, src, 3 * n), rd = add_local(c, dst, 3 * n);
+    uint32_t rh = add_proc(c, getpid(), h.mem, h.len);
+    uint64_t w[KV_SEG_WORDS];
+    kv_completion cp, got[3];
+    memset(&cp, 0, sizeof cp);
+    double t0 = now_ms();
+    CHECK_EQ(kv_core_wait_take(c, 1, 2000000, &cp), 0); /* nothing posts: the bound, 2 ms */
+    CHECK(now_ms() - t0 >= 1.9);
+    /* alone: taken */
+    seg(w, rs, 0, rd, 0, n);
+    submit_async(c, 1, w, 1);
+    CHECK_EQ(kv_core_wait_take(c, 1, 5000000000ull, &cp), 1);
+    CHECK_EQ(cp.job_id, 1);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, n);
+    CHECK_EQ(cp.flags, 0);
+    CHECK_EQ(kv_core_poll(c, got, 3), 0); /* (readable only if it completed before the wait began) */
+    /* among others: the others are polled, after a wake-up */
+    for (uint64_t i = 0; i < 3; i++) {
+        seg(w, rs, i * n, rd, i * n, n);
+        submit_async(c, 2 + i, w, 1);
+    }
+    CHECK_EQ(kv_core_wait_take(c, 3, 5000000000ull, &cp), 1);
+    CHECK_EQ(cp.job_id, 3);
+    CHECK_EQ(drain(c, got, 2, WAIT_MS), 2);
+    CHECK((got[0].job_id == 2 && got[1].job_id == 4) || (got[0].job_id == 4 && got[1].job_id == 2));
+    CHECK(memcmp(dst, src, (size_t)(3 * n)) == 0);
+    /* past the bound (the peer holds the copy): polled as any other once it completes */
+    seg(w, rs, 0, rh, 0, 100);
+    submit_async(c, 5, w, 1);
+    held_wait(&h, 1);
+    CHECK_EQ(kv_core_wait_take(c, 5, 2000000, &cp), 0);
+    held_release(&h);
+    cp = wait_one(c, 5);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK(memcmp(h.mem, src, 100) == 0);
+    CHECK_EQ(kv_core_wait_take(c, 5, 0, &cp), 0); /* polled already */
+    check_no_more(c);
+    check_quiet_stats(c);
+    kv_core_free(c);
+    held_free(&h);
+    xunmap(src, 3 * n);
+    xunmap(dst, 3 * n);
+}
+
 int main(int argc, char **argv) {
     static const test_case tests[] = {
         {"new_params", test_new_params},
@@ -2423,6 +2483,7 @@ int main(int argc, char **argv) {
         {"reap", test_reap},
         {"lease_busy", test_lease_busy},
         {"wait_posted", test_wait_posted},
+        {"wait_take", test_wait_take},
     };
     const size_t nt = sizeof tests / sizeof tests[0];
     setvbuf(stdout, NULL, _IOLBF, 0);
