@@ -163,19 +163,17 @@ cdef class Core:
             return kvc.KV_LLM_ENGINE_FINALIZED
         return kvc.kv_core_abort(self.c, job_id, status)
 
-    def posted(self):
-        """Completions and events posted so far (kv_core_posted)."""
-        return kvc.kv_core_posted(self.c) if self.c != NULL else 0
-
-    def wait_posted(self, uint64_t seen, uint64_t bound_ns):
-        """Spin (without the GIL) until ``posted()`` differs from ``seen``, at most
-        ``bound_ns``: True if it did."""
-        cdef int r = 0
+    def wait_take(self, uint64_t job_id, uint64_t bound_ns):
+        """Wait (spinning, without the GIL) at most ``bound_ns`` for job ``job_id``'s
+        completion and take it out of the queue ``poll`` drains: ``(job_id, status, nbytes,
+        flags)``, or None at the bound (kv_core_wait_take)."""
+        cdef kvc.kv_completion cp
+        cdef int got = 0
         if self.c == NULL:
-            return False
+            return None
         with nogil:
-            r = kvc.kv_core_wait_posted(self.c, seen, bound_ns)
-        return r != 0
+            got = kvc.kv_core_wait_take(self.c, job_id, bound_ns, &cp)
+        return (cp.job_id, cp.status, cp.nbytes, cp.flags) if got else None
 
     def reap(self, uint64_t bound_ns):
         """Movers whose copy has not returned for ``bound_ns`` (another process holds it):

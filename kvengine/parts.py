@@ -58,7 +58,6 @@ class Parts:
         self.registry = CacheRegistry(loop, self.core, cluster_id, token)
         self.notifier = Notifier(loop, options.max_notifications, self.tasks.spawn)
         self.scheduler = Scheduler(loop, self.core, options, self.notifier, self.accounting)
-        self.scheduler.drain_now = self.drain
         self.keys = KeyTable(cluster_id)
         self.tables = CacheTables(loop, self.core, self.registry, self.keys)
         self.links = LinkManager(loop, self.core, options, cluster_id, self.registry, self.tables,

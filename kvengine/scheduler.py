@@ -99,8 +99,6 @@ class Scheduler:
         # the link manager's link_down(link, LLM_LINK_FAILED): a transfer found the peer gone
         self.on_link_failed: Callable[["Link"], None] = lambda link: None
         self._reaper: asyncio.TimerHandle | None = None   # armed while copies are in flight (_reap)
-        # the engine's drain of the core's completions (Parts.drain), for a small CMA copy
-        self.drain_now: Callable[[], None] = lambda: None
         # (deadline, id, transfer) of queued transfers; finished ones leave from the head
         self._deadlines: list[tuple[float, int, Transfer]] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -185,13 +183,14 @@ class Scheduler:
         self._enqueue(t, link, refs, segs, total, timeout, priority, notify)
         if not link.heap and not opts.max_inflight_bytes and not opts.piece_bytes and link.up:
             segs, n = t._next_piece(_NO_LIMIT)   # nothing waits before it: no heap
-            seen = self._core.posted() if small_cma else 0
-            if self._hand_over(link, t, segs, n) and small_cma and \
-                    self._core.wait_posted(seen, _SMALL_CMA_WAIT_NS):
+            job = self._hand_over(link, t, segs, n)
+            if job and small_cma:
                 # a copy this thread would have made inline if the peer could not hold it:
-                # wait for it a bounded moment, and take its completion without the
+                # wait for it a bounded moment and take its completion, without the
                 # eventfd's wake-up (decisions.md #31)
-                self.drain_now()
+                taken = self._core.wait_take(job, _SMALL_CMA_WAIT_NS)
+                if taken is not None:
+                    self.on_completions([taken])
             return t
         heapq.heappush(link.heap, (t._key, t))
         self._dispatch(link)
@@ -207,7 +206,7 @@ class Scheduler:
         t._lease = lease
         self._enqueue(t, link, refs, segs, total, timeout, priority, None)
         segs, n = t._next_piece(_NO_LIMIT)
-        t._t_started = t0
+        t._t_queued = t._t_started = t0   # (the stats' clock: queued and handed over at once)
         self._adopted(link, t, job, n)
         return t
 
@@ -253,8 +252,9 @@ class Scheduler:
         if dl and (self._timer is None or dl[0][0] < self._timer_at):
             self._arm(dl[0][0])
 
-    def _hand_over(self, link: "Link", t: Transfer, segs: "Packed", n: int) -> bool:
-        """Give the core one piece (``n`` bytes) of ``t``; False if it refused it (``t`` aborts)."""
+    def _hand_over(self, link: "Link", t: Transfer, segs: "Packed", n: int) -> int:
+        """Give the core one piece (``n`` bytes) of ``t``: its job id; 0 if the core refused
+        it (``t`` aborts)."""
         job = next(self._jobs)
         st, _, _ = self._core.submit(job, segs, 0, t._rank, t._lease, t._words)
         if not t._t_started:
@@ -262,9 +262,9 @@ class Scheduler:
         if st:
             t._left = 0
             t._abort(to_status(st))
-            return False
+            return 0
         self._adopted(link, t, job, n)
-        return True
+        return job
 
     def _adopted(self, link: "Link", t: Transfer, job: int, n: int) -> None:
         """``job`` (``n`` bytes of ``t``) is in the core: its completion finishes it."""

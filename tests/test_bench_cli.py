@@ -123,12 +123,24 @@ def test_bench_ucx_peers_beside_rows_only(what, argv, peers, tmp_path):
         assert [str(p) for p in args.peers] == peers
 
 
-def test_bench_memory_is_an_option_of_the_ucx_runs_only():
-    """--memory picks the memory of kvengine's caches in the ucx runs; elsewhere the
-    command refuses it rather than ignore it."""
+def test_bench_memory_numpy_runs_on_shm_and_both_only_over_ucx(tmp_path):
+    """--memory picks the memory of kvengine's caches: numpy (registered arrays, reached
+    with process_vm_writev on one host) on shm too; "both" (an extra column) only in the
+    ucx runs, and not with the paged layout, whose caches are the engine's: the command
+    refuses rather than ignore it."""
     r = subprocess.run([sys.executable, "-m", "kvengine", "bench", "throughput", "--transport", "shm",
-                        "--memory", "numpy"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--memory: with --transport ucx only" in r.stderr
+                        "--memory", "both"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--memory both: with --transport ucx only" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvengine", "bench", "throughput", "--transport", "shm",
+                        "--layout", "paged", "--memory", "numpy"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--memory: not with --layout paged" in r.stderr
+    prefix = tmp_path / "latency-shm"
+    out = bench("latency", "--transport", "shm", "--memory", "numpy", "--quick", "--n", "300", "--peers", "none",
+                "--out", str(prefix))
+    assert "--memory numpy (register_kv_cache of numpy arrays)" in out, out[-2000:]
+    r = json.loads((tmp_path / "latency-shm.json").read_text())
+    assert r["memory"] == "numpy"
+    assert r["results"]["kvengine"]["n"] >= 300
 
 
 def test_bench_soak_samples_at_rest_and_says_flat(tmp_path):
