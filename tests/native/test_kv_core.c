@@ -2225,6 +2225,14 @@ static void wait_unstuck(kv_core *c) {
     CHECK_EQ(stats(c).movers_stuck, 0);
 }
 
+/* Four pages under userfaultfd (held_init), or the test fails saying why. */
+static void held_required(held_mem *h, uint64_t pg) {
+    if (!held_init(h, 4 * pg, 0xAB)) {
+        FAILED_AT("userfaultfd: %s (the test needs it: vm.unprivileged_userfaultfd, or root)", strerror(errno));
+        die();
+    }
+}
+
 /* kv_lease_busy counts the movers inside a chunk under a lease, also after the
  * lease was removed and after the mover was reaped: until its copy returns, our
  * bytes may still reach the peer (kvengine keeps the link's socket open till then). */
@@ -2232,10 +2240,7 @@ static void test_lease_busy(void) {
     const uint64_t N = 64 * KiB;
     long pg = sysconf(_SC_PAGESIZE);
     held_mem h;
-    if (!held_init(&h, 4 * (uint64_t)pg, 0xAB)) {
-        FAILED_AT("userfaultfd: %s (the test needs it: vm.unprivileged_userfaultfd, or root)", strerror(errno));
-        die();
-    }
+    held_required(&h, (uint64_t)pg);
     kv_core *c = mk(2, N);
     uint8_t *src = xmap(N);
     fill(src, N, 5);
@@ -2277,10 +2282,7 @@ static void test_reap(void) {
     const uint64_t N = 64 * KiB;
     long pg = sysconf(_SC_PAGESIZE);
     held_mem h;
-    if (!held_init(&h, 4 * (uint64_t)pg, 0xAB)) {
-        FAILED_AT("userfaultfd: %s (the test needs it: vm.unprivileged_userfaultfd, or root)", strerror(errno));
-        die();
-    }
+    held_required(&h, (uint64_t)pg);
     kv_core *c = mk(1, N); /* one mover: its replacement must run the next job */
     uint8_t *src = xmap(N), *dst = xmap(N), *dst2 = xmap(N);
     fill(src, N, 9);
@@ -2403,10 +2405,7 @@ static void test_wait_take(void) {
     const uint64_t n = 64 * KiB;
     long pg = sysconf(_SC_PAGESIZE);
     held_mem h;
-    if (!held_init(&h, 4 * (uint64_t)pg, 0xAB)) {
-        FAILED_AT("userfaultfd: %s (the test needs it: vm.unprivileged_userfaultfd, or root)", strerror(errno));
-        die();
-    }
+    held_required(&h, (uint64_t)pg);
     kv_core *c = mk(1, 64 * KiB);
     uint8_t *src = xmap(3 * n), *dst = xmap(3 * n);
     fill(src, 3 * n, 6);
