@@ -565,25 +565,40 @@ async def test_shm_push_into_memory_the_peer_holds_is_bounded_and_never_stalls_o
         await close_all([prefill], [peer, fresh])
 
 
-async def test_shm_pull_from_memory_the_peer_holds_lands_nothing_after_the_status():
+@pytest.mark.parametrize("size,api", [(4 << 20, "submit"), (32 << 10, "await")],
+                         ids=["mover-sized", "inline-sized-awaited"])
+async def test_shm_pull_from_memory_the_peer_holds_lands_nothing_after_the_status(size, api):
     """The same hold on the source of a pull (process_vm_readv from the peer): the pull
     resolves LLM_LINK_FAILED within the bound, and when the peer lets the read go on, none
     of it lands in our cache (a mover reads a CMA pull into a buffer of its own and copies
-    it into place only if its job was not abandoned meanwhile)."""
-    size = 4 << 20
+    it into place only if its job was not abandoned meanwhile). Awaited and small, the
+    native fast path waits 200 us for it, then the scheduler adopts it."""
     prefill, peer, fresh, src = await _held_peer(size)
     loop = asyncio.get_running_loop()
     try:
         mine = prefill.allocate_cache(kv.CacheDesc(2, (1, size // 2), np.uint8))
+        where = kv.CacheIndex(2, src, 0)
+        if api == "await":   # the first pull is planned (and memoized) by the Python path
+            await prefill.pull_kv_cache(where, mine, timeout=5)
         for i, t in enumerate(mine.tensors):
             fill_pattern(t, DST_SEED, i)
         before = own(mine)
-        await peer.call("held", arm=True)
+        await peer.call("held", arm=True, zap=True)
         t0 = loop.time()
-        t = prefill.submit_pull_kv_cache(kv.CacheIndex(2, src, 0), mine, timeout=DEADLINE)
-        await _until_held(peer)
-        status = await status_within(t, STATUS_BOUND + 5)
-        assert status == S.LLM_LINK_FAILED, f"{status} ({t.message()})"
+        if api == "submit":
+            t = prefill.submit_pull_kv_cache(where, mine, timeout=DEADLINE)
+            await _until_held(peer)
+            status = await status_within(t, STATUS_BOUND + 5)
+            message = t.message()
+        else:
+            fast = prefill._p.fast
+            launched = fast.launched
+            task = asyncio.ensure_future(_awaited(prefill.pull_kv_cache(where, mine, timeout=DEADLINE)))
+            await _until_held(peer)
+            done, _ = await asyncio.wait([task], timeout=STATUS_BOUND + 5)
+            status, message = (task.result() if done else None), ""
+            assert fast.launched == launched + 1, "not the fast path's adoption"
+        assert status == S.LLM_LINK_FAILED, f"{status} ({message})"
         assert loop.time() - t0 <= STATUS_BOUND
         await peer.call("held", release=True)
         await poll_until(lambda: _native(prefill)["movers_stuck"] == 0, 10, "the held mover returned")
