@@ -764,9 +764,11 @@ static void *mover_main(void *arg) {
             uint64_t t0 = mv->busy_ns ? boottime_ns() : 0;
             if (t0 && t0 - mv->busy_ns < KV_MOVER_POLL_NS) {
                 uint64_t queued = c->mover_queued;
+                c->movers_polling++;
                 pthread_mutex_unlock(&c->lock);
                 spin_until_changed(&c->mover_queued, queued, t0 + KV_MOVER_POLL_NS, 4096);
                 pthread_mutex_lock(&c->lock);
+                c->movers_polling--;
                 mv->busy_ns = 0; /* one poll per burst of work */
                 continue;
             }
@@ -1185,11 +1187,17 @@ uint32_t kv_core_submit_job(kv_core *c, uint64_t job_id, const uint64_t *segs, s
     m->job.state = KV_JS_QUEUED;
     m->lease = lease;
     kv__job_hash(c, &m->job);
+    int backlog = c->mover_queue_head != NULL; /* the movers have other work already */
     kv__rank_insert(&c->mover_queue_head, &c->mover_queue_tail, &m->job); /* movers claim chunks of the head job */
     __atomic_add_fetch(&c->mover_queued, 1, __ATOMIC_RELEASE); /* a polling mover sees it */
     c->stats.jobs_submitted++;
     c->stats.jobs_live++;
-    pthread_cond_broadcast(&c->work_ready);
+    /* A mover in its poll takes a lone one-chunk job without a wake-up (it looks at the
+     * queue under the lock before it sleeps); waking the idle ones too would cost this
+     * thread a futex call and have them contend for the lock, for nothing. A job of
+     * several chunks, or one behind others, wakes them all. */
+    if (!c->movers_polling || backlog || fields.total_bytes > c->chunk_bytes)
+        pthread_cond_broadcast(&c->work_ready);
     pthread_mutex_unlock(&c->lock);
     return KV_LLM_SUCCESS;
 }

@@ -167,6 +167,8 @@ struct kv_core {
 
     kv_job *mover_queue_head, *mover_queue_tail; /* mover jobs with chunks to claim, by rank */
     uint64_t mover_queued;         /* mover jobs queued so far (atomic: a polling mover reads it) */
+    int movers_polling;            /* movers in their poll after a chunk: each looks at the queue
+                                      again, under the lock, before it sleeps */
     kv_job *jobs_by_id[KV_HASH_BUCKETS]; /* every live job */
 
     kv_record *done_head, *done_tail; /* finished jobs and events not yet polled */
