@@ -196,7 +196,8 @@ cdef _Plan _plan_of(object packed, uint64_t total):
     return p
 
 
-cdef long long _CMA_WAIT_NS = 200000   # scheduler.py's _SMALL_CMA_WAIT_NS: what a peer holding the copy costs us
+cdef long long _CMA_WAIT_NS = 200000   # how long the loop waits for a small CMA copy: what a peer holding it costs us
+SMALL_CMA_WAIT_NS = _CMA_WAIT_NS      # (kvengine/scheduler.py waits as long)
 cdef tuple _ALL_HEADS = (-1, -1)   # KvCacheExtParam head ranges by default (plan.py _ALL)
 
 

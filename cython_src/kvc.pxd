@@ -90,8 +90,6 @@ cdef extern from "kv_core.h" nogil:
                                    uint64_t inline_max, uint64_t rank, int *done, uint64_t *nbytes)
     uint32_t kv_core_abort(kv_core *core, uint64_t job_id, uint32_t status)
     size_t kv_core_reap(kv_core *core, uint64_t bound_ns, uint64_t *ids, size_t max)
-    uint64_t kv_core_posted(kv_core *core)
-    int kv_core_wait_posted(kv_core *core, uint64_t seen, uint64_t bound_ns)
     uint32_t kv_lease_add(kv_core *core, uint64_t until_ns, uint32_t *lease_id)
     uint32_t kv_lease_renew(kv_core *core, uint32_t lease_id, uint64_t until_ns)
     uint32_t kv_lease_remove(kv_core *core, uint32_t lease_id)

@@ -30,6 +30,7 @@ F_NOTIFY: Final[int]
 # completion flag: the job failed before any byte moved
 DONE_UNSTARTED: Final[int]
 INLINE_REFUSED: Final[int]
+SMALL_CMA_WAIT_NS: Final[int]
 # completion job ids with the EVENT bit set are events, not jobs
 EVENT: Final[int]
 EVENT_LINK_READY: Final[int]

@@ -65,7 +65,7 @@ _seq = itertools.count()
 _NO_LIMIT = 1 << 62   # default budget and piece: the native queues keep the order
 _UNSTARTED = _native.DONE_UNSTARTED
 _INLINE_REFUSED = _native.INLINE_REFUSED
-_SMALL_CMA_WAIT_NS = 200_000   # the loop waits this long at most for a small CMA copy's completion
+_SMALL_CMA_WAIT_NS = _native.SMALL_CMA_WAIT_NS   # the loop waits this long at most for a small CMA copy's completion
 _RANK_DEADLINE = (1 << 52) - 1   # deadline in microseconds of the loop clock (142 years)
 
 
@@ -180,8 +180,9 @@ class Scheduler:
             t._finish(S.LLM_OUT_OF_MEMORY, 0,
                       f"{t.what}: {self.queued} transfers queued already (EngineOptions.max_queued)")
             return t
+        direct = self.direct(link)
         self._enqueue(t, link, refs, segs, total, timeout, priority, notify)
-        if not link.heap and not opts.max_inflight_bytes and not opts.piece_bytes and link.up:
+        if direct:
             segs, n = t._next_piece(_NO_LIMIT)   # nothing waits before it: no heap
             job = self._hand_over(link, t, segs, n)
             if job and small_cma:

@@ -682,7 +682,7 @@ void kv__signal_loop(kv_core *c) {
 /* Append a finished job or an event to the completion list (no allocation: a
  * completion cannot be lost). Returns 1 if the eventfd must be signalled. */
 static int post_record(kv_core *c, kv_record *r) {
-    __atomic_add_fetch(&c->posted, 1, __ATOMIC_RELEASE); /* kv_core_wait_posted */
+    __atomic_add_fetch(&c->posted, 1, __ATOMIC_RELEASE); /* kv_core_wait_take spins on it */
     r->done_next = NULL;
     int was_empty = c->done_head == NULL;
     if (c->done_tail)
@@ -759,7 +759,7 @@ static void *mover_main(void *arg) {
             break;
         if (!m) {
             /* a mover that just copied polls a moment before it sleeps: the next small
-             * job (a layer's CMA copy, which the loop waits for: kv_core_wait_posted)
+             * job (a layer's CMA copy, which the loop waits for: kv_core_wait_take)
              * then starts without a wake-up */
             uint64_t t0 = mv->busy_ns ? boottime_ns() : 0;
             if (t0 && t0 - mv->busy_ns < KV_MOVER_POLL_NS) {
@@ -1276,12 +1276,6 @@ uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes) {
 }
 
 int kv_core_fileno(const kv_core *c) { return c->event_fd; }
-
-uint64_t kv_core_posted(kv_core *c) { return __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE); }
-
-int kv_core_wait_posted(kv_core *c, uint64_t seen, uint64_t bound_ns) {
-    return spin_until_changed(&c->posted, seen, boottime_ns() + bound_ns, UINT_MAX);
-}
 
 /* Job `job_id`'s completion, unlinked from the queue, into `out`: 1; 0 if not
  * posted. Caller holds the lock. */

@@ -111,14 +111,6 @@ typedef struct {
 uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes);
 /* The eventfd that becomes readable when completions are ready. */
 int kv_core_fileno(const kv_core *core);
-/* How many completions and events were posted so far (a counter, never reset). */
-uint64_t kv_core_posted(kv_core *core);
-/* Spin on the calling thread until kv_core_posted() differs from `seen`, at most
- * `bound_ns`: 1 if it did (poll now, without waiting for the eventfd's wake-up),
- * 0 at the bound. For a small job handed to the movers that the caller would
- * otherwise have copied itself (KV_INLINE_REFUSED): the bound is what a peer that
- * holds that copy can take from the caller. */
-int kv_core_wait_posted(kv_core *core, uint64_t seen, uint64_t bound_ns);
 /* Wait on the calling thread (spinning) at most `bound_ns` for job `job_id`'s
  * completion and take it out of the queue kv_core_poll drains: 1 and `out` filled,
  * or 0 at the bound (the completion is then polled as any other). Its posting does

@@ -172,7 +172,7 @@ struct kv_core {
     kv_job *jobs_by_id[KV_HASH_BUCKETS]; /* every live job */
 
     kv_record *done_head, *done_tail; /* finished jobs and events not yet polled */
-    uint64_t posted;                  /* records posted so far (atomic: kv_core_wait_posted) */
+    uint64_t posted;                  /* records posted so far (atomic: kv_core_wait_take) */
     uint64_t take_job;                /* kv_core_wait_take waits for this job's completion (0: none):
                                          posting it does not signal the eventfd */
 

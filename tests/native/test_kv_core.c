@@ -2369,34 +2369,6 @@ static void test_reap(void) {
     xunmap(dst2, N);
 }
 
-/* kv_core_posted / kv_core_wait_posted: the bounded wait a loop makes for a small job
- * handed to the movers (a CMA copy it may not make itself) */
-static void test_wait_posted(void) {
-    kv_core *c = mk(1, 64 * KiB);
-    const uint64_t n = 256 * KiB;
-    uint8_t *src = xmap(n), *dst = xmap(n);
-    fill(src, n, 4);
-    uint32_t rs = add_local(c, src, n), rd = add_local(c, dst, n);
-    uint64_t seen = kv_core_posted(c);
-    double t0 = now_ms();
-    CHECK_EQ(kv_core_wait_posted(c, seen, 2000000), 0); /* nothing posts: the bound, 2 ms */
-    double took = now_ms() - t0;
-    CHECK(took >= 1.9 && took < 1000);
-    uint64_t w[KV_SEG_WORDS];
-    seg(w, rs, 0, rd, 0, n);
-    submit_async(c, 1, w, 1);
-    CHECK_EQ(kv_core_wait_posted(c, seen, 5000000000ull), 1); /* its completion */
-    CHECK_EQ(kv_core_posted(c), seen + 1);
-    kv_completion cp = wait_one(c, 1); /* it is there, to be polled */
-    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
-    CHECK(memcmp(dst, src, (size_t)n) == 0);
-    CHECK_EQ(kv_core_wait_posted(c, seen, 0), 1); /* differs already: at once */
-    check_quiet_stats(c);
-    kv_core_free(c);
-    xunmap(src, n);
-    xunmap(dst, n);
-}
-
 /* kv_core_wait_take: the loop thread waits for its own small job and takes that
  * job's completion out of the queue (its posting during the wait signals nobody); the other
  * completions stay, to be polled, with the eventfd readable for them; past the
@@ -2481,7 +2453,6 @@ int main(int argc, char **argv) {
         {"tcp_close_fence", test_tcp_close_fence},
         {"reap", test_reap},
         {"lease_busy", test_lease_busy},
-        {"wait_posted", test_wait_posted},
         {"wait_take", test_wait_take},
     };
     const size_t nt = sizeof tests / sizeof tests[0];
