@@ -167,6 +167,22 @@ def test_bench_load_line_never_says_0_s(wall):
     assert not re.match(r"0(\.0+)? s$", fmt_seconds(wall)), fmt_seconds(wall)
 
 
+def test_bench_load_line_warns_of_tcp_retransmissions():
+    """A run whose TCP retransmitted says so (on loopback under BBR that halves small pushes);
+    a clean run says nothing about TCP. The counters are read from this namespace's /proc."""
+    from kvengine.bench.common import cpu_snapshot, foreign_load, load_line
+    a = cpu_snapshot()
+    assert set(a[3]) >= {"RetransSegs", "TCPOFOQueue"} and all(v >= 0 for v in a[3].values())
+    ld = foreign_load(a, cpu_snapshot())
+    assert ld["tcp"]["congestion_control"] and ld["tcp"]["RetransSegs"] >= 0
+    base = {"wall_s": 1.0, "own_cpu_s": 0.1, "other_cpu_s": 0.0, "other_vcpu_fraction": 0.0, "steal_cpu_s": 0.0}
+    clean = load_line({**base, "tcp": {"congestion_control": "bbr", "RetransSegs": 0, "TCPOFOQueue": 0}})
+    assert "TCP" not in clean
+    hit = load_line({**base, "tcp": {"congestion_control": "bbr", "RetransSegs": 38, "TCPDSACKRecv": 24,
+                                     "TCPOFOQueue": 20}})
+    assert "TCP (bbr) retransmitted 38 segments" in hit and "24 of them spurious" in hit and "20 received" in hit
+
+
 async def test_start_after_close_raises_instead_of_starting():
     e = kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0")
     await e.close()

@@ -18,7 +18,7 @@ MiB = 1 << 20
 # A report, or a part of one: what a run writes as JSON (numbers, strings, lists, dicts).
 Report = dict[str, Any]
 # cpu_snapshot(): (wall seconds, {pid: (ppid, CPU ticks)}, steal seconds)
-Snapshot = tuple[float, dict[int, tuple[int, int]], float]
+Snapshot = tuple[float, dict[int, tuple[int, int]], float, dict[str, int]]
 
 _T = TypeVar("_T")
 
@@ -129,7 +129,38 @@ def cpu_snapshot() -> Snapshot:
             steal = int(f.readline().split()[8])
     except (OSError, IndexError, ValueError):
         steal = 0
-    return time.perf_counter(), procs, steal / os.sysconf("SC_CLK_TCK")
+    return time.perf_counter(), procs, steal / os.sysconf("SC_CLK_TCK"), tcp_counters()
+
+
+_TCP_COUNTERS = {"Tcp": ("RetransSegs",), "TcpExt": ("TCPOFOQueue", "TCPDSACKRecv")}
+
+
+def tcp_counters() -> dict[str, int]:
+    """This network namespace's TCP retransmission and reordering counters (/proc/net/snmp,
+    /proc/net/netstat): RetransSegs, TCPOFOQueue (segments queued out of order),
+    TCPDSACKRecv (retransmissions the receiver already had: spurious). Missing ones are left out."""
+    out: dict[str, int] = {}
+    for path in ("/proc/net/snmp", "/proc/net/netstat"):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for names, values in zip(lines[::2], lines[1::2]):
+            proto, _, keys = names.partition(":")
+            want = _TCP_COUNTERS.get(proto, ())
+            for k, v in zip(keys.split(), values.partition(":")[2].split()):
+                if k in want:
+                    out[k] = int(v)
+    return out
+
+
+def tcp_congestion_control() -> str:
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
 
 
 def foreign_load(a: Snapshot, b: Snapshot) -> Report:
@@ -150,7 +181,9 @@ def foreign_load(a: Snapshot, b: Snapshot) -> Report:
             other += dt
     wall = b[0] - a[0]
     return {"wall_s": wall, "own_cpu_s": own / tck, "other_cpu_s": other / tck,
-            "other_vcpu_fraction": other / tck / wall if wall > 0 else 0.0, "steal_cpu_s": b[2] - a[2]}
+            "other_vcpu_fraction": other / tck / wall if wall > 0 else 0.0, "steal_cpu_s": b[2] - a[2],
+            "tcp": {"congestion_control": tcp_congestion_control(),
+                    **{k: v - a[3].get(k, v) for k, v in b[3].items()}}}
 
 
 def record_timing(out: Report, t_setup: float, t_meas: float, snap0: Snapshot, columns: list[str]) -> None:
@@ -214,7 +247,21 @@ def load_line(ld: Report) -> str:
             f"({ld['other_vcpu_fraction'] * 100:.0f}% of one vCPU; this benchmark {ld['own_cpu_s']:.1f} CPU-s, "
             f"hypervisor steal {ld['steal_cpu_s']:.1f} CPU-s)"
             + ("  <-- the machine was busy: figures are depressed and noisier"
-               if ld["other_vcpu_fraction"] > 0.1 else ""))
+               if ld["other_vcpu_fraction"] > 0.1 else "")
+            + tcp_line(ld.get("tcp") or {}))
+
+
+def tcp_line(t: Report) -> str:
+    """A warning when TCP retransmitted during the measurement (in this network namespace: on
+    loopback under BBR, segments reordered between CPUs are retransmitted and the window
+    shrinks, which can halve a small push's throughput; docs/benchmarks.md, "TCP on loopback")."""
+    n = t.get("RetransSegs", 0)
+    if not n:
+        return ""
+    return (f"\nTCP ({t.get('congestion_control', '?')}) retransmitted {n} segments during the measurement "
+            f"({t.get('TCPDSACKRecv', 0)} of them spurious, {t.get('TCPOFOQueue', 0)} received out of order)  "
+            "<-- tcp figures of this run may be depressed (on loopback under BBR: segments reordered between "
+            "CPUs, docs/benchmarks.md \"TCP on loopback\")")
 
 
 def busy_processes(threshold: float = 0.2, window: float = 1.0) -> list[str]:
