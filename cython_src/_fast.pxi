@@ -201,6 +201,11 @@ SMALL_CMA_WAIT_NS = _CMA_WAIT_NS      # (kvengine/scheduler.py waits as long)
 cdef tuple _ALL_HEADS = (-1, -1)   # KvCacheExtParam head ranges by default (plan.py _ALL)
 
 
+cdef inline tuple _what(bint pull, object cid, object cache_id, object row):
+    """The transfer's description (kvengine/transfer.py What) for a push or pull of cache rows."""
+    return ("pull_kv_cache" if pull else "push_kv_cache", cid, cache_id, None, row)
+
+
 cdef inline bint _plain_range(object r):
     # the Planner memo's rule (plan._plain_range): exact types, so equal means identical
     return type(r) is range or (type(r) is tuple and len(<tuple>r) == 2 and type((<tuple>r)[0]) is int
@@ -325,7 +330,7 @@ cdef class FastPath:
             if o == NULL:
                 return None   # not planned yet: the Planner checks and memoizes it first
             hit = <object>o
-            what = ("pull_kv_cache" if pull else "push_kv_cache", cid, rc.cache_id, None, row)
+            what = _what(pull, cid, rc.cache_id, row)
             self.launched += 1
             return self.launch(link, (state, rc), hit[0], hit[1],
                                self.options.sync_kv_timeout if timeout is None else float(timeout),
@@ -366,7 +371,7 @@ cdef class FastPath:
             # The movers copy it; this thread waits for it at most _CMA_WAIT_NS and takes its
             # completion itself (no eventfd wake-up, no Transfer); past that, the scheduler
             # adopts the job (decisions.md #31)
-            what = ("pull_kv_cache" if pull else "push_kv_cache", cid, rc.cache_id, None, row)
+            what = _what(pull, cid, rc.cache_id, row)
             tmo = self.options.sync_kv_timeout if timeout is None else float(timeout)
             if not self.direct(link):
                 self.launched += 1
@@ -384,7 +389,7 @@ cdef class FastPath:
             st, nbytes = comp.status, comp.nbytes
             done = 1
         if st != 0 or not done:
-            what = ("pull_kv_cache" if pull else "push_kv_cache", cid, rc.cache_id, None, row)
+            what = _what(pull, cid, rc.cache_id, row)
             return self.failed(link, what, lease, st, done != 0, nbytes, t0)
         dt = _now() - t0
         o = PyDict_GetItem(self.by_link, link)
