@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import fcntl
 import os
 import secrets
@@ -23,6 +24,12 @@ from .control import (CLOSE_LINGER, MAX_FDS, MAX_FRAME, Message, ProtocolError, 
 __all__ = ["StreamChannel", "SeqpacketChannel", "unix_listener", "unix_connect"]
 
 _LEN = struct.Struct("!I")
+_OUT_MAX = 64 << 20   # bytes of control messages a SeqpacketChannel queues for a peer that does not read
+
+
+def _rights(fds: list[int] | tuple[int, ...]) -> list[tuple[int, int, array.array[int]]]:
+    """sendmsg's ancillary data for passing ``fds`` (none: empty)."""
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
 
 
 class StreamChannel:
@@ -99,6 +106,11 @@ class SeqpacketChannel:
     ``_QUEUE_MAX`` messages wait unread (then the socket is not read until the
     consumer catches up). ``max_frame`` / ``max_fds`` bound one message: a larger
     one is a protocol error (the join phase uses HELLO_MAX and no descriptors).
+
+    Sending keeps order: a message the socket has no room for waits in ``_out``,
+    and every later one (``send`` or ``send_nowait``) queues behind it; one writer
+    callback flushes them when the socket drains. A peer that leaves more than
+    ``_OUT_MAX`` bytes unread fails the link (a ProtocolError for ``recv``).
     """
 
     _QUEUE_MAX = 64
@@ -123,6 +135,12 @@ class SeqpacketChannel:
         self._shut = False            # we shut ours (shutdown_write)
         self._draining = False        # finish(): reading and dropping until the peer's EOF
         self._finished: asyncio.Future[None] | None = None
+        # messages the socket had no room for yet, in order: (data, fds, sender's future or None)
+        self._out: collections.deque[tuple[bytes, tuple[int, ...], asyncio.Future[None] | None]] = \
+            collections.deque()
+        self._out_bytes = 0
+        self._writing = False         # _flush is registered as the socket's writer
+        self._overrun = False         # more than _OUT_MAX queued: the link was told to fail
         loop.add_reader(sock.fileno(), self._on_readable)
 
     def release(self, max_frame: int = MAX_FRAME, max_fds: int = MAX_FDS) -> None:
@@ -188,55 +206,101 @@ class SeqpacketChannel:
         return item
 
     async def send(self, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
+        """Send ``msg`` (and ``fds``), after every message sent or queued before it; returns
+        once the socket took it. Raises ConnectionError if the channel closes first."""
         if self._closed or self._shut:
             raise ConnectionError("channel closed")
         data = encode(msg)
         if len(data) > MAX_FRAME:
             raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_FRAME}")
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        while True:
+        if not self._out:
             try:
-                self.sock.sendmsg([data], anc)
+                self.sock.sendmsg([data], _rights(fds))
                 return
             except (BlockingIOError, InterruptedError):
-                await self._writable()
+                pass
             except OSError as e:
                 raise ConnectionError(f"control channel: {e}") from None
+        fut: asyncio.Future[None] = self.loop.create_future()
+        # our own duplicates of the descriptors: the caller's may be closed (and the numbers
+        # reused) before the socket has room, and the peer must get these files
+        self._enqueue(data, tuple(os.dup(fd) for fd in fds), fut)
+        await fut   # (cancelled: the message is not sent)
 
     def send_nowait(self, msg: Message) -> bool:
-        """Send a small message if the socket takes it now; False if it would block."""
+        """Send a small message now, or queue it behind those waiting: messages leave in
+        the order they were given, whatever the socket's room (a notification overtaking
+        an earlier one would be taken for a duplicate). Always True."""
         if self._closed or self._shut:
             return True
-        try:
-            self.sock.sendmsg([encode(msg)])
-            return True
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True   # the reader sees the EOF
+        data = encode(msg)
+        if not self._out:
+            try:
+                self.sock.sendmsg([data])
+                return True
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                return True   # the reader sees the EOF
+        self._enqueue(data, (), None)
+        return True
 
-    async def _writable(self) -> None:
-        fut: asyncio.Future[None] = self.loop.create_future()
-        fd = self.sock.fileno()
+    def _enqueue(self, data: bytes, fds: tuple[int, ...], fut: asyncio.Future[None] | None) -> None:
+        """Queue a message (``fds``: ours, closed once sent or dropped)."""
+        self._out.append((data, fds, fut))
+        self._out_bytes += len(data)
+        if not self._writing:
+            self._writing = True
+            self.loop.add_writer(self.sock.fileno(), self._flush)
+        if self._out_bytes > _OUT_MAX and not self._overrun and not self._eof:
+            # a peer that has not read our messages for this long: fail the link the way a
+            # bad message does (the link's two-step close still runs; the socket stays)
+            self._overrun = True
+            self._queue.put_nowait(ProtocolError(
+                f"the peer does not read its control channel: {self._out_bytes} bytes of messages queued"))
 
-        def writable() -> None:
-            if not fut.done():
-                fut.set_result(None)
+    def _flush(self) -> None:
+        """Writable: send what is queued, in order, until the socket is full again."""
+        while self._out:
+            data, fds, fut = self._out[0]
+            if fut is None or not fut.cancelled():
+                try:
+                    self.sock.sendmsg([data], _rights(fds))
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError as e:
+                    self._drop_out(ConnectionError(f"control channel: {e}"))
+                    return
+                if fut is not None:
+                    fut.set_result(None)
+            self._out.popleft()
+            self._out_bytes -= len(data)
+            for fd in fds:
+                os.close(fd)
+        self._writing = False
+        self.loop.remove_writer(self.sock.fileno())
 
-        self.loop.add_writer(fd, writable)
-        try:
-            await fut
-        finally:
-            self.loop.remove_writer(fd)
+    def _drop_out(self, exc: Exception) -> None:
+        """Nothing queued will be sent: its senders get ``exc``."""
+        if self._writing:
+            self._writing = False
+            self.loop.remove_writer(self.sock.fileno())
+        out, self._out, self._out_bytes = self._out, collections.deque(), 0
+        for _, fds, fut in out:
+            for fd in fds:
+                os.close(fd)
+            if fut is not None and not fut.done():
+                fut.set_exception(exc)
 
     def backlog(self) -> int:
-        """Bytes in the socket's send queue, not yet taken by the peer (TIOCOUTQ)."""
+        """Bytes not yet taken by the peer: in the socket's send queue (TIOCOUTQ) and
+        queued here behind it."""
         if self._closed:
             return 0
         try:
             buf = array.array("i", [0])
             fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, buf)
-            return buf[0]
+            return buf[0] + self._out_bytes
         except OSError:
             return 0
 
@@ -262,6 +326,7 @@ class SeqpacketChannel:
         if self._closed or self._shut:
             return
         self._shut = True
+        self._drop_out(ConnectionError("channel shut"))
         try:
             self.sock.shutdown(socket.SHUT_WR)
         except OSError:
@@ -305,6 +370,7 @@ class SeqpacketChannel:
         if self._closed:
             return
         self._closed = True
+        self._drop_out(ConnectionError("channel closed"))
         self._stop_reading()
         if self._draining:
             self._draining = False
