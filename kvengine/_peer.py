@@ -142,10 +142,16 @@ class _Server:
         self.caches: dict[int, Cache] = {}
         self.bg: dict[int, Transfer] = {}   # push_start handles -> Transfer
         self.held: _HeldFaults | None = None
+        self.consumer: asyncio.Task[None] | None = None   # consume_notes: a decode worker's loop
+        self.consumed = self.reported = 0
 
     def _desc(self, m: Message) -> CacheDesc:
         return self.kv.CacheDesc(m["n"], tuple(m["shape"]), m.get("dtype", "float16"),
                                  block_stride=m.get("block_stride"), head_axis=m.get("head_axis"))
+
+    async def _consume(self) -> None:
+        async for _ in self.engine.notifications():
+            self.consumed += 1
 
     async def handle(self, m: Message) -> Message:
         kv, e = self.kv, self.engine
@@ -254,8 +260,22 @@ class _Server:
             except kv.LLMTimeoutError:
                 return {"down": False}
             return {"down": False}
+        if op == "wait_remote":   # until the peer cluster_id's cache cache_id is known here (mapped)
+            st = await e.wait_remote_cache(m["cluster_id"], m["cache_id"], timeout=m.get("timeout", 10))
+            return {"status": int(st)}
         if op == "stats":
             return {"stats": e.stats()}
+        if op == "consume_notes":   # from now on consume every notification as it arrives
+            if self.consumer is None:
+                self.consumer = asyncio.ensure_future(self._consume())
+            return {"ok": True}
+        if op == "take_notes" and self.consumer is not None:   # those consumed since the last take
+            for _ in range(10_000):   # until what arrived so far is consumed (10 s at most)
+                if not e.stats()["notifications"]["pending"]:
+                    break
+                await asyncio.sleep(0.001)
+            taken, self.reported = self.consumed - self.reported, self.consumed
+            return {"taken": taken}
         if op == "take_notes":   # consume every buffered notification, as a decode worker would
             payloads: dict[str, int] = {}
             while e.stats()["notifications"]["pending"]:

@@ -10,9 +10,12 @@ processes at rest:
 - load: one-layer pushes (2 x 32 KiB) with a notification, awaited one at a time;
   16 MiB whole-cache pushes; pulls of one-layer rows; every cycle a prefill cache
   is unregistered and a new one allocated, every fourth cycle the link is torn
-  down and made again (lifetimes churn, not just traffic);
-- at rest: the decode side consumes its notifications (as a decode worker does;
-  unconsumed ones are buffered up to ``max_notifications``); then RSS (VmRSS),
+  down and made again (lifetimes churn, not just traffic); the decode side
+  consumes its notifications as they come (``notifications()``, as a decode
+  worker does: unconsumed ones are buffered up to ``max_notifications``, then
+  the oldest dropped);
+- at rest (the decode side has consumed the rest of its notifications and mapped
+  the new prefill cache, so no announcement is in flight): RSS (VmRSS),
   open fds and threads of each process (/proc) and the native live counters
   (jobs_live, regions_live, tcp_conns) of each engine are sampled. Notifications:
   exactly one per successful notified push, received and consumed.
@@ -79,6 +82,7 @@ class Soak:
         peer = await PeerProcess.start(cluster_id=2, transport=a.transport, secret=self.secret)
         e = await kv.KvEngine(1, kv.Role.PROMPT, None, opts).start()
         try:
+            await peer.call("consume_notes")   # as a decode worker does: as they come
             layer_dst = (await peer.call("alloc", n=2, shape=[64, LAYER], dtype="uint8"))["cache_id"]
             big_dst = (await peer.call("alloc", n=2, shape=[1, BIG], dtype="uint8"))["cache_id"]
             pull_src = (await peer.call("alloc", n=2, shape=[1, LAYER], dtype="uint8", fill=3))["cache_id"]
@@ -100,6 +104,9 @@ class Soak:
                 self.notes_taken += (await peer.call("take_notes"))["taken"]
                 await e.unregister_kv_cache(layer_src.cache_id)   # lifetimes churn too
                 layer_src = self.fresh(e, 64, LAYER)
+                # at rest means the decode side has mapped the new cache (and closed its memfd):
+                # sampled while that was under way, its fds and RSS would differ by that cache
+                await peer.call("wait_remote", cluster_id=1, cache_id=layer_src.cache_id)
                 self.samples.append(await self.sample(e, peer, c, time.monotonic() - t_start))
                 s = self.samples[-1]
                 print(f"cycle {c + 1}/{cycles} at {s['t']:.0f} s: prefill RSS {s['prefill']['rss_kb']} kB "
