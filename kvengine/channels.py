@@ -51,14 +51,13 @@ class StreamChannel:
         except (RuntimeError, OSError) as e:   # closed transport, reset
             raise ConnectionError(f"control channel: {e}") from None
 
-    def send_nowait(self, msg: Message) -> bool:
-        """Queue a small message without waiting (the transport buffers it)."""
+    def send_nowait(self, msg: Message) -> None:
+        """Queue a small message without waiting (the transport buffers it, in order)."""
         data = encode(msg)
         try:
             self.writer.write(_LEN.pack(len(data)) + data)
         except (RuntimeError, OSError):
-            return True   # closed: the reader reports the loss
-        return True
+            pass   # closed: the reader reports the loss
 
     async def recv(self, max_frame: int = MAX_FRAME) -> tuple[Message, list[int]] | None:
         """Next ``(msg, [])``; ``None`` at EOF. Raises ProtocolError on garbage, and on a
@@ -227,23 +226,22 @@ class SeqpacketChannel:
         self._enqueue(data, tuple(os.dup(fd) for fd in fds), fut)
         await fut   # (cancelled: the message is not sent)
 
-    def send_nowait(self, msg: Message) -> bool:
+    def send_nowait(self, msg: Message) -> None:
         """Send a small message now, or queue it behind those waiting: messages leave in
         the order they were given, whatever the socket's room (a notification overtaking
-        an earlier one would be taken for a duplicate). Always True."""
+        an earlier one would be taken for a duplicate)."""
         if self._closed or self._shut:
-            return True
+            return
         data = encode(msg)
         if not self._out:
             try:
                 self.sock.sendmsg([data])
-                return True
+                return
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError:
-                return True   # the reader sees the EOF
+                return   # the reader sees the EOF
         self._enqueue(data, (), None)
-        return True
 
     def _enqueue(self, data: bytes, fds: tuple[int, ...], fut: asyncio.Future[None] | None) -> None:
         """Queue a message (``fds``: ours, closed once sent or dropped)."""

@@ -27,7 +27,7 @@ class Channel(Protocol):
     """A link's control channel (channels.SeqpacketChannel or channels.StreamChannel)."""
 
     async def send(self, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None: ...
-    def send_nowait(self, msg: Message) -> bool: ...
+    def send_nowait(self, msg: Message) -> None: ...
     async def recv(self) -> tuple[Message, list[int]] | None: ...
     def backlog(self) -> int: ...
     def close(self) -> None: ...
@@ -115,8 +115,8 @@ class Detached:
     async def send(self, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
         raise ConnectionError("detached channel")
 
-    def send_nowait(self, msg: Message) -> bool:
-        return False
+    def send_nowait(self, msg: Message) -> None:
+        pass
 
     async def recv(self) -> tuple[Message, list[int]] | None:
         return None

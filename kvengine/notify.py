@@ -26,7 +26,7 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from .control import ProtocolError
 from .status import LLMStatusCode as S, error_for
@@ -48,11 +48,9 @@ class Notification:
 class Notifier:
     """Sends and receives push notifications (see the module docstring)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, max_buffered: int,
-                 spawn: Callable[[Coroutine[Any, Any, None]], object]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_buffered: int) -> None:
         self._loop = loop
         self._max = max_buffered
-        self._spawn = spawn
         self._notes: collections.deque[Notification] = collections.deque()
         self._waiters: list[tuple[bytes | None, asyncio.Future[Notification | None]]] = []
         self._counts = {"sent": 0, "received": 0, "dropped": 0, "resent": 0, "duplicates": 0, "lost": 0}
@@ -96,8 +94,7 @@ class Notifier:
         self._put(link, msg)
 
     def _put(self, link: "Link", msg: dict[str, Any]) -> None:
-        if not link.ch.send_nowait(msg):
-            self._spawn(self._send_later(link, msg))
+        link.ch.send_nowait(msg)   # (in order behind what the channel holds: the receiver needs it)
 
     def acked(self, cluster_id: int, upto: Any) -> None:
         """The peer's ping said it delivered every notification up to ``upto``."""
@@ -123,13 +120,6 @@ class Notifier:
         for _, msg in ob.unacked:
             self._counts["resent"] += 1
             self._put(link, msg)
-
-    @staticmethod
-    async def _send_later(link: "Link", msg: dict[str, Any]) -> None:
-        try:
-            await link.ch.send(msg)
-        except (ConnectionError, ProtocolError):
-            pass
 
     def on_message(self, link: "Link", msg: dict[str, Any]) -> None:
         """A "notify" message from the peer of ``link``: delivered once per sequence number."""

@@ -56,7 +56,7 @@ class Parts:
         self.accounting = Accounting()
         self.planner = plan.Planner()
         self.registry = CacheRegistry(loop, self.core, cluster_id, token)
-        self.notifier = Notifier(loop, options.max_notifications, self.tasks.spawn)
+        self.notifier = Notifier(loop, options.max_notifications)
         self.scheduler = Scheduler(loop, self.core, options, self.notifier, self.accounting)
         self.keys = KeyTable(cluster_id)
         self.tables = CacheTables(loop, self.core, self.registry, self.keys)
