@@ -38,6 +38,7 @@ class StreamChannel:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self._written = 0   # bytes given to the transport
 
     async def send(self, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
         if fds:
@@ -47,6 +48,7 @@ class StreamChannel:
             raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_FRAME}")
         try:
             self.writer.write(_LEN.pack(len(data)) + data)
+            self._written += 4 + len(data)
             await self.writer.drain()
         except (RuntimeError, OSError) as e:   # closed transport, reset
             raise ConnectionError(f"control channel: {e}") from None
@@ -56,6 +58,7 @@ class StreamChannel:
         data = encode(msg)
         try:
             self.writer.write(_LEN.pack(len(data)) + data)
+            self._written += 4 + len(data)
         except (RuntimeError, OSError):
             pass   # closed: the reader reports the loss
 
@@ -77,6 +80,11 @@ class StreamChannel:
             return int(self.writer.transport.get_write_buffer_size())
         except (RuntimeError, AttributeError):
             return 0
+
+    def progress(self) -> tuple[int, int]:
+        """(bytes the kernel took so far, bytes waiting in our buffer for room)."""
+        waiting = self.backlog()
+        return self._written - waiting, waiting
 
     def abort(self) -> None:
         """Close at once (RST), dropping whatever is buffered either way."""
@@ -138,6 +146,7 @@ class SeqpacketChannel:
         self._out: collections.deque[tuple[bytes, tuple[int, ...], asyncio.Future[None] | None]] = \
             collections.deque()
         self._out_bytes = 0
+        self._handed = 0              # bytes the socket took so far (progress)
         self._writing = False         # _flush is registered as the socket's writer
         self._overrun = False         # more than _OUT_MAX queued: the link was told to fail
         loop.add_reader(sock.fileno(), self._on_readable)
@@ -215,6 +224,7 @@ class SeqpacketChannel:
         if not self._out:
             try:
                 self.sock.sendmsg([data], _rights(fds))
+                self._handed += len(data)
                 return
             except (BlockingIOError, InterruptedError):
                 pass
@@ -236,6 +246,7 @@ class SeqpacketChannel:
         if not self._out:
             try:
                 self.sock.sendmsg([data])
+                self._handed += len(data)
                 return
             except (BlockingIOError, InterruptedError):
                 pass
@@ -269,6 +280,7 @@ class SeqpacketChannel:
                 except OSError as e:
                     self._drop_out(ConnectionError(f"control channel: {e}"))
                     return
+                self._handed += len(data)
                 if fut is not None:
                     fut.set_result(None)
             self._out.popleft()
@@ -301,6 +313,10 @@ class SeqpacketChannel:
             return buf[0] + self._out_bytes
         except OSError:
             return 0
+
+    def progress(self) -> tuple[int, int]:
+        """(bytes the socket took so far, bytes queued here for room)."""
+        return self._handed, self._out_bytes
 
     def finish(self) -> asyncio.Future[None]:
         """The conversation is over, but the socket is not closed yet: nothing more is

@@ -30,6 +30,7 @@ class Channel(Protocol):
     def send_nowait(self, msg: Message) -> None: ...
     async def recv(self) -> tuple[Message, list[int]] | None: ...
     def backlog(self) -> int: ...
+    def progress(self) -> tuple[int, int]: ...
     def close(self) -> None: ...
 
 __all__ = ["Link", "Key", "Channel", "RemoteCache", "Detached", "TaskSet", "wait_idle", "boot_ns", "mover_lease_ns",
@@ -62,6 +63,7 @@ class Link:
     __slots__ = ("cluster_id", "ch", "transport", "peer_pid", "peer_token", "pidfd", "address", "incarnation",
                  "serial",
                  "up", "closing", "gone", "reader", "beat", "pending", "requests", "last_rx", "tcp_id",
+                 "ctl_handed", "ctl_since",
                  "lease_id", "lease_until", "lease_waiters",
                  "remote", "waiters", "keys", "told", "told_keys", "table_lock", "answering",
                  "heap", "inflight", "inflight_bytes")
@@ -88,6 +90,7 @@ class Link:
         self.pending: dict[int, asyncio.Future[dict[str, Any] | None]] = {}   # request id -> reply
         self.requests = itertools.count(1)
         self.last_rx = 0.0
+        self.ctl_handed, self.ctl_since = 0, 0.0   # control_stalled: bytes the peer took, since when
         self.tcp_id = 0               # native link id of the TCP or UCX data plane
         self.lease_id = 0             # shm: the core's mover lease for pushes into the peer (0: none)
         self.lease_until = 0          # its end, CLOCK_BOOTTIME ns
@@ -104,6 +107,16 @@ class Link:
         self.heap: list[tuple[tuple[float, ...], Transfer]] = []   # the link's queue
         self.inflight: set[Transfer] = set()
         self.inflight_bytes = 0       # bytes handed to the core, not yet completed
+
+    def control_stalled(self, now: float) -> float:
+        """Seconds our control messages have waited in our own queue while the peer took
+        none of them (0.0: nothing waits, or the peer took some since the last look). A
+        peer that pings but never reads would otherwise leave our senders waiting forever."""
+        handed, waiting = self.ch.progress()
+        if not waiting or handed != self.ctl_handed:
+            self.ctl_handed, self.ctl_since = handed, now
+            return 0.0
+        return now - self.ctl_since
 
 
 class Detached:
@@ -123,6 +136,9 @@ class Detached:
 
     def backlog(self) -> int:
         return 0
+
+    def progress(self) -> tuple[int, int]:
+        return 0, 0
 
     def close(self) -> None:
         pass

@@ -165,8 +165,8 @@ class LinkManager:
         for fut in self._waiters.pop(link.cluster_id, ()):
             if not fut.done():
                 fut.set_result(S.LLM_SUCCESS)
-        if not client:
-            await link.ch.send({"t": "up"})
+        if not client:   # (not awaited: nothing may run before the resends below, or a new
+            link.ch.send_nowait({"t": "up"})   # notification would overtake them: dropped as seen)
         # caches registered while the tables were exchanged (sends only what the peer lacks)
         self._tasks.spawn(self._tables.announce(link, list(self._registry)))
         self._notifier.link_up(link)   # notifications the same peer engine has not acknowledged
@@ -290,13 +290,14 @@ class LinkManager:
                 for _ in range(2):   # let the reader take what already arrived
                     await asyncio.sleep(0)
                 silent = loop.time() - link.last_rx
-            if silent > limit and link.up:
-                log.warning("link %s <-> %s lost: no message for %.2f s (heartbeat_timeout %.2f s)",
-                            self._cluster_id, link.cluster_id, silent, limit)
+            unread = link.control_stalled(loop.time())   # a peer that pings but reads nothing
+            if (silent > limit or unread > limit) and link.up:
+                log.warning("link %s <-> %s lost: %s for %.2f s (heartbeat_timeout %.2f s)", self._cluster_id,
+                            link.cluster_id, "no message" if silent > limit else "none of our messages read",
+                            silent if silent > limit else unread, limit)
                 self.link_down(link, S.LLM_LINK_FAILED)
                 return
-            # Never wait on the peer here: a ping stuck behind a connection the peer does not
-            # read must not stop the judgement above (a ping that does not fit is skipped).
+            # never awaited: a ping stuck behind what the peer leaves unread must not stall the checks above
             ping: dict[str, Any] = {"t": "ping", "ts": boot_ns()} if link.lease_id else {"t": "ping"}
             delivered = self._notifier.delivered(link)
             if delivered is not None:

@@ -70,10 +70,13 @@ async def test_messages_queued_behind_a_full_socket_leave_in_order():
             order.append(i)
         await asyncio.sleep(0)   # the awaited sends start (and find the queue)
         assert not any(w.done() for w in waiting)
+        handed, waiting_bytes = ch.progress()
+        assert waiting_bytes > 0 and ch.backlog() >= waiting_bytes
         got = await _read(peer, len(order))
         assert [m["i"] for m in got] == order
         await asyncio.wait_for(asyncio.gather(*waiting), 5)   # every awaited send returned
         assert ch.backlog() == 0
+        assert ch.progress()[0] > handed and ch.progress()[1] == 0
     finally:
         ch.close()
         peer.close()
@@ -174,3 +177,27 @@ async def test_descriptors_queued_behind_a_full_socket_are_the_files_given():
             os.close(fd)
         ch.close()
         peer.close()
+
+
+async def test_control_stalled_counts_the_time_the_peer_took_nothing_while_we_waited():
+    """Link.control_stalled (the heartbeat fails a link at heartbeat_timeout of it): only time
+    with messages waiting in our queue and no byte taken by the peer counts."""
+    from kvengine.link import Link
+
+    class Fake:
+        now = (0, 0)
+
+        def progress(self) -> tuple[int, int]:
+            return self.now
+
+    ch = Fake()
+    link = Link(9, ch, "tcp", 0, "", "127.0.0.1:1")   # type: ignore[arg-type]
+    looks = [((100, 0), 10.0, 0.0),    # nothing waits
+             ((100, 50), 11.0, 1.0),   # waiting, nothing taken since the last look
+             ((100, 80), 13.0, 3.0),
+             ((150, 30), 14.0, 0.0),   # the peer took some: not stalled
+             ((150, 30), 15.0, 1.0),
+             ((150, 0), 20.0, 0.0)]    # all taken
+    for progress, now, want in looks:
+        ch.now = progress
+        assert link.control_stalled(now) == want, (progress, now)

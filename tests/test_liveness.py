@@ -67,3 +67,30 @@ async def test_sigstopped_peer_is_declared_lost_and_others_keep_working(transpor
         await prefill.close()
         await stopped.close()
         await healthy.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_peer_that_pings_but_takes_none_of_our_messages_loses_the_link(transport):
+    """A peer that keeps pinging but reads nothing of its control channel (its kernel
+    buffers full, ours queueing; here our channel reports just that: messages waiting,
+    no byte taken) is lost within heartbeat_timeout of it, as a silent one is. Before,
+    its pings kept the link up and every awaited send on the link waited forever.
+    (Filling the kernels' buffers for real takes megabytes of control messages: tcp
+    grows the send buffer to tcp_wmem's 4 MiB.)"""
+    opts = kv.EngineOptions(transport=transport, **HB)
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts).start()
+    d = await kv.KvEngine(2, kv.Role.DECODER, "127.0.0.1:0", opts).start()
+    try:
+        assert (await p.link_clusters([kv.ClusterInfo(2, d.address)]))[0] == S.LLM_SUCCESS
+        link = p._open().links.get(2)
+        assert link is not None and link.transport == transport
+        loop = asyncio.get_running_loop()
+        link.ch.progress = lambda: (0, 4096)   # type: ignore[method-assign]
+        t0 = loop.time()
+        with pytest.raises((kv.LLMLinkFailedError, kv.LLMNotYetLinkError)):
+            await p.wait_remote_cache(2, 2**62, timeout=BOUND + 5)
+        assert loop.time() - t0 < BOUND, f"lost after {loop.time() - t0:.2f} s (bound {BOUND:.2f} s)"
+        assert 2 not in p.stats()["links"]
+    finally:
+        await p.close()
+        await d.close()
