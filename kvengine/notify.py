@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from .control import ProtocolError
+from .plan import MAX_NOTIFY
 from .status import LLMStatusCode as S, error_for
 
 if TYPE_CHECKING:
@@ -123,9 +124,12 @@ class Notifier:
 
     def on_message(self, link: "Link", msg: dict[str, Any]) -> None:
         """A "notify" message from the peer of ``link``: delivered once per sequence number."""
+        p = msg.get("p")
+        if not isinstance(p, str) or len(p) > 2 * MAX_NOTIFY:   # no buffering a peer's megabytes
+            raise ProtocolError(f"bad notify payload (hex of at most {MAX_NOTIFY} bytes)")
         try:
-            payload = bytes.fromhex(msg["p"])
-        except (KeyError, TypeError, ValueError):
+            payload = bytes.fromhex(p)
+        except ValueError:
             raise ProtocolError("bad notify message") from None
         seq = msg.get("s")
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:

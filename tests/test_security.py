@@ -525,6 +525,28 @@ async def test_the_caches_a_peer_announces_are_bounded(caplog):
         await d.close()
 
 
+async def test_a_notification_over_the_size_a_sender_may_send_fails_the_link():
+    """A peer's notify payload is held until the decode worker takes it (up to
+    max_notifications of them): one over MAX_NOTIFY (4 KiB, what push_kv_cache's notify
+    may carry) is a protocol error, not megabytes buffered per message."""
+    d = await engine(2)
+    s = await H.handshake(d.address, 9, SECRET, transport="tcp")
+    try:
+        await s.link()
+        s.keepalive()
+        s.ch.send({"t": "notify", "p": "ab" * 4096, "s": 1})          # at the limit: delivered
+        note = await d.wait_notification(timeout=5)
+        assert note.payload == b"\xab" * 4096 and note.cluster_id == 9
+        s.ch.send({"t": "notify", "p": "ab" * (1 << 20), "s": 2})     # 1 MiB: refused
+        assert await s.ch.closed(timeout=10), "the link survived a 1 MiB notification"
+        assert d.stats()["links"] == {}
+        n = d.stats()["notifications"]
+        assert n["received"] == 1 and n["pending"] == 0, n
+    finally:
+        s.close()
+        await d.close()
+
+
 # ------------------------------------------------------------------- safe by default
 
 
