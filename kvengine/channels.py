@@ -262,8 +262,9 @@ class SeqpacketChannel:
             self._writing = True
             self.loop.add_writer(self.sock.fileno(), self._flush)
         if self._out_bytes > _OUT_MAX and not self._overrun and not self._eof:
-            # a peer that has not read our messages for this long: fail the link the way a
-            # bad message does (the link's two-step close still runs; the socket stays)
+            # a peer that leaves this much unread (a memory bound; the heartbeat's time bound
+            # is links.py's): fail the link the way a bad message does (recv raises; the
+            # link's two-step close still runs, the socket is not closed here)
             self._overrun = True
             self._queue.put_nowait(ProtocolError(
                 f"the peer does not read its control channel: {self._out_bytes} bytes of messages queued"))
