@@ -90,7 +90,7 @@ class Link:
         self.pending: dict[int, asyncio.Future[dict[str, Any] | None]] = {}   # request id -> reply
         self.requests = itertools.count(1)
         self.last_rx = 0.0
-        self.ctl_handed, self.ctl_since = 0, 0.0   # control_stalled: bytes the peer took, since when
+        self.ctl_handed, self.ctl_since = -1, 0.0   # control_stalled: bytes taken (-1: not looked yet), since
         self.tcp_id = 0               # native link id of the TCP or UCX data plane
         self.lease_id = 0             # shm: the core's mover lease for pushes into the peer (0: none)
         self.lease_until = 0          # its end, CLOCK_BOOTTIME ns

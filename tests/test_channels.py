@@ -192,7 +192,8 @@ async def test_control_stalled_counts_the_time_the_peer_took_nothing_while_we_wa
 
     ch = Fake()
     link = Link(9, ch, "tcp", 0, "", "127.0.0.1:1")   # type: ignore[arg-type]
-    looks = [((100, 0), 10.0, 0.0),    # nothing waits
+    looks = [((0, 4096), 5.0, 0.0),    # the first look only starts the clock
+             ((100, 0), 10.0, 0.0),    # nothing waits
              ((100, 50), 11.0, 1.0),   # waiting, nothing taken since the last look
              ((100, 80), 13.0, 3.0),
              ((150, 30), 14.0, 0.0),   # the peer took some: not stalled
