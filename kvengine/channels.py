@@ -47,20 +47,21 @@ class StreamChannel:
         if len(data) > MAX_FRAME:
             raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_FRAME}")
         try:
-            self.writer.write(_LEN.pack(len(data)) + data)
-            self._written += 4 + len(data)
+            self._write(data)
             await self.writer.drain()
         except (RuntimeError, OSError) as e:   # closed transport, reset
             raise ConnectionError(f"control channel: {e}") from None
 
     def send_nowait(self, msg: Message) -> None:
         """Queue a small message without waiting (the transport buffers it, in order)."""
-        data = encode(msg)
         try:
-            self.writer.write(_LEN.pack(len(data)) + data)
-            self._written += 4 + len(data)
+            self._write(encode(msg))
         except (RuntimeError, OSError):
             pass   # closed: the reader reports the loss
+
+    def _write(self, data: bytes) -> None:
+        self.writer.write(_LEN.pack(len(data)) + data)
+        self._written += 4 + len(data)
 
     async def recv(self, max_frame: int = MAX_FRAME) -> tuple[Message, list[int]] | None:
         """Next ``(msg, [])``; ``None`` at EOF. Raises ProtocolError on garbage, and on a
@@ -223,11 +224,8 @@ class SeqpacketChannel:
             raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_FRAME}")
         if not self._out:
             try:
-                self.sock.sendmsg([data], _rights(fds))
-                self._handed += len(data)
-                return
-            except (BlockingIOError, InterruptedError):
-                pass
+                if self._sendmsg(data, fds):
+                    return
             except OSError as e:
                 raise ConnectionError(f"control channel: {e}") from None
         fut: asyncio.Future[None] = self.loop.create_future()
@@ -245,14 +243,21 @@ class SeqpacketChannel:
         data = encode(msg)
         if not self._out:
             try:
-                self.sock.sendmsg([data])
-                self._handed += len(data)
-                return
-            except (BlockingIOError, InterruptedError):
-                pass
+                if self._sendmsg(data, ()):
+                    return
             except OSError:
                 return   # the reader sees the EOF
         self._enqueue(data, (), None)
+
+    def _sendmsg(self, data: bytes, fds: list[int] | tuple[int, ...]) -> bool:
+        """One message into the socket: True if it took it, False if it has no room now
+        (other errors raise OSError)."""
+        try:
+            self.sock.sendmsg([data], _rights(fds))
+        except (BlockingIOError, InterruptedError):
+            return False
+        self._handed += len(data)
+        return True
 
     def _enqueue(self, data: bytes, fds: tuple[int, ...], fut: asyncio.Future[None] | None) -> None:
         """Queue a message (``fds``: ours, closed once sent or dropped)."""
@@ -275,13 +280,11 @@ class SeqpacketChannel:
             data, fds, fut = self._out[0]
             if fut is None or not fut.cancelled():
                 try:
-                    self.sock.sendmsg([data], _rights(fds))
-                except (BlockingIOError, InterruptedError):
-                    return
+                    if not self._sendmsg(data, fds):
+                        return
                 except OSError as e:
                     self._drop_out(ConnectionError(f"control channel: {e}"))
                     return
-                self._handed += len(data)
                 if fut is not None:
                     fut.set_result(None)
             self._out.popleft()
