@@ -1,6 +1,7 @@
 """The scheduler, layer streams, notifications and stats, through the public API."""
 
 import asyncio
+import signal
 
 import numpy as np
 import pytest
@@ -8,6 +9,8 @@ import pytest
 import kvengine as kv
 from kvengine import LLMStatusCode as S
 from conftest import filled, link, make_pair, snapshot
+from kvengine._peer import PeerProcess
+from kvengine.bench.netbed import remote_view
 
 
 @pytest.fixture(params=["shm", "tcp"])
@@ -50,8 +53,20 @@ async def test_urgent_small_push_overtakes_a_running_large_one(spair):
     assert all(np.array_equal(a, b) for a, b in zip(big_src.tensors, big_dst.tensors))
 
 
-async def test_queued_transfers_past_their_deadline_never_start(spair):
-    p, d = spair
+async def test_queued_transfers_past_their_deadline_never_start(sched_transport):
+    """Behind a 256 MiB push handed over in 64 KiB pieces (the scheduler's own queue, one
+    piece at a time), lower-priority pushes wait; their 5 ms deadline passes long before
+    the 4096 pieces (each a loop wake-up) are through, so none of them starts."""
+    p, d = await make_pair(sched_transport, max_inflight_bytes=64 << 10, piece_bytes=64 << 10)
+    try:
+        await link(p, d)
+        await _deadline_passes_in_the_queue(p, d)
+    finally:
+        await p.close()
+        await d.close()
+
+
+async def _deadline_passes_in_the_queue(p, d):
     big_src, big_dst = await caches(p, d, kv.CacheDesc(2, (1, 128 << 20), np.uint8))
     row = 2 * p.options.inline_threshold   # above the inline threshold: these queue
     src, dst = await caches(p, d, kv.CacheDesc(1, (64, row), np.uint8))
@@ -60,11 +75,58 @@ async def test_queued_transfers_past_their_deadline_never_start(spair):
     waiting = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r, timeout=0.005)
                for r in range(64)]
     statuses = await asyncio.gather(*waiting)
+    assert not big.done(), "the big push was through before the deadlines: the test proves nothing"
     assert statuses == [S.LLM_TIMEOUT] * 64
     assert all("had not started" in t.message() for t in waiting)
     assert all(t.nbytes == 0 for t in waiting)
-    assert not dst.tensors[0].any(), "a transfer that timed out in the queue touched the destination"
     assert await big == S.LLM_SUCCESS
+    assert not dst.tensors[0].any(), "a transfer that timed out in the queue touched the destination"
+
+
+async def test_transfers_queued_in_the_core_past_their_deadline_never_start():
+    """The default: every transfer is handed to the core at once and waits there in rank
+    order. Behind a 128 MiB push into a stopped tcp peer (its window full, no CREDIT
+    comes), lower-priority pushes never start: they resolve LLM_TIMEOUT with no byte
+    sent, the big push finishes once the peer resumes, and the peer's rows for the
+    timed-out pushes hold what they held."""
+    hb = {"heartbeat_interval": 1.0, "heartbeat_timeout": 60.0}   # the stop is not a lost peer
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", kv.EngineOptions(transport="tcp", **hb)).start()
+    peer = await PeerProcess.start(cluster_id=2, transport="tcp", options=hb)
+    try:
+        await link(p, _Cluster(peer))
+        row = 2 * p.options.inline_threshold
+        big_dst = (await peer.call("alloc", n=1, shape=[1, 128 << 20], dtype="uint8"))["cache_id"]
+        dst = (await peer.call("alloc", n=1, shape=[64, row], dtype="uint8", fill=7))["cache_id"]
+        for c in (big_dst, dst):
+            await p.wait_remote_cache(2, c, timeout=5)
+        read = await remote_view(peer, dst)
+        before = read()
+        big_src = filled(p.allocate_cache(kv.CacheDesc(1, (1, 128 << 20), np.uint8)), 1)
+        src = filled(p.allocate_cache(kv.CacheDesc(1, (64, row), np.uint8)), 2)
+        peer.signal(signal.SIGSTOP)
+        try:
+            big = p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst), timeout=60, priority=10)
+            waiting = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst, r), r, timeout=0.005)
+                       for r in range(64)]
+            statuses = await asyncio.gather(*waiting)
+            assert not big.done()
+        finally:
+            peer.signal(signal.SIGCONT)
+        assert statuses == [S.LLM_TIMEOUT] * 64
+        assert all("had not started" in t.message() and t.nbytes == 0 for t in waiting)
+        assert await big == S.LLM_SUCCESS
+        assert all(np.array_equal(a, b) for a, b in zip(read(), before)), \
+            "a transfer that timed out in the core's queue touched the destination"
+    finally:
+        await p.close()
+        await peer.close()
+
+
+class _Cluster:
+    """What :func:`conftest.link` needs of a peer process: its cluster id and address."""
+
+    def __init__(self, peer: PeerProcess) -> None:
+        self.cluster_id, self.address = 2, peer.address
 
 
 async def test_finished_transfers_leave_the_deadline_heap(spair):
