@@ -42,12 +42,12 @@ async def test_urgent_small_push_overtakes_a_running_large_one(spair):
     small_src, small_dst = await caches(p, d, kv.CacheDesc(2, (1, 32 << 10), np.uint8))  # 64 KiB
     big = p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst.cache_id, 0), timeout=30)
     assert not big.done()   # 256 MiB: under way (its first pieces may already have landed)
-    t0 = asyncio.get_running_loop().time()
-    small = p.submit_push_kv_cache(small_src, kv.CacheIndex(2, small_dst.cache_id, 0), timeout=1)
+    small = p.submit_push_kv_cache(small_src, kv.CacheIndex(2, small_dst.cache_id, 0), timeout=10)
+    order = []   # the order the core finished them in (callbacks run as each finishes)
+    big.add_done_callback(lambda st: order.append("big"))
+    small.add_done_callback(lambda st: order.append("small"))
     assert await small == S.LLM_SUCCESS
-    latency = asyncio.get_running_loop().time() - t0
-    assert not big.done(), "the small push waited for the large one"
-    assert latency < 0.020, f"small push took {latency * 1e3:.1f} ms behind a 256 MiB push"
+    assert order[0] == "small", f"the small push waited for the large one: {order}"
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(small_src.tensors, small_dst.tensors))
     assert await big == S.LLM_SUCCESS
     assert all(np.array_equal(a, b) for a, b in zip(big_src.tensors, big_dst.tensors))
