@@ -169,3 +169,14 @@ def test_bench_loopcost_reports_the_loop_threads_cost_and_its_pieces(tmp_path):
     assert 0 < local["fast_cpu_us"] <= local["fast_wall_us"] * 1.5 and local["python_cpu_us"] > 0
     assert local["pieces_us"]["copy: Core.submit of the plan (C call + inline memmove)"] > 0
     assert tcp["drains_per_push_fast"] > 0 and tcp["launch_us"] > 0 and tcp["drain_fast_us"] > 0
+
+
+def test_an_output_prefix_given_as_the_plots_name_is_not_doubled(tmp_path):
+    """`--out x.png` (or x.json) names the outputs x.png and x.json, not x.png.png; the
+    prefix's directory is made."""
+    from kvengine.bench.common import out_paths
+    for given in ("run.png", "run.json", "run"):
+        assert out_paths(str(tmp_path / "a" / given), None) == (str(tmp_path / "a" / "run.json"),
+                                                                str(tmp_path / "a" / "run.png"))
+    assert (tmp_path / "a").is_dir()
+    assert out_paths(str(tmp_path / "run.png"), "elsewhere.json") == ("elsewhere.json", str(tmp_path / "run.png"))

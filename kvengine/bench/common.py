@@ -337,7 +337,11 @@ def save_outputs(json_path: str, png_path: str, data: Report, plot: Callable[[Re
 
 
 def out_paths(out: str, json_path: str | None) -> tuple[str, str]:
-    """(json path, png path) from --out PREFIX and --json PATH."""
+    """(json path, png path) from --out PREFIX and --json PATH (a PREFIX given as the
+    PNG's or the JSON's name, ``x.png``, is taken for ``x``: not ``x.png.png``)."""
+    root, ext = os.path.splitext(out)
+    if ext in (".png", ".json"):
+        out = root
     d = os.path.dirname(out)
     if d:
         os.makedirs(d, exist_ok=True)

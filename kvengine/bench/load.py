@@ -12,8 +12,8 @@ bytes. Each offered load runs twice, with EngineOptions(scheduling="edf") and
 with scheduling="fifo" (the same engine with ordering off), on the same
 arrival sequence. Reported: throughput, p50/p99 latency of each class (a push that missed its
 deadline counts at its deadline, which flatters FIFO), deadline misses
-(transfers that resolved LLM_TIMEOUT). Writes load.json and
-load.png under --out (default ./kvengine-bench/).
+(transfers that resolved LLM_TIMEOUT). Writes PREFIX.json and PREFIX.png
+(--out PREFIX, default kvengine-bench/load).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 import kvengine as kv
 from kvengine._peer import PeerProcess
-from .common import Report, save_outputs
+from .common import Report, out_paths, save_outputs
 
 S = kv.LLMStatusCode
 LAYER_HALF = 32 << 10          # K and V of one layer: 2 x 32 KiB
@@ -226,11 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
     results = uvloop.run(main_async(args))
     summarize(results)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     results["meta"] = {"argv": sys.argv[1:], "time": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
                        "layer_bytes": 2 * LAYER_HALF, "big_bytes": 2 * BIG_ROW, "big_share": BIG_SHARE,
                        "layer_deadline_s": LAYER_DEADLINE, "big_deadline_s": BIG_DEADLINE}
-    print(save_outputs(args.out + ".json", args.out + ".png", results, plot))
+    print(save_outputs(*out_paths(args.out, None), results, plot))
     return 0
 
 
