@@ -827,6 +827,7 @@ class Receiver:
     def __init__(self, s, ack: bool, abort_ack: str) -> None:
         self.ack, self.abort_ack = ack, abort_ack
         self.got: dict[int, int] = {}
+        self.frames: list[int] = []   # the payload length of each DATA frame, as it came
         self.aborts = 0
         self.tasks = [asyncio.ensure_future(self._serve(i, d)) for i, d in enumerate(s.data)]
 
@@ -837,6 +838,7 @@ class Receiver:
                 return
             h, _ = item
             if h["type"] == hostile.DATA:
+                self.frames.append(h["length"])
                 d.send(hostile.header(hostile.CREDIT, xfer=h["xfer"], length=h["length"]))
                 n = self.got[h["xfer"]] = self.got.get(h["xfer"], 0) + h["length"]
                 if self.ack and n == h["total"]:

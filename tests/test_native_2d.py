@@ -192,10 +192,10 @@ def test_tcp_2d_push_and_pull_land_byte_exact():
 
 
 def test_tcp_frames_sent_in_pieces_land_byte_exact():
-    """A push of at most 4 MiB goes out in sendmsg calls of at most 256 KiB
-    (kv_tcp.c, send_max): with 1 MiB frames, a DATAV frame's gathered runs and a
-    DATA frame's payload are cut mid-run between calls; every byte still lands
-    in place, once, and nothing beside it."""
+    """A push of at most 4 MiB goes out in frames of at most 512 KiB (kv_tcp.c,
+    frame_bytes) and sendmsg calls of at most 256 KiB (send_max): a DATAV frame's
+    gathered runs and a DATA frame's payload are cut mid-run between frames and
+    between calls; every byte still lands in place, once, and nothing beside it."""
     a, b = _linked_pair(chunk=1 << 20)
     try:
         n = 4 << 20
@@ -207,10 +207,10 @@ def test_tcp_frames_sent_in_pieces_land_byte_exact():
         st, peer_dst = b.region_add(_native.REGION_TCP, 5, ra_dst, n)
         assert st == S.LLM_SUCCESS
         jid = 0
-        # DATAV: runs of 300001 bytes (not a divisor of 256 KiB), gathered 3 to a 1 MiB
-        # frame, apart on both sides or (even k) back to back at the destination
+        # DATAV: runs of 300001 bytes (not a divisor of 256 KiB), gathered into 512 KiB
+        # frames, apart on both sides or (even k) back to back at the destination
         rows = [(rb_src, 7 + k * 310_000, peer_dst, 11 + k * 300_001 + (k // 2) * 49, 300_001) for k in range(9)]
-        # DATA: one contiguous run of 1 MiB + 5 bytes (a full frame and a tail)
+        # DATA: one contiguous run of 1 MiB + 5 bytes (two full frames and a tail)
         for segs in (rows, [(rb_src, 100, peer_dst, 2_800_011, (1 << 20) + 5)]):
             jid += 1
             want = dst.copy()

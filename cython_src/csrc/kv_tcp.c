@@ -51,6 +51,9 @@ typedef struct {
 #ifndef KV_SEND_MAX
 #define KV_SEND_MAX (256u << 10)        /* a push of at most KV_SEND_SMALL: payload bytes per sendmsg */
 #endif
+#ifndef KV_SMALL_FRAME
+#define KV_SMALL_FRAME (512u << 10)     /* a push of at most KV_SEND_SMALL: payload bytes per frame (frame_bytes) */
+#endif
 #define KV_SEND_SMALL (4ull << 20)      /* (docs/tuning.md, "sendmsg size") */
 #define KV_RECV_IOV 64   /* pieces one readv scatters into at most */
 
@@ -739,13 +742,26 @@ static void claim_advance(kv_link *l, kv_tcp_job *j, uint64_t len) {
     }
 }
 
-/* The next frame of push `j` for a peer that takes DATAV: up to chunk_bytes
- * from the claim point, across rows and segments while they name one region of
+/* The most payload one DATA/DATAV frame of a push of `total` bytes carries: a
+ * chunk; for a push of at most KV_SEND_SMALL, KV_SMALL_FRAME (each frame is
+ * CREDITed by the receiver as soon as it is in). On loopback under BBR a 1 MiB
+ * push in one frame took 233-298 us and TCP retransmitted ~20 segments
+ * (spuriously) per 4,000 pushes; in two frames of 512 KiB it took 127-188 us
+ * with none; under cubic 125-130 us either way (docs/benchmarks.md, "1 MiB
+ * pushes in two frames"). Pushes of 512 KiB and 2-4 MiB did not move, and
+ * large pushes keep whole chunks: 256 KiB frames made a 64 MiB push ~25%
+ * slower, and 256 KiB frames cost a 1 MiB push ~20% under cubic. */
+static uint64_t frame_bytes(uint64_t chunk, uint64_t total) {
+    return total <= KV_SEND_SMALL && KV_SMALL_FRAME < chunk ? KV_SMALL_FRAME : chunk;
+}
+
+/* The next frame of push `j` for a peer that takes DATAV: up to `chunk` bytes
+ * (frame_bytes) from the claim point, across rows and segments while they name one region of
  * the peer, as one DATAV (a piece list, the payload gathered by sendmsg), or as
  * one DATA if that is a single run on both sides. Returns 0 (nothing claimed)
  * if it is a single run of at most a row: the caller sends DATA as before; or if
  * out of memory (the same). Caller holds c->lock. */
-static int datav_claim(kv_net *n, kv_conn *k, kv_link *l, kv_tcp_job *j) {
+static int datav_claim(kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_t chunk) {
     if (!k->out_vec) {
         k->out_vec = malloc((KV_MAX_PIECES + 2) * sizeof *k->out_vec);
         k->out_list = malloc(KV_MAX_PIECES * sizeof *k->out_list);
@@ -758,7 +774,7 @@ static int datav_claim(kv_net *n, kv_conn *k, kv_link *l, kv_tcp_job *j) {
         }
     }
     const kv_segment *segs = j->job.segments;
-    uint64_t chunk = n->core->chunk_bytes, bytes = 0, off = j->job.claim_offset, src, dst;
+    uint64_t bytes = 0, off = j->job.claim_offset, src, dst;
     size_t seg = j->job.claim_segment, np = 0, nv = 2;
     uint32_t region = segs[seg].remote_region;
     kv_piece *list = k->out_list;
@@ -871,12 +887,13 @@ static int next_frame(kv_net *n, kv_conn *k) {
             continue;
         if (!j->is_pull && !push_ok)
             continue;
-        if (!j->is_pull && k->peer_datav && datav_claim(n, k, l, j)) {
+        uint64_t most = j->is_pull ? chunk : frame_bytes(chunk, j->job.total_bytes);
+        if (!j->is_pull && k->peer_datav && datav_claim(k, l, j, most)) {
             j->frames++;
             goto start;
         }
         const kv_segment *s = &j->job.segments[j->job.claim_segment];
-        uint64_t off = j->job.claim_offset, src, dst, len = kv_seg_run(s, off, chunk, &src, &dst); /* one row at most */
+        uint64_t off = j->job.claim_offset, src, dst, len = kv_seg_run(s, off, most, &src, &dst); /* one row at most */
         size_t seg = j->job.claim_segment;
         claim_advance(l, j, len);
         if (j->is_pull) { /* (segments of pulls are 1-D: the core expands 2-D ones) */
