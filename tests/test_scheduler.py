@@ -60,27 +60,23 @@ async def test_queued_transfers_past_their_deadline_never_start(sched_transport)
     p, d = await make_pair(sched_transport, max_inflight_bytes=64 << 10, piece_bytes=64 << 10)
     try:
         await link(p, d)
-        await _deadline_passes_in_the_queue(p, d)
+        big_src, big_dst = await caches(p, d, kv.CacheDesc(2, (1, 128 << 20), np.uint8))
+        row = 2 * p.options.inline_threshold   # above the inline threshold: these queue
+        src, dst = await caches(p, d, kv.CacheDesc(1, (64, row), np.uint8))
+        big = p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst.cache_id, 0), timeout=30, priority=10)
+        # lower priority, each above the inline threshold: they queue behind the big push
+        waiting = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r, timeout=0.005)
+                   for r in range(64)]
+        statuses = await asyncio.gather(*waiting)
+        assert not big.done(), "the big push was through before the deadlines: the test proves nothing"
+        assert statuses == [S.LLM_TIMEOUT] * 64
+        assert all("had not started" in t.message() for t in waiting)
+        assert all(t.nbytes == 0 for t in waiting)
+        assert await big == S.LLM_SUCCESS
+        assert not dst.tensors[0].any(), "a transfer that timed out in the queue touched the destination"
     finally:
         await p.close()
         await d.close()
-
-
-async def _deadline_passes_in_the_queue(p, d):
-    big_src, big_dst = await caches(p, d, kv.CacheDesc(2, (1, 128 << 20), np.uint8))
-    row = 2 * p.options.inline_threshold   # above the inline threshold: these queue
-    src, dst = await caches(p, d, kv.CacheDesc(1, (64, row), np.uint8))
-    big = p.submit_push_kv_cache(big_src, kv.CacheIndex(2, big_dst.cache_id, 0), timeout=30, priority=10)
-    # lower priority, each above the inline threshold: they queue behind the big push
-    waiting = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, r), r, timeout=0.005)
-               for r in range(64)]
-    statuses = await asyncio.gather(*waiting)
-    assert not big.done(), "the big push was through before the deadlines: the test proves nothing"
-    assert statuses == [S.LLM_TIMEOUT] * 64
-    assert all("had not started" in t.message() for t in waiting)
-    assert all(t.nbytes == 0 for t in waiting)
-    assert await big == S.LLM_SUCCESS
-    assert not dst.tensors[0].any(), "a transfer that timed out in the queue touched the destination"
 
 
 async def test_transfers_queued_in_the_core_past_their_deadline_never_start():
@@ -93,7 +89,8 @@ async def test_transfers_queued_in_the_core_past_their_deadline_never_start():
     p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", kv.EngineOptions(transport="tcp", **hb)).start()
     peer = await PeerProcess.start(cluster_id=2, transport="tcp", options=hb)
     try:
-        await link(p, _Cluster(peer))
+        st, per = await p.link_clusters([kv.ClusterInfo(2, peer.address)])
+        assert st == S.LLM_SUCCESS, per
         row = 2 * p.options.inline_threshold
         big_dst = (await peer.call("alloc", n=1, shape=[1, 128 << 20], dtype="uint8"))["cache_id"]
         dst = (await peer.call("alloc", n=1, shape=[64, row], dtype="uint8", fill=7))["cache_id"]
@@ -120,13 +117,6 @@ async def test_transfers_queued_in_the_core_past_their_deadline_never_start():
     finally:
         await p.close()
         await peer.close()
-
-
-class _Cluster:
-    """What :func:`conftest.link` needs of a peer process: its cluster id and address."""
-
-    def __init__(self, peer: PeerProcess) -> None:
-        self.cluster_id, self.address = 2, peer.address
 
 
 async def test_finished_transfers_leave_the_deadline_heap(spair):
