@@ -755,13 +755,13 @@ static uint64_t frame_bytes(uint64_t chunk, uint64_t total) {
     return total <= KV_SEND_SMALL && KV_SMALL_FRAME < chunk ? KV_SMALL_FRAME : chunk;
 }
 
-/* The next frame of push `j` for a peer that takes DATAV: up to `chunk` bytes
- * (frame_bytes) from the claim point, across rows and segments while they name one region of
- * the peer, as one DATAV (a piece list, the payload gathered by sendmsg), or as
- * one DATA if that is a single run on both sides. Returns 0 (nothing claimed)
+/* The next frame of push `j` for a peer that takes DATAV: up to `most` bytes
+ * (frame_bytes) from the claim point, across rows and segments while they name
+ * one region of the peer, as one DATAV (a piece list, the payload gathered by
+ * sendmsg), or as one DATA if that is a single run on both sides. Returns 0 (nothing claimed)
  * if it is a single run of at most a row: the caller sends DATA as before; or if
  * out of memory (the same). Caller holds c->lock. */
-static int datav_claim(kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_t chunk) {
+static int datav_claim(kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_t most) {
     if (!k->out_vec) {
         k->out_vec = malloc((KV_MAX_PIECES + 2) * sizeof *k->out_vec);
         k->out_list = malloc(KV_MAX_PIECES * sizeof *k->out_list);
@@ -779,8 +779,8 @@ static int datav_claim(kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_t chunk) {
     uint32_t region = segs[seg].remote_region;
     kv_piece *list = k->out_list;
     struct iovec *vec = k->out_vec;
-    while (bytes < chunk && np < KV_MAX_PIECES && nv < KV_MAX_PIECES + 2 && segs[seg].remote_region == region) {
-        uint64_t t = kv_seg_run(&segs[seg], off, chunk - bytes, &src, &dst);
+    while (bytes < most && np < KV_MAX_PIECES && nv < KV_MAX_PIECES + 2 && segs[seg].remote_region == region) {
+        uint64_t t = kv_seg_run(&segs[seg], off, most - bytes, &src, &dst);
         if (np && list[np - 1].offset + list[np - 1].len == dst) {
             list[np - 1].len += t;
         } else {
