@@ -324,7 +324,13 @@ static int process_gone(int pidfd) {
 /* Streamed copies read this far ahead in software, across the end of a run
  * into the next one (the next row, or the next segment): a paged job's runs
  * start at scattered blocks, where the hardware prefetcher would learn each
- * block's stream anew and the first misses of every block wait in full. */
+ * block's stream anew and the first misses of every block wait in full.
+ * Within a run only the first two lines of each 4 KiB page are prefetched
+ * (the hardware prefetcher follows a stream inside a page, not across one);
+ * rows of a 2-D segment are prefetched whole, into L2. Every line into L1
+ * made the Intel Xeon VM's paged pushes 5-15% slower (inferred: the misses
+ * it starts hold fill buffers the streaming stores need): docs/benchmarks.md,
+ * "Prefetching less". */
 #define KV_PREFETCH_AHEAD 4096u
 
 /* Stream this run? Long runs always; shorter ones (a head range's rows, 1 KiB
@@ -360,9 +366,13 @@ __attribute__((target("avx2"))) static inline void stream_128(uint8_t *d, const 
     _mm256_stream_si256((__m256i *)(void *)(d + 96), e);
 }
 
+/* p is in the first 128 bytes of a 4 KiB page (a 128-byte step lands there once a page) */
+static inline int page_start(const uint8_t *p) { return ((uintptr_t)p & 4095) < 128; }
+
 /* n bytes from s to d with 32-byte aligned streaming stores (the ragged ends
- * with memcpy), reading KV_PREFETCH_AHEAD bytes ahead: in this run, then in
- * the next run (`next_len` bytes at `next`; 0 for none). A prefetch never faults. The caller
+ * with memcpy), reading KV_PREFETCH_AHEAD bytes ahead: in this run the start
+ * of each page, then in the next run (`next_len` bytes at `next`; 0 for none),
+ * every line. A prefetch never faults. The caller
  * fences (sfence) before anyone is told. */
 __attribute__((target("avx2"))) static void copy_stream(uint8_t *d, const uint8_t *s, size_t n, const uint8_t *next, size_t next_len) {
     size_t head = (32 - ((uintptr_t)d & 31)) & 31;
@@ -375,14 +385,17 @@ __attribute__((target("avx2"))) static void copy_stream(uint8_t *d, const uint8_
         n -= head;
     }
     for (; n >= 128 + KV_PREFETCH_AHEAD; d += 128, s += 128, n -= 128) {
-        _mm_prefetch((const char *)s + KV_PREFETCH_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)s + KV_PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        if (page_start(s + KV_PREFETCH_AHEAD)) {
+            _mm_prefetch((const char *)s + KV_PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)s + KV_PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        }
         stream_128(d, s);
     }
     for (; n >= 128; d += 128, s += 128, n -= 128) {
-        /* the ahead point: still in this run, or (near its end) in the next
-         * (not past the next run's end: a short row's neighbour is not read) */
-        const char *p = n > KV_PREFETCH_AHEAD ? (const char *)s + KV_PREFETCH_AHEAD
+        /* the ahead point: still in this run (a page's start), or (near its end)
+         * in the next (not past the next run's end: a short row's neighbour is not read) */
+        const uint8_t *ahead = s + KV_PREFETCH_AHEAD;
+        const char *p = n > KV_PREFETCH_AHEAD ? (page_start(ahead) ? (const char *)ahead : NULL)
                         : KV_PREFETCH_AHEAD - n < next_len ? (const char *)next + (KV_PREFETCH_AHEAD - n) : NULL;
         if (p) {
             _mm_prefetch(p, _MM_HINT_T0);
@@ -399,7 +412,7 @@ __attribute__((target("avx2"))) static void copy_stream(uint8_t *d, const uint8_
 /* Whole rows of a 2-D segment whose rows are short whole cache lines (a head
  * range's 1 KiB rows: `len` a multiple of 64, below KV_STREAM_MIN_RUN, every
  * destination row 64-byte aligned): one tight loop, not a copy_stream call per
- * row, reading the row KV_PREFETCH_AHEAD bytes ahead (near the end, the first
+ * row, reading the row KV_PREFETCH_AHEAD bytes ahead into L2 (near the end, the first
  * rows of the next segment: `next` rows of `next_len` bytes `next_stride`
  * apart; next_rows 0 for none). 1.2-1.3x copy_stream row by row in a C loop of
  * vLLM-shaped head-split blocks on this VM. The caller fences. */
@@ -419,14 +432,14 @@ __attribute__((target("avx2"))) static void copy_rows_stream(uint8_t *d, const u
         size_t o = 0;
         for (; o + 128 <= len; o += 128) {
             if (p && o < plen) {
-                _mm_prefetch((const char *)p + o, _MM_HINT_T0);
-                _mm_prefetch((const char *)p + o + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + o, _MM_HINT_T2);
+                _mm_prefetch((const char *)p + o + 64, _MM_HINT_T2);
             }
             stream_128(d + o, s + o);
         }
         if (o < len) { /* the last 64 bytes */
             if (p && o < plen)
-                _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + o, _MM_HINT_T2);
             _mm256_stream_si256((__m256i *)(void *)(d + o), _mm256_loadu_si256((const __m256i *)(const void *)(s + o)));
             _mm256_stream_si256((__m256i *)(void *)(d + o + 32),
                                 _mm256_loadu_si256((const __m256i *)(const void *)(s + o + 32)));
