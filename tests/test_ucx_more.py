@@ -118,6 +118,33 @@ async def test_notifications_over_ucx_once_and_after_the_bytes(tls):
         await d.close()
 
 
+# ------------------------------------------------------------------ the operator's log
+
+async def test_a_shared_memory_link_logs_no_ucx_error(monkeypatch, capfd):
+    """Over shared memory alone UCX cannot report a peer's failure, so UCP refuses the
+    first endpoint (asked for with its error handling) and kvengine makes it without.
+    That refusal is expected: UCX's "no peer failure handler" ERROR must not reach the
+    operator's log, from either process, and the link works."""
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    monkeypatch.delenv("KVENGINE_UCX_PEER_ERRORS", raising=False)
+    peer = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET)
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts()).start()
+    try:
+        dst = (await peer.call("alloc", n=2, shape=[4, 4096], dtype="uint8"))["cache_id"]
+        st, per = await p.link_clusters([kv.ClusterInfo(2, peer.address)])
+        assert st == S.LLM_SUCCESS, per
+        await p.wait_remote_cache(2, dst)
+        src = filled(p, kv.CacheDesc(2, (4, 4096), np.uint8), seed=5)
+        assert await p.push_kv_cache(src, kv.CacheIndex(2, dst, 1), 1, timeout=10) == S.LLM_SUCCESS
+        got = (await peer.call("digest", cache_id=dst))["rows"]
+        assert [g[1] for g in got] == [r[1] for r in row_digests(src.tensors)]
+    finally:
+        await p.close()
+        await peer.close()
+    err = capfd.readouterr().err
+    assert "no peer failure handler" not in err and "UCX  ERROR" not in err, err[-3000:]
+
+
 # ------------------------------------------------------------------ a stopped peer
 
 HB = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "link_timeout": 2.0}

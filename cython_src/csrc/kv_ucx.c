@@ -148,7 +148,16 @@ uint32_t kv_ucx_test_send(kv_core *c, uint32_t link_id, const uint8_t *hdr, size
 #include <time.h>
 #include <unistd.h>
 
+#include <stdarg.h>
 #include <ucp/api/ucp.h>
+
+/* UCX's log handler chain, from ucs/debug/log_def.h (not includable under -std=c99:
+ * the headers it pulls in use `asm`): a handler returns STOP (0) or CONTINUE (1). */
+typedef enum { KV_UCS_LOG_STOP, KV_UCS_LOG_CONTINUE } kv_ucs_log_rc;
+typedef kv_ucs_log_rc (*kv_ucs_log_func)(const char *file, unsigned line, const char *function,
+                                         ucs_log_level_t level, const ucs_log_component_config_t *comp_conf,
+                                         const char *message, va_list ap);
+void ucs_log_push_handler(kv_ucs_log_func handler);
 
 #define UCX_TICK_NS 100000000ull  /* timers are looked at least this often */
 #define UCX_BUSY_TICK_MS 1        /* while requests are outstanding: progress at least every 1 ms */
@@ -438,6 +447,30 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
 
 /* ---------------------------------------------------------------- start */
 
+/* An endpoint is first asked for with UCX's peer-failure reports; where the transports
+ * cannot give them (shared memory: posix, sysv, cma) UCP refuses and logs an ERROR
+ * ("no active messages transport to ...: ... no peer failure handler"), and run_cmd
+ * creates the endpoint without them. That refusal is expected, so UCX's errors and
+ * warnings logged by this thread during that first attempt are dropped (a retry that
+ * fails too logs as usual). The handler goes first in UCX's chain, once a process. */
+static __thread int quiet_attempt;
+
+static kv_ucs_log_rc quiet_log(const char *file, unsigned line, const char *function, ucs_log_level_t level,
+                               const ucs_log_component_config_t *comp_conf, const char *message, va_list ap) {
+    (void)file;
+    (void)line;
+    (void)function;
+    (void)comp_conf;
+    (void)message;
+    (void)ap;
+    return quiet_attempt && (level == UCS_LOG_LEVEL_ERROR || level == UCS_LOG_LEVEL_WARN) ? KV_UCS_LOG_STOP
+                                                                                           : KV_UCS_LOG_CONTINUE;
+}
+
+static pthread_once_t quiet_once = PTHREAD_ONCE_INIT;
+
+static void quiet_install(void) { ucs_log_push_handler(quiet_log); }
+
 static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
     pthread_mutex_lock(&c->lock);
     kv_ucx *u = c->closed ? NULL : ucx_of(c);
@@ -472,6 +505,8 @@ static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
      * trades UCX's own peer-failure reports for the zero-copy protocols */
     const char *pe = getenv("KVENGINE_UCX_PEER_ERRORS");
     u->peer_errors = !(pe && strcmp(pe, "0") == 0);
+    if (u->peer_errors)
+        pthread_once(&quiet_once, quiet_install);
     ucp_config_t *config = NULL;
     if (ucp_config_read(NULL, NULL, &config) != UCS_OK)
         goto fail;
@@ -1853,7 +1888,13 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
             .err_handler = {.cb = ep_error, .arg = l},
         };
         l->peer_errors = 1;
-        if (!u->peer_errors || ucp_ep_create(u->worker, &ep, &l->ep) != UCS_OK) {
+        ucs_status_t first = UCS_ERR_UNSUPPORTED;
+        if (u->peer_errors) {
+            quiet_attempt = 1;
+            first = ucp_ep_create(u->worker, &ep, &l->ep);
+            quiet_attempt = 0;
+        }
+        if (first != UCS_OK) {
             /* asked for (KVENGINE_UCX_PEER_ERRORS=0: UCX then picks its zero-copy
              * rendezvous, docs/benchmarks.md "UCX throughput, tuned"), or the
              * transports in use cannot report a peer failure (shared memory:
