@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from kvengine.native import _native
+
 BASELINES = {"shm": ["memcpy", "memcpy 2 threads"], "tcp": ["raw socket"]}
 
 
@@ -143,18 +145,25 @@ def test_bench_memory_numpy_runs_on_shm_and_both_only_over_ucx(tmp_path):
     assert r["results"]["kvengine"]["n"] >= 300
 
 
-def test_bench_soak_samples_at_rest_and_says_flat(tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_bench_soak_samples_at_rest_and_says_flat(transport, tmp_path):
     """A short soak (4 cycles of 1 s): the rest samples, the verdict, the notification
-    accounting (each successful notified push received and consumed once)."""
+    accounting (each successful notified push received and consumed once); over ucx also
+    UCX's receives and endpoint closes, none left at rest."""
+    if transport == "ucx" and not _native.UCX:
+        pytest.skip("kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild")
     prefix = tmp_path / "soak"
-    out = bench("soak", "--minutes", "0.05", "--cycle", "1", "--out", str(prefix))
+    out = bench("soak", "--transport", transport, "--minutes", "0.05", "--cycle", "1", "--out", str(prefix))
     assert "soak: flat" in out, out[-2000:]
     r = json.loads((tmp_path / "soak.json").read_text())
-    assert len(r["samples"]) == 4 and r["problems"] == []
+    assert r["transport"] == transport and len(r["samples"]) == 4 and r["problems"] == []
     assert r["notified_ok"] > 0 and r["notifications"]["received"] == r["notes_taken"] == r["notified_ok"]
     assert set(r["statuses"]) == {"LLM_SUCCESS"}
     for s in r["samples"]:
         assert s["prefill_live"]["jobs_live"] == 0 and s["decode"]["fds"] > 0
+        if transport == "ucx":
+            for side in ("prefill_live", "decode_live"):
+                assert s[side]["ucx_rx_pending"] == s[side]["ucx_ep_closing"] == 0, s
     check_png(prefix, out)
 
 

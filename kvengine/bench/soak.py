@@ -1,6 +1,6 @@
 """Soak: mixed load between two engines for N minutes; does anything grow?
 
-    kvengine bench soak --minutes 10            # tcp (the default), or --transport shm
+    kvengine bench soak --minutes 10            # tcp (the default), or --transport shm|ucx
     kvengine bench soak --minutes 1 --cycle 10  # a quick look
 
 A prefill engine here and a decode engine in a child process (kvengine._peer).
@@ -17,7 +17,8 @@ processes at rest:
 - at rest (the decode side has consumed the rest of its notifications and mapped
   the new prefill cache, so no announcement is in flight): RSS (VmRSS),
   open fds and threads of each process (/proc) and the native live counters
-  (jobs_live, regions_live, tcp_conns) of each engine are sampled. Notifications:
+  (jobs_live, regions_live, tcp_conns; over ucx also the receives pending or
+  orphaned and the endpoint closes under way) of each engine are sampled. Notifications:
   exactly one per successful notified push, received and consumed.
 
 Passes when, after the warm-up cycles, every rest sample matches the first one
@@ -62,8 +63,13 @@ def proc_sample(pid: int) -> dict[str, int]:
             "threads": len(os.listdir(f"/proc/{pid}/task"))}
 
 
-def live(native: dict[str, int]) -> dict[str, int]:
-    return {k: int(native.get(k, 0)) for k in ("jobs_live", "regions_live", "tcp_conns")}
+LIVE = ("jobs_live", "regions_live", "tcp_conns")
+UCX_LIVE = ("ucx_rx_pending", "ucx_rx_orphans", "ucx_ep_closing")
+
+
+def live(native: dict[str, int], transport: str) -> dict[str, int]:
+    keys = LIVE + (UCX_LIVE if transport == "ucx" else ())
+    return {k: int(native.get(k, 0)) for k in keys}
 
 
 class Soak:
@@ -169,7 +175,8 @@ class Soak:
             await asyncio.sleep(0.01)
         d = (await peer.call("stats"))["stats"]
         return {"cycle": cycle, "t": t, "prefill": proc_sample(os.getpid()), "decode": proc_sample(peer.pid),
-                "prefill_live": live(e.stats()["native"]), "decode_live": live(d["native"])}
+                "prefill_live": live(e.stats()["native"], self.args.transport),
+                "decode_live": live(d["native"], self.args.transport)}
 
     def report(self, notes: dict[str, int]) -> Report:
         base = self.samples[WARMUP]
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=10.0, help="how long (default: %(default)s)")
     ap.add_argument("--cycle", type=float, default=20.0,
                     help="seconds of load between two rest samples (default: %(default)s)")
-    ap.add_argument("--transport", choices=("tcp", "shm"), default="tcp", help="(default: %(default)s)")
+    ap.add_argument("--transport", choices=("tcp", "shm", "ucx"), default="tcp", help="(default: %(default)s)")
     ap.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"),
                     help="event loop (default: %(default)s: uvloop when installed)")
     ap.add_argument("--out", default="kvengine-bench/soak", help="output prefix (default: %(default)s)")
