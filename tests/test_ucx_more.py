@@ -145,6 +145,34 @@ async def test_a_shared_memory_link_logs_no_ucx_error(monkeypatch, capfd):
     assert "no peer failure handler" not in err and "UCX  ERROR" not in err, err[-3000:]
 
 
+async def test_an_unforced_close_is_counted_as_kept(monkeypatch):
+    """UCP destroys an endpoint the peer has connected to only on a forced close (or with
+    the worker), and over shared memory there is no forced close (no error handling):
+    unlinking after traffic leaves the endpoint to the engine's close, and
+    `ucx_ep_kept` says so (docs/reliability.md, "UCX links")."""
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    peer = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET)
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts()).start()
+    try:
+        dst = (await peer.call("alloc", n=2, shape=[2, 4096], dtype="uint8"))["cache_id"]
+        src = filled(p, kv.CacheDesc(2, (2, 4096), np.uint8), seed=6)
+        info = kv.ClusterInfo(2, peer.address)
+        for k in (1, 2):
+            st, per = await p.link_clusters([info])
+            assert st == S.LLM_SUCCESS, per
+            await p.wait_remote_cache(2, dst)
+            assert await p.push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=10) == S.LLM_SUCCESS
+            await p.unlink_clusters([info])
+            end = asyncio.get_running_loop().time() + 5
+            while (native := p.stats()["native"])["ucx_ep_closes"] < k:   # the I/O thread closes it
+                assert asyncio.get_running_loop().time() < end, native
+                await asyncio.sleep(0.005)     # polling a condition with a bound, not a synchronisation
+            assert native["ucx_ep_closes"] == native["ucx_ep_kept"] == k, native
+    finally:
+        await p.close()
+        await peer.close()
+
+
 # ------------------------------------------------------------------ a stopped peer
 
 HB = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "link_timeout": 2.0}

@@ -102,6 +102,8 @@ typedef struct {
     uint64_t ucx_land_pvw;      /* ... and by process_vm_writev into ourselves */
     uint64_t ucx_ep_closes;     /* UCX endpoint closes started (a link failed, or the engine closes) */
     uint64_t ucx_ep_closing;    /* now: closes UCX has not completed (a flush waiting for a stopped peer) */
+    uint64_t ucx_ep_kept;       /* closes without force: UCX keeps such an endpoint (and its transports'
+                                 * resources) until the engine closes once the peer connected to it */
     uint64_t jobs_abandoned;    /* mover jobs kv_core_reap completed LINK_FAILED, a copy of theirs stuck */
     uint64_t movers_stuck;      /* now: retired movers whose copy has not returned */
 } kv_stats;

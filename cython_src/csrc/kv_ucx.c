@@ -1046,14 +1046,21 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
          * flush then waits for a dead peer for good; the receives were abandoned above,
          * so all that stays is UCX's requests and their staging (docs/decisions.md #29).
          * Not over UCX's tcp transport while UCX reported no error (close_forced) */
+        int forced = close_forced(l);
         ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                                                  UCP_OP_ATTR_FIELD_USER_DATA,
-                                 .flags = close_forced(l) ? UCP_EP_CLOSE_FLAG_FORCE : 0,
+                                 .flags = forced ? UCP_EP_CLOSE_FLAG_FORCE : 0,
                                  .cb.send = close_done, .user_data = l};
         ucs_status_ptr_t r = ucp_ep_close_nbx(l->ep, &p);
         l->ep = NULL;
         l->closing = (r == NULL || UCS_PTR_IS_ERR(r)) ? 2 : 1;
         c->stats.ucx_ep_closes++;
+        /* UCP destroys an endpoint the peer connected to (after any traffic) only on a
+         * forced close or with the worker: without force it stays, with its transports'
+         * resources (over shared memory the peer's FIFO and buffers stay mapped here),
+         * until the engine closes (ucp_ep.c ucp_ep_disconnected, "TODO negotiate
+         * disconnect"; docs/reliability.md, "UCX links") */
+        c->stats.ucx_ep_kept += !forced;
         c->stats.ucx_ep_closing += l->closing == 1;
     } else {
         l->closing = 2;
