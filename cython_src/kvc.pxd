@@ -70,6 +70,7 @@ cdef extern from "kv_core.h" nogil:
         uint64_t ucx_ep_closes
         uint64_t ucx_ep_closing
         uint64_t ucx_ep_kept
+        uint64_t ucx_ep_parked
         uint64_t jobs_abandoned
         uint64_t movers_stuck
 

@@ -145,29 +145,48 @@ async def test_a_shared_memory_link_logs_no_ucx_error(monkeypatch, capfd):
     assert "no peer failure handler" not in err and "UCX  ERROR" not in err, err[-3000:]
 
 
-async def test_an_unforced_close_is_counted_as_kept(monkeypatch):
+def _sysv_maps() -> int:
+    """Shared-memory segments (UCX's sysv transport: peers' FIFOs and buffers) mapped here."""
+    with open("/proc/self/maps") as f:
+        return sum("/SYSV" in line for line in f)
+
+
+async def test_a_relinked_peer_reuses_its_endpoint(monkeypatch):
     """UCP destroys an endpoint the peer has connected to only on a forced close (or with
-    the worker), and over shared memory there is no forced close (no error handling):
-    unlinking after traffic leaves the endpoint to the engine's close, and
-    `ucx_ep_kept` says so (docs/reliability.md, "UCX links")."""
+    the worker), and over shared memory there is no forced close (no error handling): a
+    closed link's endpoint would stay until the engine closes, the peer's FIFO and buffers
+    mapped here, one more per link (docs/reliability.md, "UCX links"). It is parked for
+    the peer's next link instead: relinking the same peer three times keeps one endpoint
+    (parked between links, none kept), maps nothing more, and every push lands."""
     monkeypatch.setenv("UCX_TLS", "sm,self")
     peer = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET)
     p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts()).start()
     try:
-        dst = (await peer.call("alloc", n=2, shape=[2, 4096], dtype="uint8"))["cache_id"]
-        src = filled(p, kv.CacheDesc(2, (2, 4096), np.uint8), seed=6)
+        dst = (await peer.call("alloc", n=2, shape=[2, 65536], dtype="uint8"))["cache_id"]
         info = kv.ClusterInfo(2, peer.address)
-        for k in (1, 2):
+        maps = []
+        for k in range(3):
             st, per = await p.link_clusters([info])
             assert st == S.LLM_SUCCESS, per
             await p.wait_remote_cache(2, dst)
-            assert await p.push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=10) == S.LLM_SUCCESS
+            src = filled(p, kv.CacheDesc(2, (2, 65536), np.uint8), seed=6 + k)
+            for row in (0, 1):
+                assert await p.push_kv_cache(src, kv.CacheIndex(2, dst, row), row, timeout=10) == S.LLM_SUCCESS
+            got = (await peer.call("digest", cache_id=dst))["rows"]
+            assert got == row_digests(src.tensors), f"relink {k}: the pushed rows differ"
             await p.unlink_clusters([info])
             end = asyncio.get_running_loop().time() + 5
-            while (native := p.stats()["native"])["ucx_ep_closes"] < k:   # the I/O thread closes it
+            while (native := p.stats()["native"])["ucx_ep_parked"] != 1:   # the I/O thread parks it
                 assert asyncio.get_running_loop().time() < end, native
                 await asyncio.sleep(0.005)     # polling a condition with a bound, not a synchronisation
-            assert native["ucx_ep_closes"] == native["ucx_ep_kept"] == k, native
+            assert native["ucx_ep_kept"] == native["ucx_ep_closes"] == 0, native
+            maps.append(_sysv_maps())
+        assert maps[0] > 0 and maps == [maps[0]] * 3, f"shared-memory mappings per relink: {maps}"
+        end = asyncio.get_running_loop().time() + 5
+        while (d := (await peer.call("stats"))["stats"]["native"])["ucx_ep_parked"] != 1:   # the decode side's
+            assert asyncio.get_running_loop().time() < end, d
+            await asyncio.sleep(0.005)     # polling a condition with a bound, not a synchronisation
+        assert d["ucx_ep_kept"] == 0, d
     finally:
         await p.close()
         await peer.close()

@@ -104,6 +104,7 @@ typedef struct {
     uint64_t ucx_ep_closing;    /* now: closes UCX has not completed (a flush waiting for a stopped peer) */
     uint64_t ucx_ep_kept;       /* closes without force: UCX keeps such an endpoint (and its transports'
                                  * resources) until the engine closes once the peer connected to it */
+    uint64_t ucx_ep_parked;     /* now: endpoints of closed links parked for the peer's next link */
     uint64_t jobs_abandoned;    /* mover jobs kv_core_reap completed LINK_FAILED, a copy of theirs stuck */
     uint64_t movers_stuck;      /* now: retired movers whose copy has not returned */
 } kv_stats;

@@ -165,6 +165,7 @@ void ucs_log_push_handler(kv_ucs_log_func handler);
 #define UCX_CLOSE_WAIT_NS 2000000000ull /* stop: the most a forced close is waited for */
 #define UCX_CLOSE_PIECE_WAIT_NS 50000000ull /* kv_ucx_link_close waits this long at most for a piece */
 #define UCX_AM_ID 7               /* our one active message id */
+#define UCX_PARKED_MAX 64         /* endpoints of closed links kept for the next link to their peer */
 #define UCX_RNDV_MIN (64u << 10)  /* messages from this size go rendezvous (received into staging, landed
                                    * on completion); but see UCX_SHM_EAGER_MAX */
 #define UCX_SHM_EAGER_MAX (64u << 10) /* over a shared-memory AM lane (posix, sysv, xpmem) push messages up
@@ -252,6 +253,7 @@ struct ucx_link {
     int peer_errors;      /* UCP_ERR_HANDLING_MODE_PEER (a forced close is allowed) */
     int shm_am;           /* the endpoint has a shared-memory transport (its AM lane): UCX_SHM_EAGER_MAX */
     ucp_ep_h ep;
+    uint64_t peer_uid;    /* the peer's worker (its address's uid): an endpoint parked for it is reused */
     uint8_t rx_token[KV_UCX_TOKEN]; /* what the peer's headers must carry */
     uint8_t tx_token[KV_UCX_TOKEN]; /* what ours carry */
     uint64_t window, inflight, fence_ns;
@@ -354,6 +356,13 @@ struct kv_ucx {
     ucx_local *unmap;     /* released regions to unmap at the next round (on the I/O thread) */
     ucx_op *orphans;      /* receives of failed links UCX has not ended: they land nothing */
     ucx_stage *stages;    /* staging buffers for reuse */
+    /* endpoints without error handling of closed links, by peer worker, oldest first
+     * (I/O thread only): UCP would keep them anyway (park_ep) */
+    struct {
+        uint64_t uid;
+        ucp_ep_h ep;
+    } parked[UCX_PARKED_MAX];
+    unsigned nparked;
     pid_t pid;            /* ours (copy_rows_into) */
     int self_copy;        /* copy_rows_into may use process_vm_writev */
     int rows_fd;          /* the I/O thread's: a memfd an eager PUSH2D payload passes through (-1: none yet) */
@@ -1008,6 +1017,60 @@ static int close_forced(ucx_link *l) {
     return l->peer_errors && (l->down_status || !ep_has_transport(l->ep, UCX_TCP_TLS, 1)); /* unknown: as tcp */
 }
 
+static void kept_close_done(void *request, ucs_status_t status, void *user_data) {
+    (void)status;
+    (void)user_data;
+    ucp_request_free(request);
+}
+
+/* Park the endpoint of closing link `l` for the next link to the same peer worker,
+ * instead of closing it: 1 if parked (l->ep is NULL then). UCP destroys an endpoint
+ * the peer has connected to (which any traffic makes it) only on a forced close or
+ * with the worker (ucp_ep.c ucp_ep_disconnected: "TODO negotiate disconnect"), and
+ * without UCX's error handling (shared memory; KVENGINE_UCX_PEER_ERRORS=0) there is no
+ * forced close: closed, it would stay until the engine closes, with the peer's FIFO
+ * and buffers mapped here, one per link (docs/reliability.md, "UCX links"). Parked,
+ * the peer's next link reuses it. Nothing of the old link can arrive through it: a
+ * message names its link by token, and that link is closed (refused); its sends still
+ * outstanding complete as they would have in a flush close (the link is freed after
+ * them, link_reap). At most UCX_PARKED_MAX: the oldest is then closed as before (kept
+ * by UCP until the engine closes: ucx_ep_kept). Not while the engine stops (the
+ * worker goes next), nor for endpoints with error handling (closed with force where
+ * allowed), nor over UCX's tcp transport (a flush close, bounded and idle against a
+ * stopped peer: decisions.md #29, #30; kept). Caller holds c->lock. */
+static int park_ep(kv_ucx *u, ucx_link *l) {
+    kv_core *c = u->core;
+    if (l->peer_errors || u->stopped || !l->peer_uid || ep_has_transport(l->ep, UCX_TCP_TLS, 1))
+        return 0;
+    if (u->nparked == UCX_PARKED_MAX) {
+        ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK, .cb.send = kept_close_done};
+        ucs_status_ptr_t r = ucp_ep_close_nbx(u->parked[0].ep, &p);
+        (void)r; /* a request (freed by its callback), NULL or an error: UCP keeps the endpoint either way */
+        c->stats.ucx_ep_closes++;
+        c->stats.ucx_ep_kept++;
+        memmove(&u->parked[0], &u->parked[1], (UCX_PARKED_MAX - 1) * sizeof u->parked[0]);
+        u->nparked--;
+    }
+    u->parked[u->nparked].uid = l->peer_uid;
+    u->parked[u->nparked++].ep = l->ep;
+    l->ep = NULL;
+    c->stats.ucx_ep_parked = u->nparked;
+    return 1;
+}
+
+/* The endpoint parked for peer worker `uid` (taken: no longer parked), or NULL. */
+static ucp_ep_h unpark_ep(kv_ucx *u, uint64_t uid) {
+    for (unsigned i = u->nparked; i-- > 0;) {
+        if (u->parked[i].uid != uid)
+            continue;
+        ucp_ep_h ep = u->parked[i].ep;
+        memmove(&u->parked[i], &u->parked[i + 1], (u->nparked - i - 1) * sizeof u->parked[0]);
+        u->core->stats.ucx_ep_parked = --u->nparked;
+        return ep;
+    }
+    return NULL;
+}
+
 /* The link fails (caller holds c->lock, I/O thread): from now on the handler
  * writes nothing for it; queued jobs end at once, jobs with requests
  * outstanding when UCX ended them (a forced close does at once) or at their
@@ -1040,7 +1103,9 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
             pulls_drop(l, j);
         sig |= job_maybe_done(u, j);
     }
-    if (l->ep) {
+    if (l->ep && park_ep(u, l)) {
+        l->closing = 2;
+    } else if (l->ep) {
         /* forced where the endpoint has UCX's error handling: UCX 1.22 refuses a forced
          * close without it (UCS_ERR_INVALID_PARAM, the endpoint left open), and its
          * flush then waits for a dead peer for good; the receives were abandoned above,
@@ -1887,6 +1952,11 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
             return 0;
         }
         l->u = u;
+        l->peer_uid = aa.worker_uid;
+        if ((l->ep = unpark_ep(u, aa.worker_uid)) != NULL) {
+            l->peer_errors = 0; /* only endpoints without error handling are parked */
+            goto have_ep;
+        }
         ucp_ep_params_t ep = {
             .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                           UCP_EP_PARAM_FIELD_ERR_HANDLER,
@@ -1916,6 +1986,7 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
                 return 0;
             }
         }
+    have_ep:
         l->shm_am = ep_has_transport(l->ep, UCX_SHM_TLS, 0); /* a protocol hint: every message is checked alike */
         l->id = m->link_id;
         memcpy(l->rx_token, m->rx_token, KV_UCX_TOKEN);

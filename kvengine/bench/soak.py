@@ -64,7 +64,7 @@ def proc_sample(pid: int) -> dict[str, int]:
 
 
 LIVE = ("jobs_live", "regions_live", "tcp_conns")
-UCX_LIVE = ("ucx_rx_pending", "ucx_rx_orphans", "ucx_ep_closing", "ucx_ep_kept")
+UCX_LIVE = ("ucx_rx_pending", "ucx_rx_orphans", "ucx_ep_closing", "ucx_ep_kept", "ucx_ep_parked")
 
 
 def live(native: dict[str, int], transport: str) -> dict[str, int]:
