@@ -166,6 +166,12 @@ void ucs_log_push_handler(kv_ucs_log_func handler);
 #define UCX_CLOSE_PIECE_WAIT_NS 50000000ull /* kv_ucx_link_close waits this long at most for a piece */
 #define UCX_AM_ID 7               /* our one active message id */
 #define UCX_PARKED_MAX 64         /* endpoints of closed links kept for the next link to their peer */
+#ifdef KV_TEST_HOOKS
+unsigned kv_test_parked_max = UCX_PARKED_MAX; /* tests/native only: a smaller limit, to reach the eviction */
+#define PARKED_MAX kv_test_parked_max
+#else
+#define PARKED_MAX UCX_PARKED_MAX
+#endif
 #define UCX_RNDV_MIN (64u << 10)  /* messages from this size go rendezvous (received into staging, landed
                                    * on completion); but see UCX_SHM_EAGER_MAX */
 #define UCX_SHM_EAGER_MAX (64u << 10) /* over a shared-memory AM lane (posix, sysv, xpmem) push messages up
@@ -1042,13 +1048,13 @@ static int park_ep(kv_ucx *u, ucx_link *l) {
     kv_core *c = u->core;
     if (l->peer_errors || u->stopped || !l->peer_uid || ep_has_transport(l->ep, UCX_TCP_TLS, 1))
         return 0;
-    if (u->nparked == UCX_PARKED_MAX) {
+    if (u->nparked >= PARKED_MAX) {
         ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK, .cb.send = kept_close_done};
         ucs_status_ptr_t r = ucp_ep_close_nbx(u->parked[0].ep, &p);
         (void)r; /* a request (freed by its callback), NULL or an error: UCP keeps the endpoint either way */
         c->stats.ucx_ep_closes++;
         c->stats.ucx_ep_kept++;
-        memmove(&u->parked[0], &u->parked[1], (UCX_PARKED_MAX - 1) * sizeof u->parked[0]);
+        memmove(&u->parked[0], &u->parked[1], (u->nparked - 1) * sizeof u->parked[0]);
         u->nparked--;
     }
     u->parked[u->nparked].uid = l->peer_uid;

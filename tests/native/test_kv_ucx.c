@@ -394,6 +394,98 @@ static void test_loopback(void) {
     kv_core_free(b);
 }
 
+extern unsigned kv_test_parked_max; /* kv_ucx.c (KV_TEST_HOOKS): endpoints parked at most */
+
+/* A push of N bytes of src from `a` into the region `rr` names (a's view of a peer's). */
+static void push_ok(kv_core *a, uint64_t job, uint32_t rs, uint32_t rr) {
+    uint64_t seg[5] = {rs, 0, rr, 0, N};
+    int done;
+    uint64_t nb;
+    CHECK_EQ(kv_core_submit(a, job, seg, 1, 0, &done, &nb), 0);
+    kv_completion cp;
+    CHECK(wait_for(a, job, &cp));
+    CHECK_EQ(cp.status, 0);
+    CHECK_EQ(cp.nbytes, N);
+}
+
+/* Over shared memory a closed link's endpoint is parked for the same peer's next link
+ * (UCP would keep it until the engine closes: no forced close without error handling),
+ * at most kv_test_parked_max (1 here): a's links to b, then to c, each with a push, are
+ * closed: b's endpoint is parked, then closed to make room for c's (ucx_ep_kept); a new
+ * link to c takes c's back, and its push lands. */
+static void test_park(void) {
+    g_test = "park";
+    const char *tls = getenv("UCX_TLS");
+    char *saved = tls ? strdup(tls) : NULL;
+    setenv("UCX_TLS", "sm,self", 1);
+    kv_test_parked_max = 1;
+    kv_core *a, *b, *c;
+    uint8_t ta[KV_UCX_TOKEN], tb[KV_UCX_TOKEN], tc[KV_UCX_TOKEN], td[KV_UCX_TOKEN];
+    pair(&a, &b, ta, tb); /* link 1: a <-> b */
+    uint8_t addr_a[KV_UCX_MAX_BLOB], addr_c[KV_UCX_MAX_BLOB];
+    size_t la = sizeof addr_a, lc = sizeof addr_c;
+    CHECK_EQ(kv_core_new(&c, 1, 1 << 20), 0);
+    CHECK_EQ(kv_ucx_address(a, addr_a, &la), 0);
+    CHECK_EQ(kv_ucx_address(c, addr_c, &lc), 0);
+    for (int i = 0; i < KV_UCX_TOKEN; i++) {
+        tc[i] = (uint8_t)rnd();
+        td[i] = (uint8_t)rnd();
+    }
+    CHECK_EQ(kv_ucx_link_add(a, 2, addr_c, lc, tc, td, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
+    CHECK_EQ(kv_ucx_link_add(c, 2, addr_a, la, td, tc, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
+    for (unsigned k = 0; k < N; k++)
+        src[k] = (uint8_t)(k * 11 + 3);
+    memset(arena, 0, sizeof arena);
+    uint32_t rs, rdb, rdc, rrb, rrc;
+    CHECK_EQ(kv_region_add(a, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)src, N, KV_REGION_F_EXPORT, &rs), 0);
+    CHECK_EQ(kv_region_add(b, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)arena, N, KV_REGION_F_EXPORT, &rdb), 0);
+    CHECK_EQ(kv_region_add(c, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)(arena + N), N, KV_REGION_F_EXPORT, &rdc), 0);
+    CHECK_EQ(kv_ucx_mem_map(a, rs), 0);
+    CHECK_EQ(kv_ucx_mem_map(b, rdb), 0);
+    CHECK_EQ(kv_ucx_mem_map(c, rdc), 0);
+    CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 1, rdb, N, 0, &rrb), 0);
+    CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 2, rdc, N, 0, &rrc), 0);
+    push_ok(a, 31, rs, rrb);
+    push_ok(a, 32, rs, rrc);
+    CHECK(memcmp(arena, src, N) == 0 && memcmp(arena + N, src, N) == 0);
+    size_t parked = offsetof(kv_stats, ucx_ep_parked), kept = offsetof(kv_stats, ucx_ep_kept);
+    CHECK_EQ(kv_ucx_link_close(a, 1, KV_LLM_LINK_FAILED), 0); /* b's endpoint: parked */
+    CHECK(wait_stat(a, parked, 0));
+    CHECK_EQ(stat_of(a, kept), 0);
+    CHECK_EQ(kv_ucx_link_close(a, 2, KV_LLM_LINK_FAILED), 0); /* c's: parked, b's closed for room */
+    CHECK(wait_stat(a, kept, 0));
+    CHECK_EQ(stat_of(a, parked), 1);
+    CHECK_EQ(stat_of(a, offsetof(kv_stats, ucx_ep_closes)), 1);
+    /* c links again (new tokens, link 3): a takes c's endpoint back, the push lands */
+    CHECK_EQ(kv_ucx_link_close(c, 2, KV_LLM_LINK_FAILED), 0);
+    for (int i = 0; i < KV_UCX_TOKEN; i++) {
+        tc[i] = (uint8_t)rnd();
+        td[i] = (uint8_t)rnd();
+    }
+    CHECK_EQ(kv_ucx_link_add(a, 3, addr_c, lc, tc, td, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
+    CHECK_EQ(kv_ucx_link_add(c, 3, addr_a, la, td, tc, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
+    CHECK_EQ(stat_of(a, parked), 0);
+    uint32_t rrc3;
+    CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 3, rdc, N, 0, &rrc3), 0);
+    memset(arena + N, 0, N);
+    push_ok(a, 33, rs, rrc3);
+    CHECK(memcmp(arena + N, src, N) == 0);
+    CHECK_EQ(stat_of(a, kept), 1);
+    kv_core_close(a);
+    kv_core_close(b);
+    kv_core_close(c);
+    kv_core_free(a);
+    kv_core_free(b);
+    kv_core_free(c);
+    kv_test_parked_max = 64;
+    if (saved) {
+        setenv("UCX_TLS", saved, 1);
+        free(saved);
+    } else {
+        unsetenv("UCX_TLS");
+    }
+}
+
 /* kv_ucx.c's test hook (built with -DKV_TEST_HOOKS): the landing thread calls it
  * between a piece's checks and its copy. */
 extern void (*kv_test_land_hook)(const int *refused);
@@ -502,6 +594,8 @@ int main(int argc, char **argv) {
     passed++;
 #ifdef KV_HAVE_UCX
     test_loopback();
+    passed++;
+    test_park();
     passed++;
 #else
     printf("(built without UCX: the loopback test did not run)\n");
