@@ -18,7 +18,8 @@ processes at rest:
   the new prefill cache, so no announcement is in flight): RSS (VmRSS),
   open fds and threads of each process (/proc) and the native live counters
   (jobs_live, regions_live, tcp_conns; over ucx also the receives pending or
-  orphaned and the endpoint closes under way) of each engine are sampled. Notifications:
+  orphaned, the endpoint closes under way, and the endpoints kept by UCX or
+  parked for a peer's next link) of each engine are sampled. Notifications:
   exactly one per successful notified push, received and consumed.
 
 Passes when, after the warm-up cycles, every rest sample matches the first one

@@ -418,6 +418,7 @@ static void test_park(void) {
     const char *tls = getenv("UCX_TLS");
     char *saved = tls ? strdup(tls) : NULL;
     setenv("UCX_TLS", "sm,self", 1);
+    unsigned parked_max = kv_test_parked_max;
     kv_test_parked_max = 1;
     kv_core *a, *b, *c;
     uint8_t ta[KV_UCX_TOKEN], tb[KV_UCX_TOKEN], tc[KV_UCX_TOKEN], td[KV_UCX_TOKEN];
@@ -477,7 +478,7 @@ static void test_park(void) {
     kv_core_free(a);
     kv_core_free(b);
     kv_core_free(c);
-    kv_test_parked_max = 64;
+    kv_test_parked_max = parked_max;
     if (saved) {
         setenv("UCX_TLS", saved, 1);
         free(saved);
