@@ -10,7 +10,10 @@
 #   the only source: a shape the Planner has not planned and memoized goes the Python
 #   way), the inline submit and the accounting. Over tcp and ucx the same checks and memo, then
 #   the scheduler's launch (kvengine/scheduler.py) with what Targets.submit would have
-#   passed it: the checks and the plan lookup of the Python path, skipped. Anything else
+#   passed it: the checks and the plan lookup of the Python path, skipped; except a ucx
+#   push of at most 64 KiB with nothing else of its link in flight (one layer), which this
+#   thread drives itself (kv_ucx_submit_driven: posted, UCX's worker progressed here until
+#   the target's ACK, at most 200 us, then handed to the scheduler). Anything else
 #   (a failure, an unusual argument, a local/shm transfer that is not inline) is answered
 #   "not mine" and the Python path (kvengine/targets.py, scheduler.py) runs it, with every
 #   rule and message it has.
@@ -196,6 +199,7 @@ cdef _Plan _plan_of(object packed, uint64_t total):
     return p
 
 
+cdef uint64_t _UCX_DRIVE_MAX = 65536   # ucx pushes up to this size the loop thread drives itself (one layer)
 cdef long long _CMA_WAIT_NS = 200000   # how long the loop waits for a small CMA copy: what a peer holding it costs us
 SMALL_CMA_WAIT_NS = _CMA_WAIT_NS      # (kvengine/scheduler.py waits as long)
 cdef tuple _ALL_HEADS = (-1, -1)   # KvCacheExtParam head ranges by default (plan.py _ALL)
@@ -258,6 +262,62 @@ cdef class FastPath:
         """Drop the plans copied from the memo (tests; the memo keys never repeat anyway)."""
         self.plans.clear()
         self.by_link.clear()
+
+    cdef object _ucx_driven(self, link, state, rc, cid, row, key, timeout, priority):
+        """A small ucx push with nothing else of its link in flight, driven by this thread
+        (kv_ucx_submit_driven: its message posted and UCX's worker progressed here until
+        the target's ACK, at most _CMA_WAIT_NS): 0 when it succeeded (accounted, no
+        Transfer, no eventfd wake-up); a finished Transfer if it failed; the scheduler's
+        Transfer of it (``adopt``) if it was not done in time; None: not this path."""
+        cdef PyObject *o = PyDict_GetItem(self.plans, key)
+        cdef _Plan plan
+        if o != NULL:
+            plan = <_Plan>o
+        else:
+            o = PyDict_GetItem(self.memo, key)
+            if o == NULL:
+                return None   # not planned yet: the Planner checks and memoizes it first
+            hit = <object>o
+            plan = _plan_of(hit[0], hit[1])
+            if plan is None:
+                return None
+            if len(self.plans) >= MEMO_MAX:
+                self.plans.clear()
+            self.plans[key] = plan
+        # nothing of the link in flight: the job goes out at once, whatever its rank
+        if plan.total > _UCX_DRIVE_MAX or link.inflight or not self.direct(link):
+            return None
+        cdef uint32_t lease = link.lease_id
+        cdef uint64_t job = next(self.jobs)
+        cdef uint32_t st = 0
+        cdef int r
+        cdef kvc.kv_completion comp
+        cdef double t0 = _now(), dt
+        with nogil:
+            r = kvc.kv_ucx_submit_driven(self.core.c, job, plan.words, plan.nsegs, lease, _CMA_WAIT_NS, &comp, &st)
+        if r < 0:
+            return self.failed(link, _what(False, cid, rc.cache_id, row), lease, st, False, 0, t0)
+        if r == 0:
+            self.launched += 1
+            return self.adopt(link, (state, rc), plan.packed, plan.total,
+                              self.options.sync_kv_timeout if timeout is None else float(timeout), priority,
+                              _what(False, cid, rc.cache_id, row), lease, job, t0)
+        if comp.status != 0:
+            return self.failed(link, _what(False, cid, rc.cache_id, row), lease, comp.status, True, comp.nbytes, t0)
+        dt = _now() - t0
+        o = PyDict_GetItem(self.by_link, link)
+        cdef Counts per
+        if o != NULL:
+            per = <Counts>o
+        else:
+            per = self.peer((link.cluster_id, "ucx"))
+            if len(self.by_link) >= 256:
+                self.by_link.clear()
+            self.by_link[link] = per
+        self.whole.success(comp.nbytes, dt)
+        per.success(comp.nbytes, dt)
+        self.taken += 1
+        return 0
 
     cdef object _go(self, bint pull, object cache, object where, object batch, object size, object ext,
                     object timeout, object priority):
@@ -325,6 +385,10 @@ cdef class FastPath:
             key = ("lc", state.serial, rc.serial, row, batch, size, ek)
         else:
             key = ("pc", state.serial, rc.serial, batch, row, size, ek)
+        if transport == "ucx" and not pull:
+            r = self._ucx_driven(link, state, rc, cid, row, key, timeout, priority)
+            if r is not None:
+                return r
         if transport == "tcp" or transport == "ucx":   # Targets.submit's launch, its checks done above
             o = PyDict_GetItem(self.memo, key)
             if o == NULL:

@@ -332,6 +332,8 @@ cdef class Core:
             "ucx_rx_rows": s.ucx_rx_rows, "ucx_land_pread": s.ucx_land_pread, "ucx_land_pvw": s.ucx_land_pvw,
             "ucx_ep_closes": s.ucx_ep_closes, "ucx_ep_closing": s.ucx_ep_closing, "ucx_ep_kept": s.ucx_ep_kept,
             "ucx_ep_parked": s.ucx_ep_parked,
+            "ucx_driven": s.ucx_driven,
+            "ucx_drive_handed": s.ucx_drive_handed,
             "jobs_abandoned": s.jobs_abandoned, "movers_stuck": s.movers_stuck,
         }
 

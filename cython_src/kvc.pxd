@@ -71,6 +71,8 @@ cdef extern from "kv_core.h" nogil:
         uint64_t ucx_ep_closing
         uint64_t ucx_ep_kept
         uint64_t ucx_ep_parked
+        uint64_t ucx_driven
+        uint64_t ucx_drive_handed
         uint64_t jobs_abandoned
         uint64_t movers_stuck
 
@@ -115,5 +117,7 @@ cdef extern from "kv_core.h" nogil:
                              const unsigned char *rx_token, const unsigned char *tx_token,
                              uint64_t window, uint64_t lease_ns, uint64_t fence_ns, uint64_t margin_ns)
     uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status)
+    int kv_ucx_submit_driven(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs, uint32_t lease,
+                             uint64_t bound_ns, kv_completion *out, uint32_t *status) nogil
     uint32_t kv_ucx_test_send(kv_core *core, uint32_t link_id, const unsigned char *hdr, size_t hdr_len,
                               const unsigned char *data, size_t data_len, int rndv)

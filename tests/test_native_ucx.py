@@ -52,7 +52,7 @@ def test_kv_ucx_asan(exe, tls):
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=150, env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    want = "3 passed, 0 failed" if _ucx() else "1 passed, 0 failed"
+    want = "4 passed, 0 failed" if _ucx() else "1 passed, 0 failed"
     assert want in r.stdout, out[-4000:]
 
 

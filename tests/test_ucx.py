@@ -169,14 +169,17 @@ def test_staged_pieces_land_both_ways(tls, monkeypatch):
             c.release()
 
 
-@pytest.mark.parametrize("tls,peer_errors,eager", [("sm,self", "1", True), ("sm,self", "0", True),
-                                                   ("tcp", "0", False), ("tcp,cma", "0", False),
-                                                   ("tcp,cma", "1", False)])
+@pytest.mark.parametrize("tls,peer_errors,eager", [("sysv,self", "1", True), ("sysv,self", "0", True),
+                                                   ("posix,self", "0", True), ("sm,self", "0", False),
+                                                   ("sm,self", "1", False), ("tcp", "0", False),
+                                                   ("tcp,cma", "0", False), ("tcp,cma", "1", False)])
 def test_one_layer_push_eager_over_shared_memory(tls, peer_errors, eager, monkeypatch):
     """A one-layer push (64 KiB in one message) goes eager where UCX's active messages use
-    shared memory (the handler checks and lands it: no rendezvous, no staging) and
-    rendezvous over tcp (received into staging and, being small with nothing else of its
-    link in progress, landed by the I/O thread); either way byte-exact, only inside the
+    shared memory and nothing crosses it in one copy (sysv or posix alone: the handler
+    checks and lands it, no rendezvous, no staging), and rendezvous where a zero-copy lane
+    exists (sm includes cma: the target reads it from the pusher's memory into staging)
+    and over tcp (received into staging); a small staged one with nothing else of its
+    link in progress is landed by the I/O thread. Either way byte-exact, only inside the
     registered range, and the target counts its staged receives (ucx_rx_staged)."""
     monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", peer_errors)
     a, b, _ = _pair(tls, monkeypatch)

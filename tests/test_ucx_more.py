@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(
 # The basic push and pull of tests/test_cross_process.py, re-run over UCX_TLS=tcp,cma
 from test_cross_process import (  # noqa: E402,F401
     decode, prefill, test_pull_and_pull_size, test_push_with_layer_ranges_byte_exact)
+from test_restart import _stopped  # noqa: E402
 
 SECRET = b"ucx-more-secret"
 TLS = {"tcp": "tcp", "sm": "sm,self"}
@@ -188,6 +189,112 @@ async def test_a_relinked_peer_reuses_its_endpoint(monkeypatch):
             await asyncio.sleep(0.005)     # polling a condition with a bound, not a synchronisation
         assert d["ucx_ep_kept"] == 0, d
     finally:
+        await p.close()
+        await peer.close()
+
+
+# ------------------------------------------------------------------ pushes the loop thread drives
+
+LAYERS, HALF = 8, 32 << 10
+
+
+def _layer(i: int) -> kv.KvCacheExtParam:
+    return kv.KvCacheExtParam((i, i), (i, i), 2)
+
+
+@pytest.mark.parametrize("peer_errors", ["0", "1"])
+async def test_one_layer_pushes_are_driven_by_the_loop_thread(monkeypatch, tls, peer_errors):
+    """A one-layer push over UCX (64 KiB) with nothing else of its link in flight is driven
+    by the loop thread itself (kv_ucx_submit_driven: its message posted and UCX's worker
+    progressed there until the target's ACK, no hand-off to the I/O thread and back): every
+    push lands byte-exact and is counted driven or handed back to the I/O thread (none
+    lost), the drives need no eventfd wake-up of the completion reader, and a push while a
+    large one of the same link is in flight takes the I/O thread's path."""
+    monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", peer_errors)
+    peer = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET)
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts()).start()
+    try:
+        dst = (await peer.call("alloc", n=2 * LAYERS, shape=[1, HALF], dtype="uint8"))["cache_id"]
+        big_dst = (await peer.call("alloc", n=2, shape=[1, 32 << 20], dtype="uint8"))["cache_id"]
+        st, per = await p.link_clusters([kv.ClusterInfo(2, peer.address)])
+        assert st == S.LLM_SUCCESS, per
+        await p.wait_remote_cache(2, dst)
+        await p.wait_remote_cache(2, big_dst)
+        src = filled(p, kv.CacheDesc(2 * LAYERS, (1, HALF), np.uint8), seed=9)
+        big = filled(p, kv.CacheDesc(2, (1, 32 << 20), np.uint8), seed=10)
+        idx = kv.CacheIndex(2, dst, 0)
+        for i in range(LAYERS):   # each layer's first push plans it (the Python path)
+            assert await p.push_kv_cache(src, idx, 0, ext_param=_layer(i), timeout=10) == S.LLM_SUCCESS
+        before, n = p.stats()["native"], 200
+        for i in range(n):
+            assert await p.push_kv_cache(src, idx, 0, ext_param=_layer(i % LAYERS), timeout=10) == S.LLM_SUCCESS
+        after = p.stats()["native"]
+        driven = after["ucx_driven"] - before["ucx_driven"]
+        handed = after["ucx_drive_handed"] - before["ucx_drive_handed"]
+        assert driven + handed == n and driven > 0, (driven, handed)
+        assert after["wakeups"] - before["wakeups"] <= handed + 2, (after["wakeups"] - before["wakeups"], handed)
+        got = (await peer.call("digest", cache_id=dst))["rows"]
+        assert got == row_digests(src.tensors), "the driven pushes' rows differ from the source"
+        t = p.submit_push_kv_cache(big, kv.CacheIndex(2, big_dst, 0), timeout=30)   # in flight meanwhile
+        mid = p.stats()["native"]
+        assert await p.push_kv_cache(src, idx, 0, ext_param=_layer(0), timeout=10) == S.LLM_SUCCESS
+        if not t.done():
+            assert p.stats()["native"]["ucx_driven"] == mid["ucx_driven"], "driven beside a transfer in flight"
+        assert await t == S.LLM_SUCCESS
+        got = (await peer.call("digest", cache_id=big_dst))["rows"]
+        assert got == row_digests(big.tensors)
+    finally:
+        await p.close()
+        await peer.close()
+
+
+async def test_a_driven_push_into_a_stopped_peer_is_fenced(monkeypatch):
+    """A one-layer push the loop thread would drive, into a SIGSTOPped peer: the drive gives
+    up at its bound and hands the push to the I/O thread (ucx_drive_handed), the status is
+    LLM_TIMEOUT or LLM_LINK_FAILED within deadline + heartbeat_timeout (+ slack), and no
+    byte of it lands, not while the peer is stopped and not after it resumed and failed
+    its link (its lease ran out while it was stopped)."""
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", "0")
+    peer = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET, options=dict(HB))
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts(**HB)).start()
+    loop = asyncio.get_running_loop()
+    try:
+        dst = (await peer.call("alloc", n=2 * LAYERS, shape=[1, HALF], dtype="uint8", fill=7))["cache_id"]
+        st, per = await p.link_clusters([kv.ClusterInfo(2, peer.address)])
+        assert st == S.LLM_SUCCESS, per
+        await p.wait_remote_cache(2, dst)
+        src = filled(p, kv.CacheDesc(2 * LAYERS, (1, HALF), np.uint8), seed=11)
+        idx = kv.CacheIndex(2, dst, 0)
+        for _ in range(2):   # planned, then driven
+            assert await p.push_kv_cache(src, idx, 0, ext_param=_layer(1), timeout=10) == S.LLM_SUCCESS
+        assert p.stats()["native"]["ucx_driven"] >= 1 or p.stats()["native"]["ucx_drive_handed"] >= 1
+        info = await peer.call("addrs", cache_id=dst)
+        addrs, size = info["addrs"], info["size"]
+        for t in src.tensors:
+            t[...] = 0x5A
+        handed = p.stats()["native"]["ucx_drive_handed"]
+        os.kill(peer.pid, signal.SIGSTOP)
+        await _stopped(peer.pid)   # every thread of it, in the kernel's word
+        initial = netbed.read_remote(peer.pid, addrs, size)
+        t0 = loop.time()
+        with pytest.raises((kv.LLMTimeoutError, kv.LLMLinkFailedError)):
+            await p.push_kv_cache(src, idx, 0, ext_param=_layer(1), timeout=DEADLINE)   # planned: driven
+        elapsed = loop.time() - t0
+        at_status = netbed.read_remote(peer.pid, addrs, size)
+        assert elapsed <= STATUS_BOUND, f"the status took {elapsed:.2f} s (bound {STATUS_BOUND:.2f} s)"
+        assert p.stats()["native"]["ucx_drive_handed"] == handed + 1
+        assert p.stats()["native"]["jobs_live"] == 0
+        assert all(np.array_equal(a, b) for a, b in zip(at_status, initial)), "bytes landed in a stopped peer"
+        os.kill(peer.pid, signal.SIGCONT)
+        reply = await peer.call("wait_link_down", cluster_id=1, timeout=DRAIN)
+        assert reply["down"], "the resumed peer still has its link to us"
+        after = netbed.read_remote(peer.pid, addrs, size)
+        n = sum(int(np.count_nonzero(a != b)) for a, b in zip(at_status, after))
+        assert n == 0, f"{n} bytes landed after the push's status"
+    finally:
+        if peer.proc.returncode is None:
+            os.kill(peer.pid, signal.SIGCONT)
         await p.close()
         await peer.close()
 

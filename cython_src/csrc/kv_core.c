@@ -1328,6 +1328,11 @@ static void lock_spinning(kv_core *c) {
 }
 
 int kv_core_wait_take(kv_core *c, uint64_t job_id, uint64_t bound_ns, kv_completion *out) {
+    return kv__wait_take_driving(c, job_id, bound_ns, out, NULL, NULL);
+}
+
+int kv__wait_take_driving(kv_core *c, uint64_t job_id, uint64_t bound_ns, kv_completion *out,
+                          int (*drive)(void *), void *arg) {
     uint64_t end = boottime_ns() + bound_ns;
     int found = 0;
     __atomic_store_n(&c->take_job, job_id, __ATOMIC_RELAXED); /* (a post before this signals: a spare wake-up) */
@@ -1337,7 +1342,19 @@ int kv_core_wait_take(kv_core *c, uint64_t job_id, uint64_t bound_ns, kv_complet
         if ((found = take_locked(c, job_id, out)) != 0 || boottime_ns() >= end)
             break;
         pthread_mutex_unlock(&c->lock);
-        spin_until_changed(&c->posted, seen, end, UINT_MAX);
+        if (drive) {
+            for (unsigned k = 1; __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE) == seen; k++) {
+                if (!drive(arg)) {
+#ifdef KV_HAVE_STREAM
+                    _mm_pause();
+#endif
+                }
+                if ((k & 15) == 0 && boottime_ns() >= end)
+                    break;
+            }
+        } else {
+            spin_until_changed(&c->posted, seen, end, UINT_MAX);
+        }
     }
     __atomic_store_n(&c->take_job, 0, __ATOMIC_RELAXED);
     /* Its posting did not signal; nor did a post that found it at the head: whatever

@@ -105,6 +105,8 @@ typedef struct {
     uint64_t ucx_ep_kept;       /* closes without force: UCX keeps such an endpoint (and its transports'
                                  * resources) until the engine closes once the peer connected to it */
     uint64_t ucx_ep_parked;     /* now: endpoints of closed links parked for the peer's next link */
+    uint64_t ucx_driven;        /* pushes the loop thread posted and saw complete itself (kv_ucx_submit_driven) */
+    uint64_t ucx_drive_handed;  /* ...and those it handed to the I/O thread (worker busy, or not done in time) */
     uint64_t jobs_abandoned;    /* mover jobs kv_core_reap completed LINK_FAILED, a copy of theirs stuck */
     uint64_t movers_stuck;      /* now: retired movers whose copy has not returned */
 } kv_stats;
@@ -342,6 +344,14 @@ uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status);
  * token is checked by the caller (it picks the link). */
 uint32_t kv_ucx_check(kv_core *core, const void *hdr, size_t hdr_len, uint64_t data_len, kv_ucx_hdr2d *out,
                       uint64_t *addr);
+/* Submit a ucx job (as kv_core_submit_leased, never inline) and drive it on the
+ * calling thread: its messages posted and the worker progressed here, at most
+ * `bound_ns`, until its completion, which is taken as kv_core_wait_take takes one
+ * (1, `out` filled). 0: not complete within the bound, or the worker was busy (the
+ * I/O thread carries it on; its completion is polled as any other). -1: the submit
+ * failed or completed it at once (*status). One driver at a time (the loop thread). */
+int kv_ucx_submit_driven(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs, uint32_t lease,
+                         uint64_t bound_ns, kv_completion *out, uint32_t *status);
 /* Tests only: send a raw message (header and payload as given) on link
  * `link_id`, eager or rendezvous; returns once it was sent. */
 uint32_t kv_ucx_test_send(kv_core *core, uint32_t link_id, const uint8_t *hdr, size_t hdr_len, const uint8_t *data,

@@ -198,6 +198,11 @@ int kv__job_complete(kv_core *c, kv_job *j, uint32_t status);
  * Returns 1 if the eventfd must be signalled. */
 int kv__post_event(kv_core *c, kv_event *ev);
 void kv__signal_loop(kv_core *c);
+/* kv_core_wait_take, calling `drive(arg)` (which returns nonzero if it made progress)
+ * instead of only spinning while the completion has not come: a transport that lets
+ * the waiting thread make its job's progress itself (kv_ucx_drive). */
+int kv__wait_take_driving(kv_core *c, uint64_t job_id, uint64_t bound_ns, kv_completion *out,
+                          int (*drive)(void *), void *arg);
 /* Into a queue_next/queue_prev queue by rank, after the jobs of equal rank (FIFO among
  * them): the movers' queue, a TCP link's send queue. Usually at the tail. */
 void kv__rank_insert(kv_job **head, kv_job **tail, kv_job *j);
