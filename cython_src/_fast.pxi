@@ -263,27 +263,48 @@ cdef class FastPath:
         self.plans.clear()
         self.by_link.clear()
 
+    cdef _Plan _plan_for(self, object key):
+        """The native plan of memo ``key`` (copied from the Planner's memo once), or None:
+        not planned yet (the Planner checks and memoizes it first), or not 1-D."""
+        cdef PyObject *o = PyDict_GetItem(self.plans, key)
+        if o != NULL:
+            return <_Plan>o
+        o = PyDict_GetItem(self.memo, key)
+        if o == NULL:
+            return None
+        hit = <object>o
+        cdef _Plan plan = _plan_of(hit[0], hit[1])
+        if plan is None:
+            return None
+        if len(self.plans) >= MEMO_MAX:
+            self.plans.clear()
+        self.plans[key] = plan
+        return plan
+
+    cdef void _succeeded(self, object link, str transport, uint64_t nbytes, double dt):
+        """Account a transfer this path finished: the engine's and the peer's counters."""
+        cdef PyObject *o = PyDict_GetItem(self.by_link, link)
+        cdef Counts per
+        if o != NULL:
+            per = <Counts>o
+        else:
+            per = self.peer((link.cluster_id, transport))
+            if len(self.by_link) >= 256:
+                self.by_link.clear()
+            self.by_link[link] = per
+        self.whole.success(nbytes, dt)
+        per.success(nbytes, dt)
+        self.taken += 1
+
     cdef object _ucx_driven(self, link, state, rc, cid, row, key, timeout, priority):
         """A small ucx push with nothing else of its link in flight, driven by this thread
         (kv_ucx_submit_driven: its message posted and UCX's worker progressed here until
         the target's ACK, at most _CMA_WAIT_NS): 0 when it succeeded (accounted, no
         Transfer, no eventfd wake-up); a finished Transfer if it failed; the scheduler's
         Transfer of it (``adopt``) if it was not done in time; None: not this path."""
-        cdef PyObject *o = PyDict_GetItem(self.plans, key)
-        cdef _Plan plan
-        if o != NULL:
-            plan = <_Plan>o
-        else:
-            o = PyDict_GetItem(self.memo, key)
-            if o == NULL:
-                return None   # not planned yet: the Planner checks and memoizes it first
-            hit = <object>o
-            plan = _plan_of(hit[0], hit[1])
-            if plan is None:
-                return None
-            if len(self.plans) >= MEMO_MAX:
-                self.plans.clear()
-            self.plans[key] = plan
+        cdef _Plan plan = self._plan_for(key)
+        if plan is None:
+            return None
         # nothing of the link in flight: the job goes out at once, whatever its rank
         if plan.total > _UCX_DRIVE_MAX or link.inflight or not self.direct(link):
             return None
@@ -292,7 +313,7 @@ cdef class FastPath:
         cdef uint32_t st = 0
         cdef int r
         cdef kvc.kv_completion comp
-        cdef double t0 = _now(), dt
+        cdef double t0 = _now()
         with nogil:
             r = kvc.kv_ucx_submit_driven(self.core.c, job, plan.words, plan.nsegs, lease, _CMA_WAIT_NS, &comp, &st)
         if r < 0:
@@ -304,19 +325,7 @@ cdef class FastPath:
                               _what(False, cid, rc.cache_id, row), lease, job, t0)
         if comp.status != 0:
             return self.failed(link, _what(False, cid, rc.cache_id, row), lease, comp.status, True, comp.nbytes, t0)
-        dt = _now() - t0
-        o = PyDict_GetItem(self.by_link, link)
-        cdef Counts per
-        if o != NULL:
-            per = <Counts>o
-        else:
-            per = self.peer((link.cluster_id, "ucx"))
-            if len(self.by_link) >= 256:
-                self.by_link.clear()
-            self.by_link[link] = per
-        self.whole.success(comp.nbytes, dt)
-        per.success(comp.nbytes, dt)
-        self.taken += 1
+        self._succeeded(link, "ucx", comp.nbytes, _now() - t0)
         return 0
 
     cdef object _go(self, bint pull, object cache, object where, object batch, object size, object ext,
@@ -399,21 +408,9 @@ cdef class FastPath:
             return self.launch(link, (state, rc), hit[0], hit[1],
                                self.options.sync_kv_timeout if timeout is None else float(timeout),
                                priority, None, what, 0 if pull else link.lease_id)
-        o = PyDict_GetItem(self.plans, key)
-        cdef _Plan plan
-        if o != NULL:
-            plan = <_Plan>o
-        else:
-            o = PyDict_GetItem(self.memo, key)
-            if o == NULL:
-                return None   # not planned yet: the Planner checks and memoizes it first
-            hit = <object>o
-            plan = _plan_of(hit[0], hit[1])
-            if plan is None:
-                return None
-            if len(self.plans) >= MEMO_MAX:
-                self.plans.clear()
-            self.plans[key] = plan
+        cdef _Plan plan = self._plan_for(key)
+        if plan is None:
+            return None
         cdef uint64_t inline_max = self.options.inline_threshold
         if plan.total > inline_max:
             return None
@@ -424,7 +421,7 @@ cdef class FastPath:
         cdef int done = 0
         cdef uint64_t nbytes = 0
         cdef uint32_t st
-        cdef double t0 = _now(), dt
+        cdef double t0 = _now()
         with nogil:   # the inline copy
             st = kvc.kv_core_submit_leased(self.core.c, job, plan.words, plan.nsegs, inline_max, 0, lease,
                                            &done, &nbytes)
@@ -455,19 +452,7 @@ cdef class FastPath:
         if st != 0 or not done:
             what = _what(pull, cid, rc.cache_id, row)
             return self.failed(link, what, lease, st, done != 0, nbytes, t0)
-        dt = _now() - t0
-        o = PyDict_GetItem(self.by_link, link)
-        cdef Counts per
-        if o != NULL:
-            per = <Counts>o
-        else:
-            per = self.peer((link.cluster_id, transport))
-            if len(self.by_link) >= 256:
-                self.by_link.clear()
-            self.by_link[link] = per
-        self.whole.success(nbytes, dt)
-        per.success(nbytes, dt)
-        self.taken += 1
+        self._succeeded(link, transport, nbytes, _now() - t0)
         return 0
 
 

@@ -2292,6 +2292,17 @@ static int busy(kv_ucx *u) {
     return b;
 }
 
+/* Unmap the regions released inside a UCP callback (ucx_region_freed deferred them), now
+ * that no callback runs. Caller holds the worker and c->lock. */
+static void unmap_released(kv_ucx *u) {
+    while (u->unmap) {
+        ucx_local *lo = u->unmap;
+        u->unmap = lo->next;
+        ucp_mem_unmap(u->context, lo->memh);
+        free(lo);
+    }
+}
+
 /* Sleep at most `tmo` ms: 1 if our wake fd fired (work handed to this thread). The
  * worker's fd stays readable until the next arm (shared memory's signal socket):
  * only our own wake-ups and progress made count as activity. */
@@ -2367,12 +2378,7 @@ static void *io_main(void *arg) {
                 }
         }
         land_drain(u);
-        while (u->unmap) { /* regions released by a completion on this thread */
-            ucx_local *lo = u->unmap;
-            u->unmap = lo->next;
-            ucp_mem_unmap(u->context, lo->memh);
-            free(lo);
-        }
+        unmap_released(u);
         if (stop && !u->stopped) {
             u->stopped = 1;
             stop_at = now;
@@ -2427,10 +2433,12 @@ static void *io_main(void *arg) {
             if (epoll_ctl(u->epoll_fd, EPOLL_CTL_MOD, u->worker_fd, &ev) == 0)
                 u->efd_off = drivers;
         }
-        skip_max = UCX_DRIVE_SKIPS; /* ticks a driver may take from this thread in a row */
-        for (ucx_link *l = u->links; l; l = l->next) /* the lease requests: every lease / 8 at least */
-            if (!l->dead && l->lease_ns / 8000000 < (uint64_t)skip_max)
-                skip_max = (int)(l->lease_ns / 8000000);
+        uint64_t lease_ms = UINT64_MAX; /* the lease requests: every lease / 8 at least */
+        for (ucx_link *l = u->links; l; l = l->next)
+            if (!l->dead && l->lease_ns / 8000000 < lease_ms)
+                lease_ms = l->lease_ns / 8000000;
+        /* ticks a driver may take from this thread in a row */
+        skip_max = lease_ms < UCX_DRIVE_SKIPS ? (int)lease_ms : UCX_DRIVE_SKIPS;
         if (u->efd_off) { /* no spin either (it would wait for the worker the driver holds): a tick */
             pthread_mutex_unlock(&u->wlock);
             tmo = UCX_BUSY_TICK_MS;
@@ -2444,9 +2452,8 @@ static void *io_main(void *arg) {
         } else {
             pthread_mutex_unlock(&u->wlock);
             tmo = working == 2 || (stop && working) ? UCX_BUSY_TICK_MS : (int)(UCX_TICK_NS / 1000000);
-            for (ucx_link *l = u->links; l && tmo > UCX_BUSY_TICK_MS; l = l->next) /* the lease requests */
-                if (!l->dead && l->lease_ns / 8000000 < (uint64_t)tmo)
-                    tmo = (int)(l->lease_ns / 8000000) + 1;
+            if (tmo > UCX_BUSY_TICK_MS && lease_ms < (uint64_t)tmo)
+                tmo = (int)lease_ms + 1;
         }
         if ((woke = io_sleep(u, tmo)) != 0)
             last_busy = now_ns();
@@ -2677,33 +2684,26 @@ int kv_ucx_submit_driven(kv_core *c, uint64_t job_id, const uint64_t *segs, size
             break;
     }
     __atomic_store_n(&u->drive_wanted, 0, __ATOMIC_RELEASE);
-    if (!got) { /* the I/O thread carries it (in flight, it watches the worker again) */
-        pthread_mutex_lock(&c->lock);
+    pthread_mutex_lock(&c->lock);
+    kv_job *kj = kv__job_find(c, job_id); /* live (completed if its link failed meanwhile) */
+    ucx_job *j = kj && kj->transport == &u->transport ? (ucx_job *)kj : NULL;
+    ucx_link *jl = j ? link_find(u, j->link_id) : NULL;
+    /* the worker busy, or the I/O thread's commands (a link's close) must go first: it
+     * carries the job (in flight, it watches the worker again) */
+    if (!got || u->cmds_head || (jl && jl->refused)) {
+        if (j)
+            j->driven = 0;
         c->stats.ucx_drive_handed++;
-        kv_job *kj = kv__job_find(c, job_id);
-        if (kj && kj->transport == &u->transport)
-            ((ucx_job *)kj)->driven = 0;
         pthread_mutex_unlock(&c->lock);
+        if (got)
+            pthread_mutex_unlock(&u->wlock);
         wake(u);
         uint64_t spent = now_ns() - t0;
         return kv_core_wait_take(c, job_id, bound_ns > spent ? bound_ns - spent : 0, out);
     }
-    pthread_mutex_lock(&c->lock);
     u->io_locked = 1;
     int sig = 0;
     ucx_drive d = {.u = u, .l = NULL, .idle = 0};
-    kv_job *kj = kv__job_find(c, job_id); /* live (completed if its link failed meanwhile) */
-    ucx_job *j = kj && kj->transport == &u->transport ? (ucx_job *)kj : NULL;
-    ucx_link *jl = j ? link_find(u, j->link_id) : NULL;
-    if (j && (u->cmds_head || (jl && jl->refused))) { /* the I/O thread's commands (a link's close) go first */
-        j->driven = 0;
-        u->io_locked = 0;
-        c->stats.ucx_drive_handed++;
-        pthread_mutex_unlock(&c->lock);
-        pthread_mutex_unlock(&u->wlock);
-        wake(u);
-        return kv_core_wait_take(c, job_id, bound_ns, out);
-    }
     if (j && j->job.state == KV_JS_INBOX)
         sig |= take_job(u, j, u->stop_requested);
     if (j && jl && !jl->dead) {
@@ -2724,12 +2724,7 @@ int kv_ucx_submit_driven(kv_core *c, uint64_t job_id, const uint64_t *segs, size
         c->stats.ucx_driven++;
     else
         c->stats.ucx_drive_handed++;
-    while (u->unmap) { /* regions released by a callback here (as the I/O thread's round does) */
-        ucx_local *lo = u->unmap;
-        u->unmap = lo->next;
-        ucp_mem_unmap(u->context, lo->memh);
-        free(lo);
-    }
+    unmap_released(u);
     pthread_mutex_unlock(&c->lock);
     pthread_mutex_unlock(&u->wlock);
     if (!found) /* the I/O thread carries it on (in flight, it watches the worker again) */
