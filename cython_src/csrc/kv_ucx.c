@@ -2634,14 +2634,9 @@ static int drive_progress(void *arg) {
     else if (++d->idle % UCX_DRIVE_YIELD == 0)
         sched_yield();
     ucx_link *l = d->l;
-    if (l && l->send_head && !l->dead && l->peer_leased) {
-        pthread_mutex_lock(&u->core->lock);
-        u->io_locked = 1;
-        int sig = post_chunks(u, l) | u->io_sig;
-        u->io_sig = u->io_locked = 0;
-        pthread_mutex_unlock(&u->core->lock);
-        if (sig)
-            kv__signal_loop(u->core);
+    if (l && l->send_head && !l->dead && l->peer_leased) { /* as a callback would: cb_lock */
+        int own = cb_lock(u);
+        cb_unlock(u, own, post_chunks(u, l));
         n = 1;
     }
     return n;
