@@ -5,6 +5,8 @@
  *
  *   pread(memfd)      the staging memfd into place (one system call a piece)
  *   pvw(thp|4k stage) process_vm_writev into ourselves from a THP / 4 KiB staging buffer
+ *   pvr(thp stage)    process_vm_readv of a THP staging buffer into place (the staging
+ *                     pinned, the destination written as by read(2): no pinning of it)
  *   memcpy            the bound (not a candidate: a stop can cut it in two)
  *   pvr->memfd|thp    process_vm_readv from the destination (as UCX's cma get reads a
  *                     pusher's cache) into a memfd / THP staging buffer
@@ -59,7 +61,7 @@ int main(int argc, char **argv) {
     pid_t me = getpid();
     printf("destination: %s pages\n", huge ? "transparent huge" : "4 KiB");
     for (int r = 0; r < 5; r++) {
-        double t[7];
+        double t[8];
         t[0] = now();
         for (size_t o = 0; o < T; o += P)
             if (pread(fd, dst + o, P, (off_t)(o % S)) != (ssize_t)P)
@@ -92,9 +94,15 @@ int main(int argc, char **argv) {
                 perror("process_vm_readv");
         }
         t[6] = now();
-        printf("land: pread(memfd) %5.1f  pvw(thp stage) %5.1f  pvw(4k stage) %5.1f  memcpy %5.1f"
+        for (size_t o = 0; o < T; o += P) {
+            struct iovec d = {dst + o, P}, rm = {sth + o % S, P};
+            if (process_vm_readv(me, &d, 1, &rm, 1, 0) != (ssize_t)P)
+                perror("process_vm_readv");
+        }
+        t[7] = now();
+        printf("land: pread(memfd) %5.1f  pvw(thp stage) %5.1f  pvw(4k stage) %5.1f  pvr(thp stage) %5.1f  memcpy %5.1f"
                "  | get: pvr->memfd %5.1f  pvr->thp %5.1f GB/s\n",
-               T / (t[1] - t[0]) / 1e9, T / (t[2] - t[1]) / 1e9, T / (t[3] - t[2]) / 1e9, T / (t[4] - t[3]) / 1e9,
+               T / (t[1] - t[0]) / 1e9, T / (t[2] - t[1]) / 1e9, T / (t[3] - t[2]) / 1e9, T / (t[7] - t[6]) / 1e9, T / (t[4] - t[3]) / 1e9,
                T / (t[5] - t[4]) / 1e9, T / (t[6] - t[5]) / 1e9);
     }
     return 0;

@@ -304,8 +304,8 @@ def test_no_lease_nothing_lands(tls, monkeypatch):
 
 @pytest.mark.parametrize("tls", TLS)
 def test_eager_64k_checked_then_landed_byte_exact(tls, monkeypatch):
-    """A one-layer-sized (64 KiB) eager message, the size pushes send eager over shared
-    memory (kv_ucx.c UCX_SHM_EAGER_MAX): one whose header overruns the region by one
+    """A one-layer-sized (64 KiB) eager message, the size pushes send eager (kv_ucx.c
+    UCX_EAGER_MAX): one whose header overruns the region by one
     byte fails the link and writes nothing; on a fresh link a valid one lands byte for
     byte over the whole region, the guards around it untouched, without staging."""
     payload = np.random.default_rng(14).integers(0, 256, N, np.uint8).tobytes()

@@ -11,9 +11,9 @@
  *
  * Nothing is one-sided (docs/decisions.md #27): the UCP context has no RMA
  * feature and no rkey is ever packed for a peer. A push is one active message
- * (ucp_am_send_nbx, UCP_AM_SEND_FLAG_RNDV from UCX_RNDV_MIN bytes, or above
- * UCX_SHM_EAGER_MAX where the AM lane is shared memory, UCX_SHM_ZC_EAGER_MAX where
- * there is also a zero-copy lane: push_rndv) per chunk,
+ * (ucp_am_send_nbx, UCP_AM_SEND_FLAG_RNDV above UCX_EAGER_MAX bytes, or above
+ * UCX_SHM_ZC_EAGER_MAX where the AM lane is shared memory and there is also a
+ * zero-copy lane: push_rndv) per chunk,
  * each with a kv_ucx_hdr naming the TARGET's region, offset and length; the
  * target's handler (am_recv) finds the link by the header's token, checks the
  * header against its own region table (kv_ucx_check: exported regions of its
@@ -184,16 +184,20 @@ unsigned kv_test_parked_max = UCX_PARKED_MAX; /* tests/native only: a smaller li
 #else
 #define PARKED_MAX UCX_PARKED_MAX
 #endif
-#define UCX_RNDV_MIN (64u << 10)  /* messages from this size go rendezvous (received into staging, landed
-                                   * on completion); but see UCX_SHM_EAGER_MAX */
-#define UCX_SHM_EAGER_MAX (64u << 10) /* over a shared-memory AM lane (posix, sysv, xpmem) push messages up
-                                       * to this size (one layer) go eager: copied in by the handler, no
-                                       * rendezvous round trip, staging or landing thread */
-#define UCX_SHM_ZC_EAGER_MAX (32u << 10) /* ...but only up to this where the endpoint also has a zero-copy
-                                          * lane (cma, knem, xpmem): a larger message is read by the target
-                                          * from the pusher's memory in one copy, where an eager one is copied
-                                          * into UCX's FIFO and out of it again, across the CPUs (a one-layer
-                                          * push driven by the loop thread: 12.3 -> 9.7-10.0 us p50) */
+#define UCX_RNDV_MIN (64u << 10)  /* pull answers from this size go rendezvous */
+#define UCX_EAGER_MAX (64u << 10) /* push messages up to this size (one layer) go eager: copied in by the
+                                   * handler, no rendezvous round trip, staging or landing thread; over
+                                   * tcp that takes segments that hold one (UCX_TCP_SEG) */
+#define UCX_SHM_ZC_EAGER_MAX (32u << 10) /* ...but only up to this where the AM lane is shared memory and
+                                          * there is a zero-copy lane (cma, knem, xpmem): a larger message
+                                          * is read by the target from the pusher's memory in one copy,
+                                          * where an eager one is copied into UCX's FIFO and out of it
+                                          * again, across the CPUs (a one-layer push driven by the loop
+                                          * thread: 12.3 -> 9.7-10.0 us p50) */
+#define UCX_TCP_SEG "72K" /* UCX's tcp segments (UCX_TCP_TX_SEG_SIZE / RX_SEG_SIZE, 8K / 64K by
+                           * default) unless the environment sets them: an eager push message of
+                           * UCX_EAGER_MAX and its headers in one segment, one send (a one-layer
+                           * push over UCX_TLS=tcp: p50 52-56 -> 30 us; in 8 KiB fragments 45) */
 #define UCX_RX_MAX 65536          /* push states a target keeps per link (live + tombstones) */
 #define UCX_TOMBSTONES 4096       /* aborted pushes remembered per link (oldest forgotten first) */
 #define UCX_RX_BUCKETS 64
@@ -276,7 +280,7 @@ struct ucx_link {
     int refused;          /* kv_ucx_link_close was called (under c->lock): nothing of it lands any more */
     int closing;          /* 1: close request outstanding, 2: closed (ep gone) */
     int peer_errors;      /* UCP_ERR_HANDLING_MODE_PEER (a forced close is allowed) */
-    int shm_am;           /* the endpoint has a shared-memory transport (its AM lane): UCX_SHM_EAGER_MAX */
+    int shm_am;           /* the endpoint has a shared-memory transport (its AM lane) */
     int shm_zc;           /* ...and a zero-copy one for rendezvous (cma, knem, xpmem): UCX_SHM_ZC_EAGER_MAX */
     ucp_ep_h ep;
     uint64_t peer_uid;    /* the peer's worker (its address's uid): an endpoint parked for it is reused */
@@ -562,6 +566,12 @@ static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
     if (!getenv("UCX_TLS") && ucp_config_modify(config, "TLS", "^tcp") != UCS_OK) {
         ucp_config_release(config);
         goto fail;
+    }
+    /* where tcp is used, a one-layer push message in one segment (UCX_TCP_SEG); a
+     * UCX that does not know the setting keeps its own */
+    if (!getenv("UCX_TCP_TX_SEG_SIZE") && !getenv("UCX_TCP_RX_SEG_SIZE")) {
+        (void)ucp_config_modify(config, "TCP_TX_SEG_SIZE", UCX_TCP_SEG);
+        (void)ucp_config_modify(config, "TCP_RX_SEG_SIZE", UCX_TCP_SEG);
     }
     ucs_status_t s = ucp_init(&params, config, &u->context);
     ucp_config_release(config);
@@ -2082,7 +2092,7 @@ static uint64_t msg_max(kv_ucx *u, ucx_link *l) {
 
 /* Does a push message of `n` bytes on `l` go rendezvous (else eager)? */
 static int push_rndv(const ucx_link *l, uint64_t n) {
-    return n > (l->shm_zc ? UCX_SHM_ZC_EAGER_MAX : l->shm_am ? UCX_SHM_EAGER_MAX : UCX_RNDV_MIN - 1);
+    return n > (l->shm_zc ? UCX_SHM_ZC_EAGER_MAX : UCX_EAGER_MAX);
 }
 
 static uint64_t stage_budget(kv_ucx *u, ucx_link *l) {

@@ -277,7 +277,7 @@ static uint8_t src2[BIG], big2[3 * BIG]; /* guard | b's second region | guard */
 
 /* A push of one 2-D segment from src2 into b's second region (rows of `row` bytes, the
  * strides given): landed byte for byte, the gaps between rows and the guards untouched.
- * Eager below 64 KiB, rendezvous above (UCX_TLS=tcp); packed where the source rows are
+ * Eager up to 64 KiB, rendezvous above (UCX_TLS=tcp); packed where the source rows are
  * apart, PUSH2D where the target's are. */
 static void push_rows(kv_core *a, uint64_t job, uint32_t rs2, uint32_t rr2, uint64_t rows, uint64_t row,
                       uint64_t sstride, uint64_t dstride) {
@@ -338,7 +338,7 @@ static void test_loopback(void) {
     CHECK(kv_ucx_mem_map(b, rplain) != 0);
     CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 1, rd, N, 0, &rr), 0);
     (void)rb;
-    /* a valid push (rendezvous: 64 KiB) and a pull back */
+    /* a valid push (eager: 64 KiB) and a pull back */
     uint64_t seg[5] = {rs, 0, rr, 0, N};
     int done;
     uint64_t nb;
