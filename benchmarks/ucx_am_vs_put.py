@@ -14,6 +14,7 @@ from kvengine._peer import PeerProcess
 
 async def main(tls, reps=7):
     os.environ["UCX_TLS"] = tls
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")   # both ends on this host: 127.0.0.1 only
     o = kv.EngineOptions(transport="ucx", secret=b"s")
     p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", o).start()
     d = await PeerProcess.start(cluster_id=2, secret=b"s", transport="ucx")

@@ -20,6 +20,7 @@ from kvengine._peer import PeerProcess
 
 
 async def main() -> None:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")   # both ends on this host: 127.0.0.1 only
     w = int(float(os.environ.get("W", "4")) * (1 << 20))
     mem = os.environ.get("MEM", "numpy")
     o = kv.EngineOptions(transport="ucx", secret=b"s", tcp_window_bytes=w)

@@ -2,12 +2,17 @@
 fails if anything reached the loop's exception handler."""
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
 import uvloop
 
 import kvengine as kv
+
+# UCX's tcp transport uses every interface it finds, and reaches this host's own
+# addresses beside 127.0.0.1: tests send traffic to 127.0.0.1 only
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 def pytest_configure(config):

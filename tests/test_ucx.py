@@ -40,6 +40,8 @@ def xtransport(request, monkeypatch):
         monkeypatch.setenv("UCX_TLS", TLS[request.param])
     if request.param.endswith("-nopeer"):
         monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", "0")
+        if TLS[request.param] == "tcp":   # the zero-copy rendezvous over lo alone (test_ucx_more._tcp_zero_copy)
+            monkeypatch.setenv("UCX_RNDV_SCHEME", "put_zcopy")
     else:
         monkeypatch.delenv("KVENGINE_UCX_PEER_ERRORS", raising=False)
     return "ucx"

@@ -5,6 +5,7 @@ the transport under test, and the table/ratio helpers both commands print with."
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, TypeVar, TypeVarTuple, Unpack
@@ -34,6 +35,8 @@ class KvSide:
     def __init__(self, transport: str, movers: int, heartbeat_timeout: float | None = None) -> None:
         import kvengine as kv
         self.transport, self.movers = transport, movers
+        if transport == "ucx":   # both ends on this host: UCX's tcp transport on 127.0.0.1 only
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
         self.secret = secrets.token_hex(16).encode()
         # large caches: the child allocates on its loop thread, so its heartbeats may pause
         self.more: dict[str, float] = {} if heartbeat_timeout is None else {"heartbeat_timeout": heartbeat_timeout}

@@ -54,9 +54,12 @@ class _Case:
 
 
 def set_tls(args: argparse.Namespace) -> str:
-    """Export UCX_TLS for this process and every child (kvengine's decode engine, NIXL, UCXX)."""
+    """Export UCX_TLS for this process and every child (kvengine's decode engine, NIXL, UCXX),
+    and UCX_NET_DEVICES=lo unless set: every end runs on this host, and UCX's tcp transport
+    would otherwise reach it through its other interfaces' addresses too."""
     tls: str = U.TLS_PRESETS.get(args.ucx_tls, str(args.ucx_tls))
     os.environ["UCX_TLS"] = tls
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
     return tls
 
 
