@@ -336,8 +336,7 @@ class PeerPair:
         if engine == NIXL:
             env["NIXL_LOG_LEVEL"] = "WARN"
             if transport == "tcp":
-                env["UCX_TLS"] = "tcp"
-                env.setdefault("UCX_NET_DEVICES", os.environ.get("UCX_NET_DEVICES", "lo"))   # this host, 127.0.0.1
+                env.update(UCX_TLS="tcp", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))   # 127.0.0.1 only
         # what the workers run with: these, plus any UCX_/MC_/NIXL_ variable of this environment (inherited)
         self.env = dict({k: v for k, v in os.environ.items() if k.startswith(("UCX_", "MC_", "NIXL_"))}, **env)
         target = _Proc(engine, "target", size, seed, env, log_path, timeout)
