@@ -40,8 +40,6 @@ def xtransport(request, monkeypatch):
         monkeypatch.setenv("UCX_TLS", TLS[request.param])
     if request.param.endswith("-nopeer"):
         monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", "0")
-        if TLS[request.param] == "tcp":   # the zero-copy rendezvous over lo alone (test_ucx_more._tcp_zero_copy)
-            monkeypatch.setenv("UCX_RNDV_SCHEME", "put_zcopy")
     else:
         monkeypatch.delenv("KVENGINE_UCX_PEER_ERRORS", raising=False)
     return "ucx"
@@ -335,21 +333,21 @@ for c in (a, b):
 """
 
 
-@pytest.mark.parametrize("peer_errors", ["1", "0"])
-def test_peer_errors_off_gives_zero_copy_rendezvous(peer_errors):
-    """KVENGINE_UCX_PEER_ERRORS=0: endpoints without UCX's error handling, and UCX can run
-    a zero-copy rendezvous that writes into the receiver's memory (a put) for our active
-    messages over its tcp transport; with error handling (the default) it cannot, even when
-    asked to (UCX_RNDV_SCHEME=put_zcopy), and the payload goes as active-message fragments
-    over the tcp lane (docs/benchmarks.md, "UCX throughput, tuned"; zero-copy fragments with
-    kvengine's 72 KiB tcp segments, copied ones with UCX's 8 KiB). Asked, because over one
-    tcp device (lo here) UCX 1.22's own choice is the copied fragments either way
-    (docs/tuning.md). The push lands either way."""
+@pytest.mark.parametrize("tls,peer_errors", [("tcp", "1"), ("tcp", "0"), ("tcp,self", "0"), ("tcp,cma", "0")])
+def test_peer_errors_off_gives_zero_copy_rendezvous(tls, peer_errors, monkeypatch):
+    """KVENGINE_UCX_PEER_ERRORS=0: endpoints without UCX's error handling, and over UCX's
+    tcp transport alone our rendezvous is a zero-copy write into the receiver's staging
+    (a put: kvengine asks UCX for it, UCX_RNDV_SCHEME=put_zcopy, since UCX 1.22 picks copied
+    fragments by itself on one tcp device, lo here: decisions.md #34); with error handling
+    (the default) UCX cannot, and the payload goes as active-message fragments over the
+    tcp lane (zero-copy fragments with kvengine's 72 KiB tcp segments). With cma beside
+    tcp the scheme is UCX's own: the target reads the payload (cma). The push lands either
+    way."""
     import os
     import subprocess
     import sys
-    env = dict(os.environ, UCX_TLS="tcp", UCX_PROTO_INFO="y", KVENGINE_UCX_PEER_ERRORS=peer_errors,
-               UCX_RNDV_SCHEME="put_zcopy")
+    monkeypatch.delenv("UCX_RNDV_SCHEME", raising=False)
+    env = dict(os.environ, UCX_TLS=tls, UCX_PROTO_INFO="y", KVENGINE_UCX_PEER_ERRORS=peer_errors)
     r = subprocess.run([sys.executable, "-c", _RNDV_PROBE], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stderr.splitlines()
@@ -358,7 +356,9 @@ def test_peer_errors_off_gives_zero_copy_rendezvous(peer_errors):
     table = "\n".join(lines[at[0]: at[0] + 8])
     big = [s for s in table.splitlines() if "..inf" in s]
     assert big, table
-    if peer_errors == "0":
+    if tls == "tcp,cma":
+        assert "read from remote" in big[0] and "cma" in big[0], table
+    elif peer_errors == "0":
         assert "zero-copy" in big[0] and "write to remote" in big[0], table
     else:
         assert "write to remote" not in big[0] and "tcp/lo" in big[0], table

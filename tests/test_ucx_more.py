@@ -306,15 +306,6 @@ DEADLINE = 1.0
 STATUS_BOUND = DEADLINE + HB["heartbeat_timeout"] + HB["heartbeat_interval"] + 1.0   # as tests/test_fencing.py
 DRAIN = 10.0                     # bound on the resumed peer failing its link and UCX ending its receives
 
-def _tcp_zero_copy(monkeypatch, tls, peer_errors):
-    """UCX's tcp transport alone, without UCX's error handling: ask for the zero-copy
-    rendezvous (the pusher puts into the target's staging), which UCX 1.22 picks by itself
-    only where it stripes over two tcp devices, not over lo alone, where the tests run
-    (conftest.py; docs/tuning.md)."""
-    if tls == "tcp" and peer_errors == "0":
-        monkeypatch.setenv("UCX_RNDV_SCHEME", "put_zcopy")
-
-
 # (UCX_TLS, KVENGINE_UCX_PEER_ERRORS, the pusher's chunk_bytes and tcp_window_bytes): its messages are
 # max(chunk, window / 2) bytes, eager up to 64 KiB, rendezvous above (received into staging by
 # the target, docs/decisions.md #29); "sm,self" includes cma, whose rendezvous the target runs itself
@@ -344,7 +335,6 @@ async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypa
     nothing is left that could write)."""
     monkeypatch.setenv("UCX_TLS", tls)
     monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", peer_errors)
-    _tcp_zero_copy(monkeypatch, tls, peer_errors)
     row = kv.CacheDesc(2, (1, 128 << 20), np.uint8)
     peer = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET, options=dict(HB))
     p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0",
@@ -550,7 +540,6 @@ async def test_endpoint_close_against_a_stopped_target_is_bounded_and_idle(monke
     scribbled = _scribbled_env()
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", peer_errors)
-    _tcp_zero_copy(monkeypatch, "tcp", peer_errors)
     loop = asyncio.get_running_loop()
     target = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET, options=dict(HB))
     pusher = await _scribbled_pusher(monkeypatch, scribbled, chunk, window)
@@ -620,7 +609,6 @@ async def test_killed_pusher_without_peer_errors_leaves_nothing_pending(monkeypa
     region)."""
     monkeypatch.setenv("UCX_TLS", tls)
     monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", "0")
-    _tcp_zero_copy(monkeypatch, tls, "0")
     bound = HB["heartbeat_timeout"] + HB["heartbeat_interval"] + 1.0
     loop = asyncio.get_running_loop()
     d = await kv.KvEngine(2, kv.Role.DECODER, "127.0.0.1:0", opts(**HB)).start()

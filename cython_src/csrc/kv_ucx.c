@@ -516,6 +516,20 @@ static kv_ucs_log_rc quiet_log(const char *file, unsigned line, const char *func
                                                                                            : KV_UCS_LOG_CONTINUE;
 }
 
+/* Does a UCX_TLS list name tcp and nothing else but self ("tcp", "tcp,self")? */
+static int tls_tcp_only(const char *tls) {
+    int tcp = 0;
+    for (const char *p = tls; p && *p;) {
+        size_t k = strcspn(p, ",");
+        if (k == 3 && strncmp(p, "tcp", 3) == 0)
+            tcp = 1;
+        else if (!(k == 4 && strncmp(p, "self", 4) == 0))
+            return 0;
+        p += k + (p[k] == ',');
+    }
+    return tcp;
+}
+
 static pthread_once_t quiet_once = PTHREAD_ONCE_INIT;
 
 static void quiet_install(void) { ucs_log_push_handler(quiet_log); }
@@ -573,6 +587,11 @@ static uint32_t ucx_start(kv_core *c, kv_ucx **out) {
         (void)ucp_config_modify(config, "TCP_TX_SEG_SIZE", UCX_TCP_SEG);
         (void)ucp_config_modify(config, "TCP_RX_SEG_SIZE", UCX_TCP_SEG);
     }
+    /* over tcp alone, the zero-copy rendezvous (a put into the target's staging) where
+     * UCX may use it (no error handling): UCX 1.22 picks copied fragments by itself on
+     * one tcp device (decisions.md #34) */
+    if (!getenv("UCX_RNDV_SCHEME") && tls_tcp_only(getenv("UCX_TLS")))
+        (void)ucp_config_modify(config, "RNDV_SCHEME", "put_zcopy");
     ucs_status_t s = ucp_init(&params, config, &u->context);
     ucp_config_release(config);
     if (s != UCS_OK) {
