@@ -2368,8 +2368,15 @@ static void *io_main(void *arg) {
                 last_busy = now_ns();
             continue;
         }
+        /* Never block on the worker's lock: a thread blocked on it is woken by every drive's
+         * unlock and loses it to the next drive, and on two vCPUs that wake-up took the CPU
+         * from the peer's I/O thread once a push (a one-layer push 10 -> 31-35 us for
+         * seconds at a time: docs/benchmarks.md, "The slow state"). The driver progresses
+         * the worker meanwhile; wait for new work or a tick instead. */
         if (!tick)
-            pthread_mutex_lock(&u->wlock);
+            while (pthread_mutex_trylock(&u->wlock) != 0)
+                if (io_sleep(u, UCX_BUSY_TICK_MS))
+                    last_busy = now_ns();
         skipped = woke = 0;
         uint64_t now = now_ns();
         pthread_mutex_lock(&c->lock);
