@@ -199,7 +199,7 @@ cdef _Plan _plan_of(object packed, uint64_t total):
     return p
 
 
-cdef uint64_t _UCX_DRIVE_MAX = 65536   # ucx pushes up to this size the loop thread drives itself (one layer)
+cdef uint64_t _DRIVE_MAX = 65536   # tcp and ucx pushes up to this size the loop thread drives itself (one layer)
 cdef long long _CMA_WAIT_NS = 200000   # how long the loop waits for a small CMA copy: what a peer holding it costs us
 SMALL_CMA_WAIT_NS = _CMA_WAIT_NS      # (kvengine/scheduler.py waits as long)
 cdef tuple _ALL_HEADS = (-1, -1)   # KvCacheExtParam head ranges by default (plan.py _ALL)
@@ -296,17 +296,19 @@ cdef class FastPath:
         per.success(nbytes, dt)
         self.taken += 1
 
-    cdef object _ucx_driven(self, link, state, rc, cid, row, key, timeout, priority):
-        """A small ucx push with nothing else of its link in flight, driven by this thread
-        (kv_ucx_submit_driven: its message posted and UCX's worker progressed here until
-        the target's ACK, at most _CMA_WAIT_NS): 0 when it succeeded (accounted, no
-        Transfer, no eventfd wake-up); a finished Transfer if it failed; the scheduler's
-        Transfer of it (``adopt``) if it was not done in time; None: not this path."""
+    cdef object _driven(self, bint tcp, link, state, rc, cid, row, key, timeout, priority):
+        """A small tcp or ucx push with nothing else of its link in flight, driven by this
+        thread (kv_tcp_submit_driven: the I/O thread's round run here, its frame sent and
+        the ACK read; kv_ucx_submit_driven: its message posted and UCX's worker progressed
+        here; either until the target's ACK, at most _CMA_WAIT_NS): 0 when it succeeded
+        (accounted, no Transfer, no eventfd wake-up); a finished Transfer if it failed; the
+        scheduler's Transfer of it (``adopt``) if it was not done in time; None: not this
+        path."""
         cdef _Plan plan = self._plan_for(key)
         if plan is None:
             return None
         # nothing of the link in flight: the job goes out at once, whatever its rank
-        if plan.total > _UCX_DRIVE_MAX or link.inflight or not self.direct(link):
+        if plan.total > _DRIVE_MAX or link.inflight or not self.direct(link):
             return None
         cdef uint32_t lease = link.lease_id
         cdef uint64_t job = next(self.jobs)
@@ -315,7 +317,10 @@ cdef class FastPath:
         cdef kvc.kv_completion comp
         cdef double t0 = _now()
         with nogil:
-            r = kvc.kv_ucx_submit_driven(self.core.c, job, plan.words, plan.nsegs, lease, _CMA_WAIT_NS, &comp, &st)
+            if tcp:
+                r = kvc.kv_tcp_submit_driven(self.core.c, job, plan.words, plan.nsegs, lease, _CMA_WAIT_NS, &comp, &st)
+            else:
+                r = kvc.kv_ucx_submit_driven(self.core.c, job, plan.words, plan.nsegs, lease, _CMA_WAIT_NS, &comp, &st)
         if r < 0:
             return self.failed(link, _what(False, cid, rc.cache_id, row), lease, st, False, 0, t0)
         if r == 0:
@@ -325,7 +330,7 @@ cdef class FastPath:
                               _what(False, cid, rc.cache_id, row), lease, job, t0)
         if comp.status != 0:
             return self.failed(link, _what(False, cid, rc.cache_id, row), lease, comp.status, True, comp.nbytes, t0)
-        self._succeeded(link, "ucx", comp.nbytes, _now() - t0)
+        self._succeeded(link, "tcp" if tcp else "ucx", comp.nbytes, _now() - t0)
         return 0
 
     cdef object _go(self, bint pull, object cache, object where, object batch, object size, object ext,
@@ -394,8 +399,8 @@ cdef class FastPath:
             key = ("lc", state.serial, rc.serial, row, batch, size, ek)
         else:
             key = ("pc", state.serial, rc.serial, batch, row, size, ek)
-        if transport == "ucx" and not pull:
-            r = self._ucx_driven(link, state, rc, cid, row, key, timeout, priority)
+        if (transport == "tcp" or transport == "ucx") and not pull:
+            r = self._driven(transport == "tcp", link, state, rc, cid, row, key, timeout, priority)
             if r is not None:
                 return r
         if transport == "tcp" or transport == "ucx":   # Targets.submit's launch, its checks done above

@@ -334,6 +334,7 @@ cdef class Core:
             "ucx_ep_parked": s.ucx_ep_parked,
             "ucx_driven": s.ucx_driven,
             "ucx_drive_handed": s.ucx_drive_handed,
+            "tcp_driven": s.tcp_driven, "tcp_drive_handed": s.tcp_drive_handed,
             "jobs_abandoned": s.jobs_abandoned, "movers_stuck": s.movers_stuck,
         }
 

@@ -73,6 +73,8 @@ cdef extern from "kv_core.h" nogil:
         uint64_t ucx_ep_parked
         uint64_t ucx_driven
         uint64_t ucx_drive_handed
+        uint64_t tcp_driven
+        uint64_t tcp_drive_handed
         uint64_t jobs_abandoned
         uint64_t movers_stuck
 
@@ -118,6 +120,8 @@ cdef extern from "kv_core.h" nogil:
                              uint64_t window, uint64_t lease_ns, uint64_t fence_ns, uint64_t margin_ns)
     uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status)
     int kv_ucx_submit_driven(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs, uint32_t lease,
+                             uint64_t bound_ns, kv_completion *out, uint32_t *status) nogil
+    int kv_tcp_submit_driven(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs, uint32_t lease,
                              uint64_t bound_ns, kv_completion *out, uint32_t *status) nogil
     uint32_t kv_ucx_test_send(kv_core *core, uint32_t link_id, const unsigned char *hdr, size_t hdr_len,
                               const unsigned char *data, size_t data_len, int rndv)

@@ -20,7 +20,7 @@ from conftest import filled, link, make_pair
 S = kv.LLMStatusCode
 HALF = 4096
 LAUNCHED = ("tcp", "ucx")   # transports whose transfers the fast path hands to the scheduler
-DRIVEN = ("ucx",)   # ...except small pushes the loop thread drives itself (taken; launched if handed back)
+DRIVEN = ("tcp", "ucx")   # ...except small pushes the loop thread drives itself (taken; launched if handed back)
 
 
 @pytest.fixture(params=["local", "shm", "tcp", "ucx"])
@@ -60,8 +60,8 @@ async def test_fast_path_runs_the_memoized_common_case_and_accounts_like_the_pyt
         for t in range(8):
             np.testing.assert_array_equal(dst.tensors[t][1], src.tensors[t][0])
         # the first push of each shape plans it (Python); the rest run natively, inline only;
-        # over tcp the fast path checks and looks the plan up, and the scheduler launches it;
-        # over ucx the loop thread drives them (decisions.md #33), unless one is handed back
+        # over tcp and ucx the loop thread drives them (decisions.md #33, #35), unless one is
+        # handed back to the I/O thread and the scheduler (launched)
         if transport in DRIVEN:
             assert fast.taken + fast.launched == 8 and fast.taken >= 1, (fast.taken, fast.launched)
         else:

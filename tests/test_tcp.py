@@ -178,3 +178,22 @@ async def test_pushes_of_up_to_4_mib_go_in_half_chunk_frames():
         if s is not None:
             s.close()
         await prefill.close()
+
+
+# ------------------------------------------------------------------ one-layer pushes the loop thread drives
+
+async def test_one_layer_tcp_pushes_are_driven_by_the_loop_thread():
+    """A one-layer tcp push (64 KiB) with nothing else of its link in flight is driven by
+    the loop thread (kv_tcp_submit_driven: the I/O thread's round run there, its frame
+    sent and the ACK read, no hand-off to the I/O thread and back): the checks of
+    tests/test_ucx_more.py's driven_pushes, over tcp."""
+    from test_ucx_more import driven_pushes
+    await driven_pushes("tcp")
+
+
+async def test_a_driven_tcp_push_into_a_stopped_peer_is_fenced():
+    """A driven tcp push into a SIGSTOPped peer: handed to the I/O thread at the drive's
+    bound, its status within the fence's bound, no byte landed before or after the resume
+    (tests/test_ucx_more.py's driven_push_into_stopped_peer, over tcp)."""
+    from test_ucx_more import driven_push_into_stopped_peer
+    await driven_push_into_stopped_peer("tcp")

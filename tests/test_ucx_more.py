@@ -57,8 +57,8 @@ def filled(engine: kv.KvEngine, desc: kv.CacheDesc, seed: int) -> kv.Cache:
     return cache
 
 
-def opts(**kw) -> kv.EngineOptions:
-    return kv.EngineOptions(transport="ucx", secret=SECRET, **kw)
+def opts(transport: str = "ucx", **kw) -> kv.EngineOptions:
+    return kv.EngineOptions(transport=transport, secret=SECRET, **kw)
 
 
 # ------------------------------------------------------------------ layer streams, notifications
@@ -206,13 +206,19 @@ def _layer(i: int) -> kv.KvCacheExtParam:
 async def test_one_layer_pushes_are_driven_by_the_loop_thread(monkeypatch, tls, peer_errors):
     """A one-layer push over UCX (64 KiB) with nothing else of its link in flight is driven
     by the loop thread itself (kv_ucx_submit_driven: its message posted and UCX's worker
-    progressed there until the target's ACK, no hand-off to the I/O thread and back): every
-    push lands byte-exact and is counted driven or handed back to the I/O thread (none
-    lost), the drives need no eventfd wake-up of the completion reader, and a push while a
-    large one of the same link is in flight takes the I/O thread's path."""
+    progressed there until the target's ACK, no hand-off to the I/O thread and back):
+    driven_pushes' checks (tests/test_tcp.py runs them over tcp)."""
     monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", peer_errors)
-    peer = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET)
-    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts()).start()
+    await driven_pushes("ucx")
+
+
+async def driven_pushes(transport: str) -> None:
+    """Every one-layer push lands byte-exact and is counted driven or handed back to the
+    I/O thread (none lost), the drives need no eventfd wake-up of the completion reader,
+    and a push while a large one of the same link is in flight takes the I/O thread's
+    path."""
+    peer = await PeerProcess.start(cluster_id=2, transport=transport, secret=SECRET)
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts(transport=transport)).start()
     try:
         dst = (await peer.call("alloc", n=2 * LAYERS, shape=[1, HALF], dtype="uint8"))["cache_id"]
         big_dst = (await peer.call("alloc", n=2, shape=[1, 32 << 20], dtype="uint8"))["cache_id"]
@@ -229,8 +235,8 @@ async def test_one_layer_pushes_are_driven_by_the_loop_thread(monkeypatch, tls, 
         for i in range(n):
             assert await p.push_kv_cache(src, idx, 0, ext_param=_layer(i % LAYERS), timeout=10) == S.LLM_SUCCESS
         after = p.stats()["native"]
-        driven = after["ucx_driven"] - before["ucx_driven"]
-        handed = after["ucx_drive_handed"] - before["ucx_drive_handed"]
+        driven = after[f"{transport}_driven"] - before[f"{transport}_driven"]
+        handed = after[f"{transport}_drive_handed"] - before[f"{transport}_drive_handed"]
         assert driven + handed == n and driven > 0, (driven, handed)
         assert after["wakeups"] - before["wakeups"] <= handed + 2, (after["wakeups"] - before["wakeups"], handed)
         got = (await peer.call("digest", cache_id=dst))["rows"]
@@ -239,7 +245,8 @@ async def test_one_layer_pushes_are_driven_by_the_loop_thread(monkeypatch, tls, 
         mid = p.stats()["native"]
         assert await p.push_kv_cache(src, idx, 0, ext_param=_layer(0), timeout=10) == S.LLM_SUCCESS
         if not t.done():
-            assert p.stats()["native"]["ucx_driven"] == mid["ucx_driven"], "driven beside a transfer in flight"
+            assert p.stats()["native"][f"{transport}_driven"] == mid[f"{transport}_driven"], \
+                "driven beside a transfer in flight"
         assert await t == S.LLM_SUCCESS
         got = (await peer.call("digest", cache_id=big_dst))["rows"]
         assert got == row_digests(big.tensors)
@@ -249,15 +256,20 @@ async def test_one_layer_pushes_are_driven_by_the_loop_thread(monkeypatch, tls, 
 
 
 async def test_a_driven_push_into_a_stopped_peer_is_fenced(monkeypatch):
+    """driven_push_into_stopped_peer over UCX's shared memory (tests/test_tcp.py: over tcp)."""
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", "0")
+    await driven_push_into_stopped_peer("ucx")
+
+
+async def driven_push_into_stopped_peer(transport: str) -> None:
     """A one-layer push the loop thread would drive, into a SIGSTOPped peer: the drive gives
-    up at its bound and hands the push to the I/O thread (ucx_drive_handed), the status is
+    up at its bound and hands the push to the I/O thread (*_drive_handed), the status is
     LLM_TIMEOUT or LLM_LINK_FAILED within deadline + heartbeat_timeout (+ slack), and no
     byte of it lands, not while the peer is stopped and not after it resumed and failed
     its link (its lease ran out while it was stopped)."""
-    monkeypatch.setenv("UCX_TLS", "sm,self")
-    monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", "0")
-    peer = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET, options=dict(HB))
-    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts(**HB)).start()
+    peer = await PeerProcess.start(cluster_id=2, transport=transport, secret=SECRET, options=dict(HB))
+    p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts(transport=transport, **HB)).start()
     loop = asyncio.get_running_loop()
     try:
         dst = (await peer.call("alloc", n=2 * LAYERS, shape=[1, HALF], dtype="uint8", fill=7))["cache_id"]
@@ -268,12 +280,13 @@ async def test_a_driven_push_into_a_stopped_peer_is_fenced(monkeypatch):
         idx = kv.CacheIndex(2, dst, 0)
         for _ in range(2):   # planned, then driven
             assert await p.push_kv_cache(src, idx, 0, ext_param=_layer(1), timeout=10) == S.LLM_SUCCESS
-        assert p.stats()["native"]["ucx_driven"] >= 1 or p.stats()["native"]["ucx_drive_handed"] >= 1
+        native = p.stats()["native"]
+        assert native[f"{transport}_driven"] >= 1 or native[f"{transport}_drive_handed"] >= 1
         info = await peer.call("addrs", cache_id=dst)
         addrs, size = info["addrs"], info["size"]
         for t in src.tensors:
             t[...] = 0x5A
-        handed = p.stats()["native"]["ucx_drive_handed"]
+        handed = p.stats()["native"][f"{transport}_drive_handed"]
         os.kill(peer.pid, signal.SIGSTOP)
         await _stopped(peer.pid)   # every thread of it, in the kernel's word
         initial = netbed.read_remote(peer.pid, addrs, size)
@@ -283,7 +296,7 @@ async def test_a_driven_push_into_a_stopped_peer_is_fenced(monkeypatch):
         elapsed = loop.time() - t0
         at_status = netbed.read_remote(peer.pid, addrs, size)
         assert elapsed <= STATUS_BOUND, f"the status took {elapsed:.2f} s (bound {STATUS_BOUND:.2f} s)"
-        assert p.stats()["native"]["ucx_drive_handed"] == handed + 1
+        assert p.stats()["native"][f"{transport}_drive_handed"] == handed + 1
         assert p.stats()["native"]["jobs_live"] == 0
         assert all(np.array_equal(a, b) for a, b in zip(at_status, initial)), "bytes landed in a stopped peer"
         os.kill(peer.pid, signal.SIGCONT)

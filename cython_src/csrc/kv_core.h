@@ -107,6 +107,8 @@ typedef struct {
     uint64_t ucx_ep_parked;     /* now: endpoints of closed links parked for the peer's next link */
     uint64_t ucx_driven;        /* pushes the loop thread posted and saw complete itself (kv_ucx_submit_driven) */
     uint64_t ucx_drive_handed;  /* ...and those it handed to the I/O thread (worker busy, or not done in time) */
+    uint64_t tcp_driven;        /* tcp pushes the loop thread sent and saw ACKed itself (kv_tcp_submit_driven) */
+    uint64_t tcp_drive_handed;  /* ...and those it handed to the I/O thread (sockets busy, or not done in time) */
     uint64_t jobs_abandoned;    /* mover jobs kv_core_reap completed LINK_FAILED, a copy of theirs stuck */
     uint64_t movers_stuck;      /* now: retired movers whose copy has not returned */
 } kv_stats;
@@ -262,6 +264,14 @@ uint32_t kv_tcp_conn_add(kv_core *core, int fd, uint32_t link_id);
 /* Close a link's streams (reset); its jobs complete with `status` (pushes not
  * fenced by the peer only at the lease release, see kv_tcp_link_add). */
 uint32_t kv_tcp_link_close(kv_core *core, uint32_t link_id, uint32_t status);
+/* Submit a tcp job (as kv_core_submit_leased) and drive it on the calling thread: the
+ * I/O thread's round (its frames sent, the ACK read) run here, at most `bound_ns`, until
+ * its completion, which is taken as kv_core_wait_take takes one (1, `out` filled). 0: not
+ * complete within the bound, or the sockets were busy (the I/O thread carries it on; its
+ * completion is polled as any other). -1: the submit failed or completed it at once
+ * (*status). One driver at a time (the loop thread). */
+int kv_tcp_submit_driven(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs, uint32_t lease,
+                         uint64_t bound_ns, kv_completion *out, uint32_t *status);
 
 /* ---- UCX data plane (kv_ucx.c; built with -DKV_HAVE_UCX, otherwise every
  * call answers KV_LLM_FEATURE_NOT_ENABLED). One I/O thread per core owns the

@@ -83,6 +83,10 @@ typedef struct {
 #define KV_SPIN_NS 300000ull         /* keep polling this long after the last event */
 #endif
 #define KV_CLOSE_PLACE_WAIT_NS 50000000ull /* kv_tcp_link_close waits this long at most for a recv into place */
+#define KV_DRIVE_LOCK_NS 50000ull      /* a driver waits this long at most for the sockets */
+#define KV_DRIVE_YIELD 32              /* a driver yields its CPU after this many empty rounds */
+#define KV_DRIVE_QUIET_NS 2000000ull   /* the I/O thread leaves the sockets to the loop thread's drives this
+                                        * long after the last (it polls them every ms meanwhile) */
 
 #ifdef KV_TEST_HOOKS
 /* tests/native only (never in the extension): called by the I/O thread before it
@@ -141,6 +145,8 @@ typedef struct kv_tcp_job {
     kv_pull_tracking *pull;  /* pull: answer tracking */
     uint32_t abort_acks_awaited; /* push, ABORTING: streams (bit = index in the link) whose ABORT_ACK is due */
     int acked;               /* push, ABORTING: the receiver ACKed every byte meanwhile */
+    int driven;              /* its driver's (kv_tcp_submit_driven) until it completes or is handed back:
+                              * counted in live_driven, not live_jobs */
     uint64_t due;            /* ABORTING: the fence deadline; FENCING: the release time (ns, CLOCK_BOOTTIME) */
     struct kv_tcp_job *inbox_next, *inbox_prev; /* the I/O inbox (INBOX) */
     struct kv_tcp_job *list_next, *list_prev;   /* the abort list (ABORT_REQ) or timed list (ABORTING, FENCING) */
@@ -270,7 +276,18 @@ typedef struct kv_net {
     int accept_paused;
     uint64_t accept_resume;
     int stopped;             /* stop acted on: links failed, waiting for the fenced pushes */
+    /* the sockets and everything of a round (conns, frames, epoll): held by the I/O thread
+     * for each round, by the loop thread while it drives a push (kv_tcp_submit_driven);
+     * taken before c->lock */
+    pthread_mutex_t wlock;
+    int quiet_fd;            /* an epoll set of wake_fd alone: the I/O thread's while drives go on */
+    uint64_t drive_epoch;    /* drives so far (under wlock): the I/O thread's events are stale after one */
+    uint64_t drove_ns;       /* atomic: when the last drive ended */
+    uint64_t last_busy, next_due; /* the round's: last activity, next timer */
     /* under c->lock */
+    size_t live_jobs;        /* jobs submitted, not completed, but those of drives */
+    size_t live_driven;      /* ...and those (one at most) */
+    kv_tcp_job *drive_job;   /* INBOX, outside the inbox: the driver's, until its first round or hand-back */
     int sleeping;            /* the I/O thread is (about to be) blocked in epoll_wait: wake_io_thread writes */
     int listen_fd;
     kv_command *commands_head, *commands_tail;
@@ -317,6 +334,8 @@ static void *io_main(void *arg);
 
 static const kv_transport_ops tcp_ops;
 
+static __thread int tcp_driving; /* kv_tcp_submit_driven's submit: no wake-up of the I/O thread */
+
 /* The core's TCP transport, or NULL before the first use. Caller holds c->lock. */
 static kv_net *net_of(kv_core *c) { return (kv_net *)kv__transport_get(c, KV_REGION_TCP); }
 
@@ -336,9 +355,13 @@ static uint32_t net_start(kv_core *c, kv_net **out) {
     n->listen_fd = -1;
     n->scratch = malloc(KV_SCRATCH);
     n->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+    n->quiet_fd = epoll_create1(EPOLL_CLOEXEC);
     n->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    pthread_mutex_init(&n->wlock, NULL);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
-    if (!n->scratch || n->epoll_fd < 0 || n->wake_fd < 0 || epoll_ctl(n->epoll_fd, EPOLL_CTL_ADD, n->wake_fd, &ev) < 0)
+    if (!n->scratch || n->epoll_fd < 0 || n->quiet_fd < 0 || n->wake_fd < 0 ||
+        epoll_ctl(n->epoll_fd, EPOLL_CTL_ADD, n->wake_fd, &ev) < 0 ||
+        epoll_ctl(n->quiet_fd, EPOLL_CTL_ADD, n->wake_fd, &ev) < 0)
         goto fail;
     sigset_t all, old;
     sigfillset(&all);
@@ -354,6 +377,9 @@ static uint32_t net_start(kv_core *c, kv_net **out) {
 fail:
     if (n->epoll_fd >= 0)
         close(n->epoll_fd);
+    if (n->quiet_fd >= 0)
+        close(n->quiet_fd);
+    pthread_mutex_destroy(&n->wlock);
     if (n->wake_fd >= 0)
         close(n->wake_fd);
     free(n->scratch);
@@ -547,7 +573,9 @@ static int tcp_complete(kv_net *n, kv_link *l, kv_tcp_job *j, uint32_t status) {
      * so they are discarded from here on. */
     if (l && !l->dead && j->is_pull)
         discard_payloads(l, n->core, F_RDATA, j->job.record.id);
-    if (j->job.state == KV_JS_INBOX)
+    if (j->job.state == KV_JS_INBOX && j == n->drive_job)
+        n->drive_job = NULL;
+    else if (j->job.state == KV_JS_INBOX)
         inbox_del(n, j);
     else if (j->job.state == KV_JS_ABORT_REQ)
         list_del(&n->abort_head, j);
@@ -556,6 +584,10 @@ static int tcp_complete(kv_net *n, kv_link *l, kv_tcp_job *j, uint32_t status) {
     job_set_state(j, KV_JS_DONE);
     free(j->pull);
     j->pull = NULL;
+    if (j->driven)
+        n->live_driven--;
+    else
+        n->live_jobs--;
     return kv__job_complete(n->core, &j->job, status);
 }
 
@@ -1942,130 +1974,198 @@ static int timers(kv_net *n, uint64_t t, uint64_t *next) {
     return sig;
 }
 
+/* Leave the sockets to the loop thread's drives, polling them only every ms (a message
+ * for us waits at most that, or the next drive): a drive ended within KV_DRIVE_QUIET_NS
+ * and nothing else of ours is under way (a job, a command, a fence, a transfer coming
+ * in, a connection being set up or with output queued). Otherwise every ACK would wake
+ * the I/O thread, which on two vCPUs takes the CPU from the peer's. Caller holds wlock
+ * and c->lock. */
+static int io_quiet(kv_net *n, uint64_t t) {
+    if (t - __atomic_load_n(&n->drove_ns, __ATOMIC_RELAXED) >= KV_DRIVE_QUIET_NS || n->live_jobs ||
+        work_queued(n) || n->timed_head || n->npending || n->stop_requested)
+        return 0;
+    for (kv_link *l = n->links; l; l = l->next)
+        if (l->nincoming)
+            return 0;
+    for (kv_conn *k = n->conns; k; k = k->next)
+        if (!k->dead && k->out_armed)
+            return 0;
+    return 1;
+}
+
+/* One round, by the I/O thread or a driver (the caller holds wlock): the commands, new
+ * jobs and aborts, the `ne` events epoll reported, the timers, whatever became sendable.
+ * Returns 1 once a stop was acted on and nothing is left to fence (the thread ends). */
+static int io_round(kv_net *n, struct epoll_event *evs, int ne, int io_thread) {
+    kv_core *c = n->core;
+    n->round_ns = now_ns();
+    if (ne > 0)
+        n->last_busy = n->round_ns;
+    int sig = 0;
+    pthread_mutex_lock(&c->lock);
+    if (io_thread) /* (a driver's round leaves the I/O thread's sleep as it is: wake_io_thread) */
+        n->sleeping = 0;
+    if (work_queued(n)) /* new work is activity: keep polling */
+        n->last_busy = n->round_ns;
+    kv_command *cmds = n->commands_head;
+    n->commands_head = n->commands_tail = NULL;
+    int stop = n->stop_requested, lfd = n->listen_fd;
+    /* commands first (a link is declared before jobs on it), then new jobs,
+     * then aborts: one critical section, so nothing comes between them */
+    while (cmds) {
+        kv_command *m = cmds;
+        cmds = m->next;
+        if (!stop) {
+            sig |= run_command(n, m);
+        } else {
+            if (m->type == CMD_CONN_ADD)
+                close(m->fd);
+            if (m->type == CMD_LINK_ADD) {
+                free(m->ready_event);
+                free(m->down_event);
+            }
+        }
+        free(m);
+    }
+    if (!io_thread && n->drive_job) { /* the driver's job, first */
+        kv_tcp_job *j = n->drive_job;
+        kv_link *l = stop ? NULL : link_find(n, j->link_id);
+        if (!l || l->dead) {
+            sig |= tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
+        } else {
+            n->drive_job = NULL;
+            job_set_state(j, KV_JS_SENDING);
+            send_queue_insert(l, j);
+        }
+    }
+    while (n->inbox_head) { /* new jobs join their link's send queue */
+        kv_tcp_job *j = n->inbox_head;
+        kv_link *l = stop ? NULL : link_find(n, j->link_id);
+        if (!l || l->dead) {
+            sig |= tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
+            continue;
+        }
+        inbox_del(n, j);
+        job_set_state(j, KV_JS_SENDING);
+        send_queue_insert(l, j);
+    }
+    while (n->abort_head) /* aborts requested since the last round */
+        sig |= handle_abort(n, n->abort_head);
+    if (stop && !n->stopped) { /* every link fails; pushes not fenced wait for their release */
+        n->stopped = 1;
+        for (kv_link *l = n->links; l; l = l->next)
+            sig |= link_fail(n, l, KV_LLM_ENGINE_FINALIZED, 0);
+        for (kv_conn *k = n->conns; k; k = k->next)
+            conn_kill(n, k);
+        if (n->listen_fd >= 0 && !n->accept_paused)
+            epoll_ctl(n->epoll_fd, EPOLL_CTL_DEL, n->listen_fd, NULL);
+        n->accept_paused = 0;
+    }
+    pthread_mutex_unlock(&c->lock);
+    for (int i = 0; i < ne; i++) {
+        void *p = evs[i].data.ptr;
+        if (p == NULL) {
+            uint64_t v;
+            ssize_t r = read(n->wake_fd, &v, sizeof v);
+            (void)r;
+        } else if (p == &n->listen_fd) {
+            if (!stop)
+                sig |= accept_conns(n, lfd);
+        } else {
+            kv_conn *k = p;
+            if (!k->dead && (evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)))
+                sig |= conn_recv(n, k);
+            if (!k->dead && (evs[i].events & EPOLLOUT))
+                sig |= conn_send(n, k);
+        }
+    }
+    uint64_t t = now_ns();
+    pthread_mutex_lock(&c->lock);
+    sig |= timers(n, t, &n->next_due);
+    int done = stop && !n->timed_head;
+    pthread_mutex_unlock(&c->lock);
+    if (sig) { /* completions first: the loop refills the queue while this thread sends */
+        kv__signal_loop(c);
+        sig = 0;
+    }
+    for (kv_conn *k = n->conns; k; k = k->next) /* start whatever became sendable */
+        if (!k->dead && !k->out_armed)
+            sig |= conn_send(n, k);
+    pthread_mutex_lock(&c->lock);
+    c->stats.tcp_bytes_sent += n->sent;
+    c->stats.tcp_bytes_received += n->received;
+    n->sent = n->received = 0;
+    uint64_t open = 0;
+    for (kv_conn *k = n->conns; k; k = k->next)
+        open += !k->dead;
+    c->stats.tcp_conns = open;
+    pthread_mutex_unlock(&c->lock);
+    reap_dead_conns(n);
+    if (sig)
+        kv__signal_loop(c);
+    return done;
+}
+
 static void *io_main(void *arg) {
     kv_net *n = arg;
     kv_core *c = n->core;
     struct epoll_event evs[64];
-    uint64_t last_busy = 0, next_due = 0;
+    pthread_mutex_lock(&n->wlock);
     for (;;) {
         /* Spin (poll without sleeping) for KV_SPIN_NS after activity, so a frame
          * does not wait for a sleeping thread to wake (docs/tuning.md, KV_SPIN_NS).
          * Each empty poll yields the core, so a woken event loop sharing it runs at
-         * once. Otherwise sleep until the next timer (lease renewal, fence, release). */
+         * once. Otherwise sleep until the next timer (lease renewal, fence, release);
+         * while the loop thread drives pushes (io_quiet), at most 1 ms, woken only by
+         * new work. */
         uint64_t t0 = now_ns();
-        int spin = KV_SPIN_NS && t0 - last_busy < KV_SPIN_NS;
+        pthread_mutex_lock(&c->lock);
+        int quiet = io_quiet(n, t0);
+        int spin = !quiet && KV_SPIN_NS && t0 - n->last_busy < KV_SPIN_NS;
         int tmo = 0;
         if (!spin)
-            tmo = next_due <= t0 ? 0 : (int)((next_due - t0 + 999999) / 1000000);
+            tmo = n->next_due <= t0 ? 0 : (int)((n->next_due - t0 + 999999) / 1000000);
+        if (quiet && tmo > 1)
+            tmo = 1;
         if (tmo) { /* about to block: from here on a submit, command or abort writes wake_fd */
-            pthread_mutex_lock(&c->lock);
             if (work_queued(n) || (n->stop_requested && !n->stopped))
                 tmo = 0;
             else
                 n->sleeping = 1;
-            pthread_mutex_unlock(&c->lock);
-        }
-        int ne = epoll_wait(n->epoll_fd, evs, 64, tmo);
-        if (ne < 0)
-            ne = 0;
-        n->round_ns = now_ns();
-        if (ne > 0)
-            last_busy = n->round_ns;
-        else if (spin) /* nothing yet: let a runnable thread (the event loop) have the core */
-            sched_yield();
-        int sig = 0;
-        pthread_mutex_lock(&c->lock);
-        n->sleeping = 0;
-        if (work_queued(n)) /* new work is activity: keep polling */
-            last_busy = n->round_ns;
-        kv_command *cmds = n->commands_head;
-        n->commands_head = n->commands_tail = NULL;
-        int stop = n->stop_requested, lfd = n->listen_fd;
-        /* commands first (a link is declared before jobs on it), then new jobs,
-         * then aborts: one critical section, so nothing comes between them */
-        while (cmds) {
-            kv_command *m = cmds;
-            cmds = m->next;
-            if (!stop) {
-                sig |= run_command(n, m);
-            } else {
-                if (m->type == CMD_CONN_ADD)
-                    close(m->fd);
-                if (m->type == CMD_LINK_ADD) {
-                    free(m->ready_event);
-                    free(m->down_event);
-                }
-            }
-            free(m);
-        }
-        while (n->inbox_head) { /* new jobs join their link's send queue */
-            kv_tcp_job *j = n->inbox_head;
-            kv_link *l = stop ? NULL : link_find(n, j->link_id);
-            if (!l || l->dead) {
-                sig |= tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
-                continue;
-            }
-            inbox_del(n, j);
-            job_set_state(j, KV_JS_SENDING);
-            send_queue_insert(l, j);
-        }
-        while (n->abort_head) /* aborts requested since the last round */
-            sig |= handle_abort(n, n->abort_head);
-        if (stop && !n->stopped) { /* every link fails; pushes not fenced wait for their release */
-            n->stopped = 1;
-            for (kv_link *l = n->links; l; l = l->next)
-                sig |= link_fail(n, l, KV_LLM_ENGINE_FINALIZED, 0);
-            for (kv_conn *k = n->conns; k; k = k->next)
-                conn_kill(n, k);
-            if (n->listen_fd >= 0 && !n->accept_paused)
-                epoll_ctl(n->epoll_fd, EPOLL_CTL_DEL, n->listen_fd, NULL);
-            n->accept_paused = 0;
         }
         pthread_mutex_unlock(&c->lock);
-        for (int i = 0; i < ne; i++) {
-            void *p = evs[i].data.ptr;
-            if (p == NULL) {
+        uint64_t epoch = n->drive_epoch;
+        pthread_mutex_unlock(&n->wlock);
+        int ne = epoll_wait(quiet && tmo ? n->quiet_fd : n->epoll_fd, evs, 64, tmo);
+        if (ne < 0)
+            ne = 0;
+        if (ne == 0 && spin) /* nothing yet: let a runnable thread (the event loop) have the core */
+            sched_yield();
+        /* The sockets, unless a driver holds them: it runs this round itself meanwhile, so
+         * wait for new work or a tick, not for the lock. A thread blocked on the lock is
+         * woken by every drive's unlock, and lost it again to the next drive: on two vCPUs
+         * that wake-up took the CPU from the peer's I/O thread once a push (a one-layer
+         * push 21 -> 35 us, for whole seconds at a time). */
+        while (pthread_mutex_trylock(&n->wlock) != 0) {
+            pthread_mutex_lock(&c->lock);
+            n->sleeping = 1; /* a hand-back or new work writes wake_fd */
+            pthread_mutex_unlock(&c->lock);
+            if (epoll_wait(n->quiet_fd, evs, 1, 1) > 0) {
                 uint64_t v;
                 ssize_t r = read(n->wake_fd, &v, sizeof v);
                 (void)r;
-            } else if (p == &n->listen_fd) {
-                if (!stop)
-                    sig |= accept_conns(n, lfd);
-            } else {
-                kv_conn *k = p;
-                if (!k->dead && (evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)))
-                    sig |= conn_recv(n, k);
-                if (!k->dead && (evs[i].events & EPOLLOUT))
-                    sig |= conn_send(n, k);
             }
         }
-        uint64_t t = now_ns();
-        pthread_mutex_lock(&c->lock);
-        sig |= timers(n, t, &next_due);
-        int done = stop && !n->timed_head;
-        pthread_mutex_unlock(&c->lock);
-        if (sig) { /* completions first: the loop refills the queue while this thread sends */
-            kv__signal_loop(c);
-            sig = 0;
+        if (quiet || n->drive_epoch != epoch) { /* the quiet set said only "new work", or a drive ran
+                                                 * meanwhile (these events may be stale): look now */
+            ne = epoll_wait(n->epoll_fd, evs, 64, 0);
+            if (ne < 0)
+                ne = 0;
         }
-        for (kv_conn *k = n->conns; k; k = k->next) /* start whatever became sendable */
-            if (!k->dead && !k->out_armed)
-                sig |= conn_send(n, k);
-        pthread_mutex_lock(&c->lock);
-        c->stats.tcp_bytes_sent += n->sent;
-        c->stats.tcp_bytes_received += n->received;
-        n->sent = n->received = 0;
-        uint64_t open = 0;
-        for (kv_conn *k = n->conns; k; k = k->next)
-            open += !k->dead;
-        c->stats.tcp_conns = open;
-        pthread_mutex_unlock(&c->lock);
-        reap_dead_conns(n);
-        if (sig)
-            kv__signal_loop(c);
-        if (done)
+        if (io_round(n, evs, ne, 1))
             break;
     }
+    pthread_mutex_unlock(&n->wlock);
     reap_dead_conns(n);
     return NULL;
 }
@@ -2222,6 +2322,101 @@ uint32_t kv_tcp_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
     return st;
 }
 
+typedef struct {
+    kv_net *n;
+    unsigned idle; /* rounds in a row that found nothing */
+} tcp_drive;
+
+/* A driven job the driver gives up (not begun, or not complete in time): the I/O thread's
+ * from now on, counted and watched as any other. Caller holds c->lock. */
+static void drive_hand_back(kv_net *n, uint64_t job_id) {
+    kv_core *c = n->core;
+    kv_tcp_job *j = tcp_job(n, kv__job_find(c, job_id));
+    c->stats.tcp_drive_handed++;
+    if (j && j->driven) {
+        j->driven = 0;
+        n->live_driven--;
+        n->live_jobs++;
+        if (j == n->drive_job) { /* not begun: into the inbox */
+            n->drive_job = NULL;
+            j->inbox_next = NULL;
+            j->inbox_prev = n->inbox_tail;
+            if (n->inbox_tail)
+                n->inbox_tail->inbox_next = j;
+            else
+                n->inbox_head = j;
+            n->inbox_tail = j;
+        }
+    }
+    wake_io_thread(n);
+}
+
+/* The driver's round: the I/O thread's, on what epoll reports now. */
+static int drive_round(void *arg) {
+    tcp_drive *d = arg;
+    kv_net *n = d->n;
+    struct epoll_event evs[64];
+    int ne = epoll_wait(n->epoll_fd, evs, 64, 0);
+    if (ne < 0)
+        ne = 0;
+    (void)io_round(n, evs, ne, 0);
+    /* the ACK comes from the peer's I/O thread, which may share our CPU: yield now and
+     * then (the same lesson as kv_ucx.c's drive_progress) */
+    if (ne)
+        d->idle = 0;
+    else if (++d->idle % KV_DRIVE_YIELD == 0)
+        sched_yield();
+    return ne > 0;
+}
+
+int kv_tcp_submit_driven(kv_core *c, uint64_t job_id, const uint64_t *segs, size_t nsegs, uint32_t lease,
+                         uint64_t bound_ns, kv_completion *out, uint32_t *status) {
+    pthread_mutex_lock(&c->lock);
+    kv_net *n = net_of(c);
+    pthread_mutex_unlock(&c->lock);
+    int done = 0;
+    uint64_t nbytes = 0;
+    tcp_driving = 1; /* tcp_submit: no wake-up of the I/O thread */
+    *status = kv_core_submit_leased(c, job_id, segs, nsegs, 0, 0, lease, &done, &nbytes);
+    tcp_driving = 0;
+    if (*status != KV_LLM_SUCCESS || done || !n)
+        return -1;
+    /* the sockets: the I/O thread holds them for one round at a time (microseconds) */
+    uint64_t t0 = now_ns(), wait_max = bound_ns < KV_DRIVE_LOCK_NS ? bound_ns : KV_DRIVE_LOCK_NS;
+    int got;
+    for (unsigned k = 1; !(got = pthread_mutex_trylock(&n->wlock) == 0); k++) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+        if ((k & 63) == 0 && now_ns() - t0 >= wait_max)
+            break;
+    }
+    pthread_mutex_lock(&c->lock);
+    if (!got || n->commands_head || n->abort_head || n->stop_requested) {
+        /* busy, or the I/O thread's commands (a link's close) go first: it carries the job */
+        drive_hand_back(n, job_id);
+        pthread_mutex_unlock(&c->lock);
+        if (got)
+            pthread_mutex_unlock(&n->wlock);
+        uint64_t spent = now_ns() - t0;
+        return kv_core_wait_take(c, job_id, bound_ns > spent ? bound_ns - spent : 0, out);
+    }
+    pthread_mutex_unlock(&c->lock);
+    n->drive_epoch++;
+    tcp_drive d = {.n = n, .idle = 0};
+    uint64_t spent = now_ns() - t0;
+    int found = kv__wait_take_driving(c, job_id, bound_ns > spent ? bound_ns - spent : 0, out, drive_round, &d);
+    __atomic_store_n(&n->drove_ns, now_ns(), __ATOMIC_RELAXED);
+    pthread_mutex_lock(&c->lock);
+    if (found)
+        c->stats.tcp_driven++;
+    else /* the I/O thread carries it on */
+        drive_hand_back(n, job_id);
+    pthread_mutex_unlock(&c->lock);
+    pthread_mutex_unlock(&n->wlock);
+    return found;
+}
+
 /* ------------------------------------------------- the transport interface */
 
 static uint32_t tcp_submit(kv_transport *t, kv_job *job) {
@@ -2238,6 +2433,12 @@ static uint32_t tcp_submit(kv_transport *t, kv_job *job) {
         return KV_LLM_OUT_OF_MEMORY;
     kv__job_hash(c, job);
     j->job.state = KV_JS_INBOX;
+    if (tcp_driving) { /* its driver takes it in its first round: the I/O thread neither sees nor counts it */
+        j->driven = 1;
+        n->drive_job = j;
+        n->live_driven++;
+        return KV_LLM_SUCCESS;
+    }
     j->inbox_next = NULL;
     j->inbox_prev = n->inbox_tail;
     if (n->inbox_tail)
@@ -2245,6 +2446,7 @@ static uint32_t tcp_submit(kv_transport *t, kv_job *job) {
     else
         n->inbox_head = j;
     n->inbox_tail = j;
+    n->live_jobs++;
     wake_io_thread(n);
     return KV_LLM_SUCCESS;
 }
@@ -2295,7 +2497,9 @@ static void tcp_destroy(kv_transport *t) {
     if (n->listen_fd >= 0)
         close(n->listen_fd);
     close(n->epoll_fd);
+    close(n->quiet_fd);
     close(n->wake_fd);
+    pthread_mutex_destroy(&n->wlock);
     free(n->scratch);
     free(n);
 }

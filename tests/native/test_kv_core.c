@@ -1586,7 +1586,7 @@ static void test_tcp_api(void) {
     CHECK_EQ(kv_tcp_link_add(c, 7, tok, 1, 0, 400 * ms, 500 * ms, 50 * ms), KV_LLM_SUCCESS);
     close(s);
     kv_core_free(c);
-    CHECK_EQ(count_fds(), fds - 1 - 3); /* the listener, epoll, eventfd and the core's eventfd went */
+    CHECK_EQ(count_fds(), fds - 1 - 4); /* the listener, the two epoll sets, eventfd and the core's eventfd went */
 }
 
 /* accept() failing for want of descriptors must not make the I/O thread spin
