@@ -429,6 +429,17 @@ static void list_del(kv_tcp_job **head, kv_tcp_job *j) {
     j->list_next = j->list_prev = NULL;
 }
 
+/* Append `j` to the inbox. Caller holds c->lock. */
+static void inbox_add(kv_net *n, kv_tcp_job *j) {
+    j->inbox_next = NULL;
+    j->inbox_prev = n->inbox_tail;
+    if (n->inbox_tail)
+        n->inbox_tail->inbox_next = j;
+    else
+        n->inbox_head = j;
+    n->inbox_tail = j;
+}
+
 static void inbox_del(kv_net *n, kv_tcp_job *j) {
     if (j->inbox_prev)
         j->inbox_prev->inbox_next = j->inbox_next;
@@ -2339,13 +2350,7 @@ static void drive_hand_back(kv_net *n, uint64_t job_id) {
         n->live_jobs++;
         if (j == n->drive_job) { /* not begun: into the inbox */
             n->drive_job = NULL;
-            j->inbox_next = NULL;
-            j->inbox_prev = n->inbox_tail;
-            if (n->inbox_tail)
-                n->inbox_tail->inbox_next = j;
-            else
-                n->inbox_head = j;
-            n->inbox_tail = j;
+            inbox_add(n, j);
         }
     }
     wake_io_thread(n);
@@ -2439,13 +2444,7 @@ static uint32_t tcp_submit(kv_transport *t, kv_job *job) {
         n->live_driven++;
         return KV_LLM_SUCCESS;
     }
-    j->inbox_next = NULL;
-    j->inbox_prev = n->inbox_tail;
-    if (n->inbox_tail)
-        n->inbox_tail->inbox_next = j;
-    else
-        n->inbox_head = j;
-    n->inbox_tail = j;
+    inbox_add(n, j);
     n->live_jobs++;
     wake_io_thread(n);
     return KV_LLM_SUCCESS;

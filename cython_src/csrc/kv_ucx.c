@@ -146,6 +146,7 @@ int kv_ucx_submit_driven(kv_core *c, uint64_t job_id, const uint64_t *segs, size
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/epoll.h>
@@ -2372,11 +2373,18 @@ static void *io_main(void *arg) {
          * unlock and loses it to the next drive, and on two vCPUs that wake-up took the CPU
          * from the peer's I/O thread once a push (a one-layer push 10 -> 31-35 us for
          * seconds at a time: docs/benchmarks.md, "The slow state"). The driver progresses
-         * the worker meanwhile; wait for new work or a tick instead. */
+         * the worker meanwhile; wait for new work or a tick instead, on the eventfd alone
+         * (the worker's fd stays readable while the driver has not re-armed it). */
         if (!tick)
-            while (pthread_mutex_trylock(&u->wlock) != 0)
-                if (io_sleep(u, UCX_BUSY_TICK_MS))
+            while (pthread_mutex_trylock(&u->wlock) != 0) {
+                struct pollfd pf = {.fd = u->wake_fd, .events = POLLIN};
+                if (poll(&pf, 1, UCX_BUSY_TICK_MS) > 0) {
+                    uint64_t v;
+                    ssize_t r = read(u->wake_fd, &v, sizeof v);
+                    (void)r;
                     last_busy = now_ns();
+                }
+            }
         skipped = woke = 0;
         uint64_t now = now_ns();
         pthread_mutex_lock(&c->lock);
