@@ -2001,6 +2001,83 @@ static void test_tcp_2d(void) {
     xunmap(want, N);
 }
 
+/* kv_tcp_submit_driven: one-layer pushes the calling thread drives (decisions.md #35),
+ * each landed byte for byte and counted driven or handed back (none lost: a handed-back
+ * one completes as any other); one beside a large push in flight; and the sockets shared
+ * with the I/O thread, which keeps the link (a push of the peer's way, b's pull) going. */
+static void test_tcp_driven(void) {
+    const uint64_t N = 8 * MiB, L = 64 * KiB, ms = 1000000;
+    kv_core *a = mk(1, 256 * KiB), *b = mk(1, 256 * KiB); /* a receives (listens), b pushes */
+    uint16_t port = tcp_listen_local(a);
+    uint8_t tok[KV_TOKEN_BYTES];
+    for (int i = 0; i < KV_TOKEN_BYTES; i++)
+        tok[i] = (uint8_t)(i * 5 + 3);
+    CHECK_EQ(kv_tcp_link_add(a, 6, tok, 1, 0, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_tcp_link_add(b, 6, tok, 1, 0, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_tcp_conn_add(b, tcp_connect(port), 6), KV_LLM_SUCCESS);
+    kv_completion ev = wait_one(b, KV_EVENT_LINK_READY | 6);
+    CHECK_EQ(ev.status, KV_LLM_SUCCESS);
+    uint8_t *src = xmap(N), *dst = xmap(N), *back = xmap(L);
+    fill(src, N, 51);
+    memset(dst, 0x5A, (size_t)N);
+    uint32_t ra = add_region(a, KV_REGION_LOCAL, 0, dst, N, KV_REGION_F_EXPORT);
+    uint32_t rs = add_local(b, src, N), rback = add_local(b, back, L), rr = 0;
+    CHECK_EQ(kv_region_add(b, KV_REGION_TCP, 6, ra, N, 0, &rr), KV_LLM_SUCCESS);
+    uint64_t w[KV_SEG_WORDS], driven = 0, handed = 0;
+    for (uint64_t i = 0; i < 200; i++) {
+        uint64_t off = (i % 64) * L;
+        src[off] = (uint8_t)i; /* each push's bytes differ */
+        seg(w, rs, off, rr, off, L);
+        kv_completion out;
+        uint32_t st = 0;
+        int r = kv_tcp_submit_driven(b, 100 + i, w, 1, 0, 200000, &out, &st);
+        CHECK(r >= 0);
+        if (r == 0)
+            out = wait_one(b, 100 + i);
+        *(r ? &driven : &handed) += 1;
+        CHECK_EQ(out.job_id, 100 + i);
+        CHECK_EQ(out.status, KV_LLM_SUCCESS);
+        CHECK_EQ(out.nbytes, L);
+        CHECK(memcmp(dst + off, src + off, (size_t)L) == 0);
+    }
+    CHECK(driven > 0);
+    CHECK_EQ(stats(b).tcp_driven + stats(b).tcp_drive_handed, 200);
+    /* beside a large push in flight, and a pull through the same sockets afterwards */
+    int done;
+    uint64_t nb;
+    seg(w, rs, 0, rr, 0, N);
+    CHECK_EQ(kv_core_submit(b, 1, w, 1, 0, &done, &nb), KV_LLM_SUCCESS);
+    kv_completion out;
+    uint32_t st = 0;
+    seg(w, rs, 0, rr, 0, L);
+    int r = kv_tcp_submit_driven(b, 2, w, 1, 0, 200000, &out, &st);
+    CHECK(r >= 0);
+    if (r)
+        CHECK_EQ(out.status, KV_LLM_SUCCESS);
+    kv_completion two[2]; /* the large push's, and the small one's if it was handed back: either order */
+    size_t left = r ? 1 : 2;
+    CHECK_EQ(drain(b, two, left, WAIT_MS), left);
+    for (size_t k = 0; k < left; k++) {
+        CHECK(two[k].job_id == 1 || (!r && two[k].job_id == 2));
+        CHECK_EQ(two[k].status, KV_LLM_SUCCESS);
+    }
+    CHECK(memcmp(dst, src, (size_t)N) == 0);
+    uint32_t rr_src = 0;
+    CHECK_EQ(kv_region_add(b, KV_REGION_TCP, 6, ra, N, 0, &rr_src), KV_LLM_SUCCESS);
+    seg(w, rr_src, 3 * L, rback, 0, L);
+    CHECK_EQ(kv_core_submit(b, 3, w, 1, 0, &done, &nb), KV_LLM_SUCCESS);
+    CHECK_EQ(wait_one(b, 3).status, KV_LLM_SUCCESS);
+    CHECK(memcmp(back, src + 3 * L, (size_t)L) == 0);
+    CHECK_EQ(stats(a).tcp_bad_frames, 0);
+    CHECK_EQ(stats(b).tcp_links_failed, 0);
+    CHECK_EQ(stats(b).jobs_live, 0);
+    kv_core_free(b);
+    kv_core_free(a);
+    xunmap(src, N);
+    xunmap(dst, N);
+    xunmap(back, L);
+}
+
 /* ------------------------------------------- the close fence (tcp, hooks) */
 
 /* kv_tcp.c's test hook (built with -DKV_TEST_HOOKS): the receiving I/O thread calls
@@ -2450,6 +2527,7 @@ int main(int argc, char **argv) {
         {"seg2d_abort", test_seg2d_abort},
         {"large_copy", test_large_copy},
         {"tcp_2d", test_tcp_2d},
+        {"tcp_driven", test_tcp_driven},
         {"tcp_close_fence", test_tcp_close_fence},
         {"reap", test_reap},
         {"lease_busy", test_lease_busy},
