@@ -70,6 +70,7 @@ typedef struct {
 #define KV_READ_WINDOW 4             /* chunks of READ outstanding per connection */
 #define KV_SCRATCH (1u << 20)
 #define KV_RECV_BUDGET (16u << 20)   /* bytes read from one connection per wake-up */
+#define KV_DRIVE_RECV_BUDGET (256u << 10) /* ...per round of a driver: the loop thread's time bounded */
 #ifndef KV_RECV_PLACE
 #define KV_RECV_PLACE (256u << 10)   /* most DATA one recv() writes into place: what a receiver stalled
                                         inside that recv (page fault, preemption, SIGSTOP right after
@@ -282,6 +283,7 @@ typedef struct kv_net {
     pthread_mutex_t wlock;
     int quiet_fd;            /* an epoll set of wake_fd alone: the I/O thread's while drives go on */
     uint64_t drive_epoch;    /* drives so far (under wlock): the I/O thread's events are stale after one */
+    int driving;             /* under wlock: the round is a driver's (conn_recv's smaller budget) */
     uint64_t drove_ns;       /* atomic: when the last drive ended */
     uint64_t last_busy, next_due; /* the round's: last activity, next timer */
     /* under c->lock */
@@ -1646,7 +1648,7 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
 static int conn_recv(kv_net *n, kv_conn *k) {
     kv_core *c = n->core;
     int sig = 0;
-    uint64_t budget = KV_RECV_BUDGET;
+    uint64_t budget = n->driving ? KV_DRIVE_RECV_BUDGET : KV_RECV_BUDGET;
     while (!k->dead && budget) {
         ssize_t r;
         if (k->in_state == IN_HEADER) {
@@ -2364,7 +2366,9 @@ static int drive_round(void *arg) {
     int ne = epoll_wait(n->epoll_fd, evs, 64, 0);
     if (ne < 0)
         ne = 0;
+    n->driving = 1;
     (void)io_round(n, evs, ne, 0);
+    n->driving = 0;
     /* the ACK comes from the peer's I/O thread, which may share our CPU: yield now and
      * then (the same lesson as kv_ucx.c's drive_progress) */
     if (ne)
@@ -2397,8 +2401,13 @@ int kv_tcp_submit_driven(kv_core *c, uint64_t job_id, const uint64_t *segs, size
             break;
     }
     pthread_mutex_lock(&c->lock);
-    if (!got || n->commands_head || n->abort_head || n->stop_requested) {
-        /* busy, or the I/O thread's commands (a link's close) go first: it carries the job */
+    int busy = n->live_jobs || n->timed_head || n->npending;
+    for (kv_link *l = n->links; l && !busy; l = l->next)
+        busy = l->nincoming != 0;
+    if (!got || busy || n->commands_head || n->abort_head || n->stop_requested) {
+        /* the sockets busy, other transfers under way (their bytes are the I/O thread's to
+         * move, not the loop thread's), or the I/O thread's commands (a link's close) go
+         * first: it carries the job */
         drive_hand_back(n, job_id);
         pthread_mutex_unlock(&c->lock);
         if (got)
