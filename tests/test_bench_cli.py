@@ -174,10 +174,13 @@ def test_bench_loopcost_reports_the_loop_threads_cost_and_its_pieces(tmp_path):
     res = {r["transport"]: r for r in json.loads((tmp_path / "loopcost.json").read_text())["results"]}
     local, tcp = res["local"], res["tcp"]
     assert local["fast_taken"] >= 400                  # the inline pushes ran the native fast path
-    assert tcp["fast_taken"] == 0                      # tcp pushes are the scheduler's
+    assert tcp["fast_taken"] >= 300                    # one-layer tcp pushes: driven by the loop thread
     assert 0 < local["fast_cpu_us"] <= local["fast_wall_us"] * 1.5 and local["python_cpu_us"] > 0
     assert local["pieces_us"]["copy: Core.submit of the plan (C call + inline memmove)"] > 0
-    assert tcp["drains_per_push_fast"] > 0 and tcp["launch_us"] > 0 and tcp["drain_fast_us"] > 0
+    # ...so no eventfd wake-up and no sleep of the loop a push (decisions.md #35); the
+    # scheduler's launch is still timed alone, as the Python path's drain
+    assert tcp["drains_per_push_fast"] < 0.5 and tcp["fast_sleeps"] < 0.5, tcp
+    assert tcp["launch_us"] > 0 and tcp["drains_per_push_python"] > 0
 
 
 def test_an_output_prefix_given_as_the_plots_name_is_not_doubled(tmp_path):
