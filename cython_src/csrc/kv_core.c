@@ -1327,6 +1327,18 @@ static void lock_spinning(kv_core *c) {
     pthread_mutex_lock(&c->lock);
 }
 
+int kv__trylock_within(pthread_mutex_t *m, uint64_t bound_ns) {
+    uint64_t t0 = boottime_ns();
+    for (unsigned k = 1; pthread_mutex_trylock(m) != 0; k++) {
+#ifdef KV_HAVE_STREAM
+        _mm_pause();
+#endif
+        if ((k & 63) == 0 && boottime_ns() - t0 >= bound_ns)
+            return 0;
+    }
+    return 1;
+}
+
 int kv_core_wait_take(kv_core *c, uint64_t job_id, uint64_t bound_ns, kv_completion *out) {
     return kv__wait_take_driving(c, job_id, bound_ns, out, NULL, NULL);
 }

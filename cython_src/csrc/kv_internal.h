@@ -203,6 +203,9 @@ void kv__signal_loop(kv_core *c);
  * the waiting thread make its job's progress itself (kv_ucx_drive). */
 int kv__wait_take_driving(kv_core *c, uint64_t job_id, uint64_t bound_ns, kv_completion *out,
                           int (*drive)(void *), void *arg);
+/* Try `m` for at most `bound_ns`, spinning (a driver taking its transport's lock from the
+ * I/O thread, which holds it a round at a time): 1 if taken. */
+int kv__trylock_within(pthread_mutex_t *m, uint64_t bound_ns);
 /* Into a queue_next/queue_prev queue by rank, after the jobs of equal rank (FIFO among
  * them): the movers' queue, a TCP link's send queue. Usually at the tail. */
 void kv__rank_insert(kv_job **head, kv_job **tail, kv_job *j);

@@ -147,7 +147,7 @@ typedef struct kv_tcp_job {
     uint32_t abort_acks_awaited; /* push, ABORTING: streams (bit = index in the link) whose ABORT_ACK is due */
     int acked;               /* push, ABORTING: the receiver ACKed every byte meanwhile */
     int driven;              /* its driver's (kv_tcp_submit_driven) until it completes or is handed back:
-                              * counted in live_driven, not live_jobs */
+                              * not counted in live_jobs */
     uint64_t due;            /* ABORTING: the fence deadline; FENCING: the release time (ns, CLOCK_BOOTTIME) */
     struct kv_tcp_job *inbox_next, *inbox_prev; /* the I/O inbox (INBOX) */
     struct kv_tcp_job *list_next, *list_prev;   /* the abort list (ABORT_REQ) or timed list (ABORTING, FENCING) */
@@ -283,12 +283,11 @@ typedef struct kv_net {
     pthread_mutex_t wlock;
     int quiet_fd;            /* an epoll set of wake_fd alone: the I/O thread's while drives go on */
     uint64_t drive_epoch;    /* drives so far (under wlock): the I/O thread's events are stale after one */
-    int driving;             /* under wlock: the round is a driver's (conn_recv's smaller budget) */
+    int driving;             /* under wlock: the round running is a driver's (conn_recv's smaller budget) */
     uint64_t drove_ns;       /* atomic: when the last drive ended */
     uint64_t last_busy, next_due; /* the round's: last activity, next timer */
     /* under c->lock */
-    size_t live_jobs;        /* jobs submitted, not completed, but those of drives */
-    size_t live_driven;      /* ...and those (one at most) */
+    size_t live_jobs;        /* jobs submitted, not completed, but a drive's */
     kv_tcp_job *drive_job;   /* INBOX, outside the inbox: the driver's, until its first round or hand-back */
     int sleeping;            /* the I/O thread is (about to be) blocked in epoll_wait: wake_io_thread writes */
     int listen_fd;
@@ -597,9 +596,7 @@ static int tcp_complete(kv_net *n, kv_link *l, kv_tcp_job *j, uint32_t status) {
     job_set_state(j, KV_JS_DONE);
     free(j->pull);
     j->pull = NULL;
-    if (j->driven)
-        n->live_driven--;
-    else
+    if (!j->driven)
         n->live_jobs--;
     return kv__job_complete(n->core, &j->job, status);
 }
@@ -1987,6 +1984,17 @@ static int timers(kv_net *n, uint64_t t, uint64_t *next) {
     return sig;
 }
 
+/* Anything of the engine's tcp under way but a drive's job: a job, a command or an abort,
+ * a fence, a connection being set up, a transfer coming in, a stop. Caller holds c->lock. */
+static int others_under_way(const kv_net *n) {
+    if (n->live_jobs || work_queued(n) || n->timed_head || n->npending || n->stop_requested)
+        return 1;
+    for (const kv_link *l = n->links; l; l = l->next)
+        if (l->nincoming)
+            return 1;
+    return 0;
+}
+
 /* Leave the sockets to the loop thread's drives, polling them only every ms (a message
  * for us waits at most that, or the next drive): a drive ended within KV_DRIVE_QUIET_NS
  * and nothing else of ours is under way (a job, a command, a fence, a transfer coming
@@ -1994,16 +2002,27 @@ static int timers(kv_net *n, uint64_t t, uint64_t *next) {
  * the I/O thread, which on two vCPUs takes the CPU from the peer's. Caller holds wlock
  * and c->lock. */
 static int io_quiet(kv_net *n, uint64_t t) {
-    if (t - __atomic_load_n(&n->drove_ns, __ATOMIC_RELAXED) >= KV_DRIVE_QUIET_NS || n->live_jobs ||
-        work_queued(n) || n->timed_head || n->npending || n->stop_requested)
+    if (t - __atomic_load_n(&n->drove_ns, __ATOMIC_RELAXED) >= KV_DRIVE_QUIET_NS || others_under_way(n))
         return 0;
-    for (kv_link *l = n->links; l; l = l->next)
-        if (l->nincoming)
-            return 0;
     for (kv_conn *k = n->conns; k; k = k->next)
         if (!k->dead && k->out_armed)
             return 0;
     return 1;
+}
+
+/* A new job (INBOX: in the inbox or the drive slot) joins its link's send queue, or
+ * completes if its link is gone. Caller holds c->lock. Returns 1 to signal the loop. */
+static int job_take(kv_net *n, kv_tcp_job *j, int stop) {
+    kv_link *l = stop ? NULL : link_find(n, j->link_id);
+    if (!l || l->dead) /* (tcp_complete takes it out of the inbox or the slot) */
+        return tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
+    if (j == n->drive_job)
+        n->drive_job = NULL;
+    else
+        inbox_del(n, j);
+    job_set_state(j, KV_JS_SENDING);
+    send_queue_insert(l, j);
+    return 0;
 }
 
 /* One round, by the I/O thread or a driver (the caller holds wlock): the commands, new
@@ -2014,6 +2033,7 @@ static int io_round(kv_net *n, struct epoll_event *evs, int ne, int io_thread) {
     n->round_ns = now_ns();
     if (ne > 0)
         n->last_busy = n->round_ns;
+    n->driving = !io_thread;
     int sig = 0;
     pthread_mutex_lock(&c->lock);
     if (io_thread) /* (a driver's round leaves the I/O thread's sleep as it is: wake_io_thread) */
@@ -2040,28 +2060,10 @@ static int io_round(kv_net *n, struct epoll_event *evs, int ne, int io_thread) {
         }
         free(m);
     }
-    if (!io_thread && n->drive_job) { /* the driver's job, first */
-        kv_tcp_job *j = n->drive_job;
-        kv_link *l = stop ? NULL : link_find(n, j->link_id);
-        if (!l || l->dead) {
-            sig |= tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
-        } else {
-            n->drive_job = NULL;
-            job_set_state(j, KV_JS_SENDING);
-            send_queue_insert(l, j);
-        }
-    }
-    while (n->inbox_head) { /* new jobs join their link's send queue */
-        kv_tcp_job *j = n->inbox_head;
-        kv_link *l = stop ? NULL : link_find(n, j->link_id);
-        if (!l || l->dead) {
-            sig |= tcp_complete(n, NULL, j, stop ? KV_LLM_ENGINE_FINALIZED : KV_LLM_LINK_FAILED);
-            continue;
-        }
-        inbox_del(n, j);
-        job_set_state(j, KV_JS_SENDING);
-        send_queue_insert(l, j);
-    }
+    if (!io_thread && n->drive_job) /* the driver's job, first */
+        sig |= job_take(n, n->drive_job, stop);
+    while (n->inbox_head) /* new jobs join their link's send queue */
+        sig |= job_take(n, n->inbox_head, stop);
     while (n->abort_head) /* aborts requested since the last round */
         sig |= handle_abort(n, n->abort_head);
     if (stop && !n->stopped) { /* every link fails; pushes not fenced wait for their release */
@@ -2348,7 +2350,6 @@ static void drive_hand_back(kv_net *n, uint64_t job_id) {
     c->stats.tcp_drive_handed++;
     if (j && j->driven) {
         j->driven = 0;
-        n->live_driven--;
         n->live_jobs++;
         if (j == n->drive_job) { /* not begun: into the inbox */
             n->drive_job = NULL;
@@ -2366,9 +2367,7 @@ static int drive_round(void *arg) {
     int ne = epoll_wait(n->epoll_fd, evs, 64, 0);
     if (ne < 0)
         ne = 0;
-    n->driving = 1;
     (void)io_round(n, evs, ne, 0);
-    n->driving = 0;
     /* the ACK comes from the peer's I/O thread, which may share our CPU: yield now and
      * then (the same lesson as kv_ucx.c's drive_progress) */
     if (ne)
@@ -2391,20 +2390,10 @@ int kv_tcp_submit_driven(kv_core *c, uint64_t job_id, const uint64_t *segs, size
     if (*status != KV_LLM_SUCCESS || done || !n)
         return -1;
     /* the sockets: the I/O thread holds them for one round at a time (microseconds) */
-    uint64_t t0 = now_ns(), wait_max = bound_ns < KV_DRIVE_LOCK_NS ? bound_ns : KV_DRIVE_LOCK_NS;
-    int got;
-    for (unsigned k = 1; !(got = pthread_mutex_trylock(&n->wlock) == 0); k++) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-        if ((k & 63) == 0 && now_ns() - t0 >= wait_max)
-            break;
-    }
+    uint64_t t0 = now_ns();
+    int got = kv__trylock_within(&n->wlock, bound_ns < KV_DRIVE_LOCK_NS ? bound_ns : KV_DRIVE_LOCK_NS);
     pthread_mutex_lock(&c->lock);
-    int busy = n->live_jobs || n->timed_head || n->npending;
-    for (kv_link *l = n->links; l && !busy; l = l->next)
-        busy = l->nincoming != 0;
-    if (!got || busy || n->commands_head || n->abort_head || n->stop_requested) {
+    if (!got || others_under_way(n)) {
         /* the sockets busy, other transfers under way (their bytes are the I/O thread's to
          * move, not the loop thread's), or the I/O thread's commands (a link's close) go
          * first: it carries the job */
@@ -2450,7 +2439,6 @@ static uint32_t tcp_submit(kv_transport *t, kv_job *job) {
     if (tcp_driving) { /* its driver takes it in its first round: the I/O thread neither sees nor counts it */
         j->driven = 1;
         n->drive_job = j;
-        n->live_driven++;
         return KV_LLM_SUCCESS;
     }
     inbox_add(n, j);

@@ -2712,16 +2712,9 @@ int kv_ucx_submit_driven(kv_core *c, uint64_t job_id, const uint64_t *segs, size
         return -1;
     /* the worker: the I/O thread holds it for one round at a time (microseconds), and
      * takes it again only after a tick while we want it */
-    uint64_t t0 = now_ns(), wait_max = bound_ns < UCX_DRIVE_LOCK_NS ? bound_ns : UCX_DRIVE_LOCK_NS;
-    int got;
+    uint64_t t0 = now_ns();
     __atomic_store_n(&u->drive_wanted, 1, __ATOMIC_RELEASE);
-    for (unsigned k = 1; !(got = pthread_mutex_trylock(&u->wlock) == 0); k++) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-        if ((k & 63) == 0 && now_ns() - t0 >= wait_max)
-            break;
-    }
+    int got = kv__trylock_within(&u->wlock, bound_ns < UCX_DRIVE_LOCK_NS ? bound_ns : UCX_DRIVE_LOCK_NS);
     __atomic_store_n(&u->drive_wanted, 0, __ATOMIC_RELEASE);
     pthread_mutex_lock(&c->lock);
     kv_job *kj = kv__job_find(c, job_id); /* live (completed if its link failed meanwhile) */
