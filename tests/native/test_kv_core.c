@@ -1557,6 +1557,24 @@ static int tcp_connect(uint16_t port) {
     return fd;
 }
 
+/* Link `a` (listening) and `b` as link `id` over loopback: `streams` connections from b,
+ * b's push window `window` (a's: none), lease and fence `lease_ms`, margin `margin_ms`;
+ * returns once b's link is ready. */
+static void tcp_pair(kv_core *a, kv_core *b, uint32_t id, int streams, uint64_t window, uint64_t lease_ms,
+                     uint64_t margin_ms) {
+    const uint64_t ms = 1000000;
+    uint16_t port = tcp_listen_local(a);
+    uint8_t tok[KV_TOKEN_BYTES];
+    for (int i = 0; i < KV_TOKEN_BYTES; i++)
+        tok[i] = (uint8_t)(i * 5 + 3);
+    CHECK_EQ(kv_tcp_link_add(a, id, tok, streams, 0, lease_ms * ms, lease_ms * ms, margin_ms * ms), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_tcp_link_add(b, id, tok, streams, window, lease_ms * ms, lease_ms * ms, margin_ms * ms),
+             KV_LLM_SUCCESS);
+    for (int i = 0; i < streams; i++)
+        CHECK_EQ(kv_tcp_conn_add(b, tcp_connect(port), id), KV_LLM_SUCCESS);
+    CHECK_EQ(wait_one(b, KV_EVENT_LINK_READY | id).status, KV_LLM_SUCCESS);
+}
+
 static void wait_conns(kv_core *c, uint64_t want) {
     double end = now_ms() + WAIT_MS;
     while (stats(c).tcp_conns != want) {
@@ -1915,18 +1933,9 @@ static void test_large_copy(void) {
  * many pieces a frame), of 2-D segments (native rows), pulls of 2-D segments
  * (expanded into rows by the core): byte-exact, guards untouched. */
 static void test_tcp_2d(void) {
-    const uint64_t N = 8 * MiB, ms = 1000000;
+    const uint64_t N = 8 * MiB;
     kv_core *a = mk(1, 256 * KiB), *b = mk(1, 256 * KiB); /* a receives (listens), b pushes */
-    uint16_t port = tcp_listen_local(a);
-    uint8_t tok[KV_TOKEN_BYTES];
-    for (int i = 0; i < KV_TOKEN_BYTES; i++)
-        tok[i] = (uint8_t)(i * 7 + 1);
-    CHECK_EQ(kv_tcp_link_add(a, 5, tok, 2, 0, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
-    CHECK_EQ(kv_tcp_link_add(b, 5, tok, 2, 1 * MiB, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
-    CHECK_EQ(kv_tcp_conn_add(b, tcp_connect(port), 5), KV_LLM_SUCCESS);
-    CHECK_EQ(kv_tcp_conn_add(b, tcp_connect(port), 5), KV_LLM_SUCCESS);
-    kv_completion ev = wait_one(b, KV_EVENT_LINK_READY | 5);
-    CHECK_EQ(ev.status, KV_LLM_SUCCESS);
+    tcp_pair(a, b, 5, 2, 1 * MiB, 2000, 50);
     uint8_t *asrc = xmap(N), *adst = xmap(N), *bsrc = xmap(N), *bdst = xmap(N), *want = xmap(N);
     fill(asrc, N, 41);
     fill(bsrc, N, 42);
@@ -2006,17 +2015,9 @@ static void test_tcp_2d(void) {
  * one completes as any other); one beside a large push in flight; and the sockets shared
  * with the I/O thread, which keeps the link (a push of the peer's way, b's pull) going. */
 static void test_tcp_driven(void) {
-    const uint64_t N = 8 * MiB, L = 64 * KiB, ms = 1000000;
+    const uint64_t N = 8 * MiB, L = 64 * KiB;
     kv_core *a = mk(1, 256 * KiB), *b = mk(1, 256 * KiB); /* a receives (listens), b pushes */
-    uint16_t port = tcp_listen_local(a);
-    uint8_t tok[KV_TOKEN_BYTES];
-    for (int i = 0; i < KV_TOKEN_BYTES; i++)
-        tok[i] = (uint8_t)(i * 5 + 3);
-    CHECK_EQ(kv_tcp_link_add(a, 6, tok, 1, 0, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
-    CHECK_EQ(kv_tcp_link_add(b, 6, tok, 1, 0, 2000 * ms, 2000 * ms, 50 * ms), KV_LLM_SUCCESS);
-    CHECK_EQ(kv_tcp_conn_add(b, tcp_connect(port), 6), KV_LLM_SUCCESS);
-    kv_completion ev = wait_one(b, KV_EVENT_LINK_READY | 6);
-    CHECK_EQ(ev.status, KV_LLM_SUCCESS);
+    tcp_pair(a, b, 6, 1, 0, 2000, 50);
     uint8_t *src = xmap(N), *dst = xmap(N), *back = xmap(L);
     fill(src, N, 51);
     memset(dst, 0x5A, (size_t)N);
@@ -2121,20 +2122,13 @@ static void place_hook(int stage, const int *refused) {
  * thread was about to write into place (stage 0) stays in the socket; the one recv
  * already past the check (stage 1) ends before the close returns. */
 static void test_tcp_close_fence(void) {
-    const uint64_t N = 8 * MiB, ms = 1000000;
-    uint8_t tok[KV_TOKEN_BYTES];
-    for (int i = 0; i < KV_TOKEN_BYTES; i++)
-        tok[i] = (uint8_t)(i * 5 + 3);
+    const uint64_t N = 8 * MiB;
     uint8_t *src = xmap(N), *dst = xmap(N), *seen = xmap(N);
     fill(src, N, 77);
     kv_test_place_hook = place_hook;
     for (int stage = 0; stage < 2; stage++) {
         kv_core *a = mk(1, 256 * KiB), *b = mk(1, 256 * KiB); /* a receives, b pushes */
-        uint16_t port = tcp_listen_local(a);
-        CHECK_EQ(kv_tcp_link_add(a, 5, tok, 1, 0, 200 * ms, 200 * ms, 20 * ms), KV_LLM_SUCCESS);
-        CHECK_EQ(kv_tcp_link_add(b, 5, tok, 1, 0, 200 * ms, 200 * ms, 20 * ms), KV_LLM_SUCCESS);
-        CHECK_EQ(kv_tcp_conn_add(b, tcp_connect(port), 5), KV_LLM_SUCCESS);
-        CHECK_EQ(wait_one(b, KV_EVENT_LINK_READY | 5).status, KV_LLM_SUCCESS);
+        tcp_pair(a, b, 5, 1, 0, 200, 20);
         memset(dst, 0x5A, (size_t)N);
         uint32_t ra = add_region(a, KV_REGION_LOCAL, 0, dst, N, KV_REGION_F_EXPORT);
         uint32_t rs = add_local(b, src, N), rd = 0;
