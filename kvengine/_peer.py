@@ -236,6 +236,18 @@ class _Server:
                                        kv.CacheIndex(m["cluster_id"], m["dst_cache_id"], m.get("dst_batch", 0)),
                                        m.get("src_batch", 0), timeout=m.get("timeout"))
             return {"status": int(await t)}
+        if op == "push_times":   # "n" pushes like "push", one after another ("gap" s apart): each one's us
+            await e.wait_remote_cache(m["cluster_id"], m["dst_cache_id"], timeout=m.get("timeout"))
+            src, idx = self.caches[m["cache_id"]], kv.CacheIndex(m["cluster_id"], m["dst_cache_id"], 0)
+            us: list[float] = []
+            for _ in range(m["n"]):
+                t0 = time.perf_counter()
+                st = await e.submit_push_kv_cache(src, idx, 0, timeout=m.get("timeout"))
+                if st != kv.LLMStatusCode.LLM_SUCCESS:
+                    return {"status": int(st), "us": us}
+                us.append((time.perf_counter() - t0) * 1e6)
+                await asyncio.sleep(m.get("gap", 0))
+            return {"status": 0, "us": us}
         if op == "push_start":   # like "push" (deadline: its timeout), but answers at once with a
             # handle for "push_wait" (PeerProcess.call takes `timeout` for itself: use `deadline`)
             await e.wait_remote_cache(m["cluster_id"], m["dst_cache_id"], timeout=m.get("deadline"))
