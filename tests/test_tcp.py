@@ -197,3 +197,11 @@ async def test_a_driven_tcp_push_into_a_stopped_peer_is_fenced():
     (tests/test_ucx_more.py's driven_push_into_stopped_peer, over tcp)."""
     from test_ucx_more import driven_push_into_stopped_peer
     await driven_push_into_stopped_peer("tcp")
+
+
+async def test_tcp_pushes_into_an_engine_that_drives_are_taken_at_once():
+    """A peer's pushes into an engine whose loop thread drives its own pushes over tcp are
+    taken as they come, not at the I/O thread's next tick (tests/test_ucx_more.py's
+    pushes_in_between_drives, over tcp)."""
+    from test_ucx_more import pushes_in_between_drives
+    await pushes_in_between_drives("tcp")

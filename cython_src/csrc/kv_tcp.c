@@ -87,7 +87,7 @@ typedef struct {
 #define KV_DRIVE_LOCK_NS 50000ull      /* a driver waits this long at most for the sockets */
 #define KV_DRIVE_YIELD 32              /* a driver yields its CPU after this many empty rounds */
 #define KV_DRIVE_QUIET_NS 2000000ull   /* the I/O thread leaves the sockets to the loop thread's drives this
-                                        * long after the last (it polls them every ms meanwhile) */
+                                        * long after the last (io_quiet) */
 
 #ifdef KV_TEST_HOOKS
 /* tests/native only (never in the extension): called by the I/O thread before it
@@ -281,7 +281,8 @@ typedef struct kv_net {
      * for each round, by the loop thread while it drives a push (kv_tcp_submit_driven);
      * taken before c->lock */
     pthread_mutex_t wlock;
-    int quiet_fd;            /* an epoll set of wake_fd alone: the I/O thread's while drives go on */
+    int quiet_fd;            /* the I/O thread's epoll set while drives go on: wake_fd, and epoll_fd
+                              * (the sockets) except while a drive runs (quiet_watch) */
     uint64_t drive_epoch;    /* drives so far (under wlock): the I/O thread's events are stale after one */
     int driving;             /* under wlock: the round running is a driver's (conn_recv's smaller budget) */
     uint64_t drove_ns;       /* atomic: when the last drive ended */
@@ -363,6 +364,9 @@ static uint32_t net_start(kv_core *c, kv_net **out) {
     if (!n->scratch || n->epoll_fd < 0 || n->quiet_fd < 0 || n->wake_fd < 0 ||
         epoll_ctl(n->epoll_fd, EPOLL_CTL_ADD, n->wake_fd, &ev) < 0 ||
         epoll_ctl(n->quiet_fd, EPOLL_CTL_ADD, n->wake_fd, &ev) < 0)
+        goto fail;
+    ev.data.ptr = n; /* (any events: the quiet I/O thread polls epoll_fd itself) */
+    if (epoll_ctl(n->quiet_fd, EPOLL_CTL_ADD, n->epoll_fd, &ev) < 0)
         goto fail;
     sigset_t all, old;
     sigfillset(&all);
@@ -1995,8 +1999,8 @@ static int others_under_way(const kv_net *n) {
     return 0;
 }
 
-/* Leave the sockets to the loop thread's drives, polling them only every ms (a message
- * for us waits at most that, or the next drive): a drive ended within KV_DRIVE_QUIET_NS
+/* Leave the sockets to the loop thread's drives while they run (quiet_watch), and do
+ * not spin between them: a drive ended within KV_DRIVE_QUIET_NS
  * and nothing else of ours is under way (a job, a command, a fence, a transfer coming
  * in, a connection being set up or with output queued). Otherwise every ACK would wake
  * the I/O thread, which on two vCPUs takes the CPU from the peer's. Caller holds wlock
@@ -2130,9 +2134,9 @@ static void *io_main(void *arg) {
         /* Spin (poll without sleeping) for KV_SPIN_NS after activity, so a frame
          * does not wait for a sleeping thread to wake (docs/tuning.md, KV_SPIN_NS).
          * Each empty poll yields the core, so a woken event loop sharing it runs at
-         * once. Otherwise sleep until the next timer (lease renewal, fence, release);
-         * while the loop thread drives pushes (io_quiet), at most 1 ms, woken only by
-         * new work. */
+         * once. Otherwise sleep until the next timer (lease renewal, fence, release),
+         * new work or a socket's event; while the loop thread drives pushes (io_quiet),
+         * without spinning, and not for the sockets while a drive runs (quiet_watch). */
         uint64_t t0 = now_ns();
         pthread_mutex_lock(&c->lock);
         int quiet = io_quiet(n, t0);
@@ -2140,8 +2144,6 @@ static void *io_main(void *arg) {
         int tmo = 0;
         if (!spin)
             tmo = n->next_due <= t0 ? 0 : (int)((n->next_due - t0 + 999999) / 1000000);
-        if (quiet && tmo > 1)
-            tmo = 1;
         if (tmo) { /* about to block: from here on a submit, command or abort writes wake_fd */
             if (work_queued(n) || (n->stop_requested && !n->stopped))
                 tmo = 0;
@@ -2171,7 +2173,7 @@ static void *io_main(void *arg) {
                 (void)r;
             }
         }
-        if (quiet || n->drive_epoch != epoch) { /* the quiet set said only "new work", or a drive ran
+        if (quiet || n->drive_epoch != epoch) { /* the quiet set names no socket, or a drive ran
                                                  * meanwhile (these events may be stale): look now */
             ne = epoll_wait(n->epoll_fd, evs, 64, 0);
             if (ne < 0)
@@ -2342,6 +2344,16 @@ typedef struct {
     unsigned idle; /* rounds in a row that found nothing */
 } tcp_drive;
 
+/* Whether the quiet I/O thread wakes for the sockets. Off while a drive runs: its ACK
+ * would wake the thread, on the CPU the peer's I/O thread needs, for a frame the driver
+ * reads itself. On between drives: whatever comes in meanwhile (a peer's push, a READ
+ * of a pull from us) is the I/O thread's at once, not at its next tick (before, it was
+ * left for up to 1 ms: docs/benchmarks.md, "Traffic in while the loop thread drives"). */
+static void quiet_watch(kv_net *n, int on) {
+    struct epoll_event ev = {.events = on ? EPOLLIN : 0, .data.ptr = n};
+    (void)epoll_ctl(n->quiet_fd, EPOLL_CTL_MOD, n->epoll_fd, &ev);
+}
+
 /* A driven job the driver gives up (not begun, or not complete in time): the I/O thread's
  * from now on, counted and watched as any other. Caller holds c->lock. */
 static void drive_hand_back(kv_net *n, uint64_t job_id) {
@@ -2405,6 +2417,7 @@ int kv_tcp_submit_driven(kv_core *c, uint64_t job_id, const uint64_t *segs, size
         return kv_core_wait_take(c, job_id, bound_ns > spent ? bound_ns - spent : 0, out);
     }
     pthread_mutex_unlock(&c->lock);
+    quiet_watch(n, 0);
     n->drive_epoch++;
     tcp_drive d = {.n = n, .idle = 0};
     uint64_t spent = now_ns() - t0;
@@ -2417,6 +2430,7 @@ int kv_tcp_submit_driven(kv_core *c, uint64_t job_id, const uint64_t *segs, size
         drive_hand_back(n, job_id);
     pthread_mutex_unlock(&c->lock);
     pthread_mutex_unlock(&n->wlock);
+    quiet_watch(n, 1); /* (a frame already in: the thread wakes now) */
     return found;
 }
 

@@ -173,8 +173,10 @@ void ucs_log_push_handler(kv_ucs_log_func handler);
 #define UCX_DRIVE_LOCK_NS 50000ull /* a driver waits this long at most for the worker */
 #define UCX_DRIVE_YIELD 32        /* a driver yields its CPU after this many empty progress calls */
 #define UCX_DRIVE_SKIPS 4         /* ...and runs its round at least every this many ticks */
-#define UCX_DRIVE_QUIET_NS 2000000ull /* the I/O thread leaves the worker to the loop thread's drives
-                                       * this long after the last (it ticks every ms meanwhile) */
+#define UCX_QUIET_MIN_NS 20000ull     /* ...and sleeps at least this long meanwhile */
+#define UCX_DRIVE_QUIET_NS 250000ull /* the I/O thread leaves the worker to the loop thread's drives
+                                      * this long after the last: what a message for us waits at most
+                                      * meanwhile (a drive progresses the worker: its own wait is less) */
 #define UCX_CLOSE_WAIT_NS 2000000000ull /* stop: the most a forced close is waited for */
 #define UCX_CLOSE_PIECE_WAIT_NS 50000000ull /* kv_ucx_link_close waits this long at most for a piece */
 #define UCX_AM_ID 7               /* our one active message id */
@@ -2336,9 +2338,10 @@ static void unmap_released(kv_ucx *u) {
 /* Sleep at most `tmo` ms: 1 if our wake fd fired (work handed to this thread). The
  * worker's fd stays readable until the next arm (shared memory's signal socket):
  * only our own wake-ups and progress made count as activity. */
-static int io_sleep(kv_ucx *u, int tmo) {
+static int io_sleep_ns(kv_ucx *u, uint64_t tmo_ns) {
     struct epoll_event evs[4];
-    int ne = epoll_wait(u->epoll_fd, evs, 4, tmo), woke = 0;
+    struct timespec ts = {(time_t)(tmo_ns / 1000000000u), (long)(tmo_ns % 1000000000u)};
+    int ne = epoll_pwait2(u->epoll_fd, evs, 4, &ts, NULL), woke = 0;
     for (int i = 0; i < ne; i++) {
         if (evs[i].data.u32 == 0) {
             uint64_t v;
@@ -2348,6 +2351,18 @@ static int io_sleep(kv_ucx *u, int tmo) {
         }
     }
     return woke;
+}
+
+/* How long the I/O thread sleeps while it leaves the worker to a driver (its fd out of the
+ * set, or the driver holding the lock): to the end of the quiet window, at most a busy
+ * tick. A drive progresses every message that comes in while it runs; this bounds how
+ * long one that comes in after it waits for this thread. */
+static int io_sleep(kv_ucx *u, int tmo_ms) { return io_sleep_ns(u, (uint64_t)tmo_ms * 1000000u); }
+
+static uint64_t quiet_left_ns(kv_ucx *u, uint64_t now) {
+    uint64_t end = __atomic_load_n(&u->drove_ns, __ATOMIC_RELAXED) + UCX_DRIVE_QUIET_NS;
+    uint64_t t = end > now ? end - now : 0;
+    return t < UCX_QUIET_MIN_NS ? UCX_QUIET_MIN_NS : t > UCX_BUSY_TICK_MS * 1000000ull ? UCX_BUSY_TICK_MS * 1000000ull : t;
 }
 
 static void *io_main(void *arg) {
@@ -2365,7 +2380,7 @@ static void *io_main(void *arg) {
                    skipped < skip_max;
         if (tick && (__atomic_load_n(&u->drive_wanted, __ATOMIC_ACQUIRE) || pthread_mutex_trylock(&u->wlock) != 0)) {
             skipped++;
-            if ((woke = io_sleep(u, UCX_BUSY_TICK_MS)) != 0)
+            if ((woke = io_sleep_ns(u, quiet_left_ns(u, now_ns()))) != 0)
                 last_busy = now_ns();
             continue;
         }
@@ -2378,7 +2393,9 @@ static void *io_main(void *arg) {
         if (!tick)
             while (pthread_mutex_trylock(&u->wlock) != 0) {
                 struct pollfd pf = {.fd = u->wake_fd, .events = POLLIN};
-                if (poll(&pf, 1, UCX_BUSY_TICK_MS) > 0) {
+                uint64_t left = quiet_left_ns(u, now_ns());
+                struct timespec ts = {0, (long)left};
+                if (ppoll(&pf, 1, &ts, NULL) > 0) {
                     uint64_t v;
                     ssize_t r = read(u->wake_fd, &v, sizeof v);
                     (void)r;
@@ -2483,9 +2500,12 @@ static void *io_main(void *arg) {
                 lease_ms = l->lease_ns / 8000000;
         /* ticks a driver may take from this thread in a row */
         skip_max = lease_ms < UCX_DRIVE_SKIPS ? (int)lease_ms : UCX_DRIVE_SKIPS;
-        if (u->efd_off) { /* no spin either (it would wait for the worker the driver holds): a tick */
+        if (u->efd_off) { /* no spin either (it would wait for the worker the driver holds): until the
+                           * quiet window ends (the next drive extends it) */
             pthread_mutex_unlock(&u->wlock);
-            tmo = UCX_BUSY_TICK_MS;
+            if ((woke = io_sleep_ns(u, quiet_left_ns(u, now))) != 0)
+                last_busy = now_ns();
+            continue;
         } else if (now - last_busy < UCX_SPIN_NS && !recent) { /* (beside a driver: it is the one polling) */
             tmo = 0;
             pthread_mutex_unlock(&u->wlock);
@@ -2751,6 +2771,7 @@ int kv_ucx_submit_driven(kv_core *c, uint64_t job_id, const uint64_t *segs, size
     driving = 2; /* callbacks run here now: what must wait for the I/O thread, waits (ucx_region_freed) */
     int found = kv__wait_take_driving(c, job_id, bound_ns, out, drive_progress, &d);
     driving = 0;
+    __atomic_store_n(&u->drove_ns, now_ns(), __ATOMIC_RELAXED); /* (the quiet window: from its end) */
     pthread_mutex_lock(&c->lock);
     if (found)
         c->stats.ucx_driven++;
