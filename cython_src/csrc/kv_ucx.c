@@ -173,10 +173,10 @@ void ucs_log_push_handler(kv_ucs_log_func handler);
 #define UCX_DRIVE_LOCK_NS 50000ull /* a driver waits this long at most for the worker */
 #define UCX_DRIVE_YIELD 32        /* a driver yields its CPU after this many empty progress calls */
 #define UCX_DRIVE_SKIPS 4         /* ...and runs its round at least every this many ticks */
-#define UCX_QUIET_MIN_NS 20000ull     /* ...and sleeps at least this long meanwhile */
 #define UCX_DRIVE_QUIET_NS 250000ull /* the I/O thread leaves the worker to the loop thread's drives
                                       * this long after the last: what a message for us waits at most
                                       * meanwhile (a drive progresses the worker: its own wait is less) */
+#define UCX_QUIET_MIN_NS 20000ull    /* ...and sleeps at least this long at a time meanwhile */
 #define UCX_CLOSE_WAIT_NS 2000000000ull /* stop: the most a forced close is waited for */
 #define UCX_CLOSE_PIECE_WAIT_NS 50000000ull /* kv_ucx_link_close waits this long at most for a piece */
 #define UCX_AM_ID 7               /* our one active message id */
@@ -2335,7 +2335,7 @@ static void unmap_released(kv_ucx *u) {
     }
 }
 
-/* Sleep at most `tmo` ms: 1 if our wake fd fired (work handed to this thread). The
+/* Sleep at most `tmo_ns`: 1 if our wake fd fired (work handed to this thread). The
  * worker's fd stays readable until the next arm (shared memory's signal socket):
  * only our own wake-ups and progress made count as activity. */
 static int io_sleep_ns(kv_ucx *u, uint64_t tmo_ns) {
@@ -2353,12 +2353,12 @@ static int io_sleep_ns(kv_ucx *u, uint64_t tmo_ns) {
     return woke;
 }
 
+static int io_sleep(kv_ucx *u, int tmo_ms) { return io_sleep_ns(u, (uint64_t)tmo_ms * 1000000u); }
+
 /* How long the I/O thread sleeps while it leaves the worker to a driver (its fd out of the
  * set, or the driver holding the lock): to the end of the quiet window, at most a busy
  * tick. A drive progresses every message that comes in while it runs; this bounds how
  * long one that comes in after it waits for this thread. */
-static int io_sleep(kv_ucx *u, int tmo_ms) { return io_sleep_ns(u, (uint64_t)tmo_ms * 1000000u); }
-
 static uint64_t quiet_left_ns(kv_ucx *u, uint64_t now) {
     uint64_t end = __atomic_load_n(&u->drove_ns, __ATOMIC_RELAXED) + UCX_DRIVE_QUIET_NS;
     uint64_t t = end > now ? end - now : 0;
