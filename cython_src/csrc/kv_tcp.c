@@ -2162,12 +2162,14 @@ static void *io_main(void *arg) {
          * wait for new work or a tick, not for the lock. A thread blocked on the lock is
          * woken by every drive's unlock, and lost it again to the next drive: on two vCPUs
          * that wake-up took the CPU from the peer's I/O thread once a push (a one-layer
-         * push 21 -> 35 us, for whole seconds at a time). */
+         * push 21 -> 35 us, for whole seconds at a time). (Its own event: `evs` holds this
+         * round's, and the quiet set's entry for the sockets' set is no connection.) */
         while (pthread_mutex_trylock(&n->wlock) != 0) {
+            struct epoll_event qev;
             pthread_mutex_lock(&c->lock);
             n->sleeping = 1; /* a hand-back or new work writes wake_fd */
             pthread_mutex_unlock(&c->lock);
-            if (epoll_wait(n->quiet_fd, evs, 1, 1) > 0) {
+            if (epoll_wait(n->quiet_fd, &qev, 1, 1) > 0) {
                 uint64_t v;
                 ssize_t r = read(n->wake_fd, &v, sizeof v);
                 (void)r;
