@@ -2353,8 +2353,6 @@ static int io_sleep_ns(kv_ucx *u, uint64_t tmo_ns) {
     return woke;
 }
 
-static int io_sleep(kv_ucx *u, int tmo_ms) { return io_sleep_ns(u, (uint64_t)tmo_ms * 1000000u); }
-
 /* How long the I/O thread sleeps while it leaves the worker to a driver (its fd out of the
  * set, or the driver holding the lock): to the end of the quiet window, at most a busy
  * tick. A drive progresses every message that comes in while it runs; this bounds how
@@ -2483,7 +2481,7 @@ static void *io_main(void *arg) {
         now = now_ns();
         if (progressed)
             last_busy = now;
-        int tmo;
+        uint64_t tmo_ns;
         /* the loop thread drives its small pushes (kv_ucx_submit_driven) and nothing else
          * is in flight: it progresses the worker itself, which this thread then need not
          * watch (a wake-up per push, on the CPU the peer's I/O thread needs) */
@@ -2503,11 +2501,9 @@ static void *io_main(void *arg) {
         if (u->efd_off) { /* no spin either (it would wait for the worker the driver holds): until the
                            * quiet window ends (the next drive extends it) */
             pthread_mutex_unlock(&u->wlock);
-            if ((woke = io_sleep_ns(u, quiet_left_ns(u, now))) != 0)
-                last_busy = now_ns();
-            continue;
+            tmo_ns = quiet_left_ns(u, now);
         } else if (now - last_busy < UCX_SPIN_NS && !recent) { /* (beside a driver: it is the one polling) */
-            tmo = 0;
+            tmo_ns = 0;
             pthread_mutex_unlock(&u->wlock);
             sched_yield();
         } else if (ucp_worker_arm(u->worker) == UCS_ERR_BUSY) {
@@ -2515,11 +2511,12 @@ static void *io_main(void *arg) {
             continue;
         } else {
             pthread_mutex_unlock(&u->wlock);
-            tmo = working == 2 || (stop && working) ? UCX_BUSY_TICK_MS : (int)(UCX_TICK_NS / 1000000);
+            int tmo = working == 2 || (stop && working) ? UCX_BUSY_TICK_MS : (int)(UCX_TICK_NS / 1000000);
             if (tmo > UCX_BUSY_TICK_MS && lease_ms < (uint64_t)tmo)
                 tmo = (int)lease_ms + 1;
+            tmo_ns = (uint64_t)tmo * 1000000u;
         }
-        if ((woke = io_sleep(u, tmo)) != 0)
+        if ((woke = io_sleep_ns(u, tmo_ns)) != 0)
             last_busy = now_ns();
     }
     return NULL;
