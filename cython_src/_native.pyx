@@ -44,12 +44,22 @@ DEF UCX_BLOB = 16384   # KV_UCX_MAX_BLOB
 
 
 def map_fd(int fd, uint64_t length):
-    """mmap a shared, pre-faulted read-write view of ``fd``: returns ``(status, addr)``."""
+    """mmap a shared read-write view of ``fd``, faulted in for writing: ``(status, addr)``."""
     cdef uint64_t addr = 0
     cdef uint32_t st
     with nogil:  # MAP_POPULATE faults every page: long for large maps
         st = kvc.kv_map_fd(fd, length, &addr)
     return st, addr
+
+
+def populate_write(unsigned char[::1] buf):
+    """Fault every page of ``buf`` (a shared mapping) in for writing, the GIL released
+    (kv_core.h ``kv_populate_write``): 0, or the errno (EINVAL: a kernel before 5.14)."""
+    cdef int e = 0
+    if buf.shape[0]:
+        with nogil:
+            e = kvc.kv_populate_write(&buf[0], buf.shape[0])
+    return e
 
 
 cdef class Core:

@@ -90,6 +90,7 @@ cdef extern from "kv_core.h" nogil:
     uint32_t kv_region_remove(kv_core *core, uint32_t region_id)
     uint32_t kv_region_pidfd(kv_core *core, uint32_t region_id, int pidfd, uint64_t key)
     uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr)
+    int kv_populate_write(void *addr, uint64_t len)
     uint32_t kv_core_submit(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,
                             uint64_t inline_max, int *done, uint64_t *nbytes)
     uint32_t kv_core_submit_ranked(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs,

@@ -6,6 +6,7 @@ functions, constants and ``Core`` methods, with the same parameters.
 """
 
 import array
+import mmap
 from typing import Any, Callable, Final, Iterator
 
 import numpy as np
@@ -44,7 +45,10 @@ MAX_STREAMS: Final[int]
 TOKEN_BYTES: Final[int]
 
 def map_fd(fd: int, length: int) -> tuple[int, int]:
-    """mmap a shared, pre-faulted read-write view of ``fd``: returns ``(status, addr)``."""
+    """mmap a shared read-write view of ``fd``, faulted in for writing: ``(status, addr)``."""
+
+def populate_write(buf: mmap.mmap | NDArray[Any] | bytearray) -> int:
+    """Fault every page of ``buf`` in for writing (GIL released): 0 or the errno."""
 
 class Core:
     """One native core: region table, mover threads, completion eventfd."""

@@ -198,12 +198,29 @@ uint32_t kv_region_pidfd(kv_core *c, uint32_t id, int pidfd, uint64_t key) {
     return st;
 }
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+
+int kv_populate_write(void *addr, uint64_t len) {
+    return madvise(addr, (size_t)len, MADV_POPULATE_WRITE) == 0 ? 0 : errno;
+}
+
 uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr) {
     if (fd < 0 || len == 0 || len > (uint64_t)SIZE_MAX)
         return KV_LLM_PARAM_INVALID;
-    void *p = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    void *p = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED)
         return errno == ENOMEM ? KV_LLM_OUT_OF_MEMORY : KV_LLM_FAILED;
+    int e = kv_populate_write(p, len);
+    if (e) {
+        munmap(p, (size_t)len);
+        if (e != EINVAL) /* ENOMEM; EFAULT: fewer pages than `len` (the caller checked the size) */
+            return e == ENOMEM ? KV_LLM_OUT_OF_MEMORY : KV_LLM_FAILED;
+        p = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+        if (p == MAP_FAILED)
+            return errno == ENOMEM ? KV_LLM_OUT_OF_MEMORY : KV_LLM_FAILED;
+    }
     *addr = (uint64_t)(uintptr_t)p;
     return KV_LLM_SUCCESS;
 }

@@ -157,7 +157,15 @@ uint32_t kv_region_remove(kv_core *core, uint32_t region_id);
  * submitted earlier do not see it). */
 uint32_t kv_region_pidfd(kv_core *core, uint32_t region_id, int pidfd, uint64_t key);
 
-/* mmap(MAP_SHARED|MAP_POPULATE) `len` bytes of `fd`, read-write. */
+/* Fault `len` bytes of a mapping at `addr` in for writing (MADV_POPULATE_WRITE, Linux
+ * 5.14): 0, or the errno (EINVAL: an older kernel; ENOMEM). On this project's VMs a page
+ * first faulted in for reading (MAP_POPULATE) took the first copy into it at a third to
+ * a half of the speed of every later one, even after a MADV_POPULATE_WRITE; a page first
+ * faulted in for writing did not (docs/benchmarks.md, "The first write into a page"). */
+int kv_populate_write(void *addr, uint64_t len);
+
+/* mmap `len` bytes of `fd` shared, read-write, every page faulted in for writing
+ * (kv_populate_write; MAP_POPULATE where the kernel refuses that). */
 uint32_t kv_map_fd(int fd, uint64_t len, uint64_t *addr);
 
 /* Validate and start a job of `nsegs` segments (KV_SEG_WORDS words each).
