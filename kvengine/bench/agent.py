@@ -12,6 +12,8 @@ wait_link_down, stats, ...) plus what the fault matrix needs:
 - ``reopen``: close the engine and start a new one on the same address;
 - ``hammer_start`` / ``hammer_stop``: keep linking and pushing to a peer, whatever
   happens to it (listener churn);
+- ``push_blocks``, ``layer_stream``: a block-table push, and one row's layers pushed as
+  a layer stream (``LLMDataDist.layer_stream``), each answering its status(es);
 - ``gc``: a full garbage collection (leak measurements);
 - ``mix``, ``verify_start`` / ``verify_stop``: the load of ``kvengine bench cluster``
   and its byte and notification checks (kvengine/bench/mix.py).
@@ -129,6 +131,21 @@ class Server(_Server):
             return {}
         if op == "verify_stop":
             return await self.verifier.stop(m.get("expect", 0)) if self.verifier is not None else {}
+        if op == "push_blocks":   # push_kv_blocks of the cache's rows as blocks: status
+            await e.wait_remote_cache(m["cluster_id"], m["dst_cache_id"], timeout=m.get("deadline"))
+            st = await e.submit_push_kv_blocks(self.caches[m["cache_id"]],
+                                               kv_.BlocksCacheKey(m["cluster_id"], m["dst_cache_id"]),
+                                               m["src_blocks"], m["dst_blocks"], timeout=m.get("deadline"))
+            return {"status": int(st)}
+        if op == "layer_stream":   # one row, layer by layer (2 tensors a layer), to [cluster, cache, row]s
+            src = self.caches[m["cache_id"]]
+            dsts = [kv_.CacheIndex(c, d, r) for c, d, r in m["dsts"]]
+            for d in dsts:
+                await e.wait_remote_cache(d.cluster_id, d.cache_id, timeout=m.get("deadline"))
+            stream = e.layer_stream(src, dsts, src_batch_index=m.get("src_batch", 0), timeout=m.get("deadline"))
+            for layer in range(src.desc.num_tensors // 2):
+                stream.layer_ready(layer)
+            return {"status": [None if st is None else int(st) for st in await stream.wait()]}
         if op == "gc":   # a full collection: what only a reference cycle kept alive goes now
             import gc
             return {"collected": gc.collect()}

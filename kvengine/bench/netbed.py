@@ -198,7 +198,8 @@ class NetBed:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
         if env.get("UCX_NET_DEVICES") == "lo":   # the tests' and benches' default for one host; in a
-            del env["UCX_NET_DEVICES"]           # host of the bed every interface is the bed's own
+            env["UCX_NET_DEVICES"] = "eth0"      # host of the bed, its link to the others (its lo reaches
+                                                 # itself only, and a peer's 127.0.0.1 is not the peer)
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
                                                     stdout=asyncio.subprocess.PIPE, env=env, cwd=ROOT)
         self._pids.add(proc.pid)   # `ip netns exec` execs: this is the agent's pid
