@@ -289,7 +289,10 @@ struct ucx_link {
     uint64_t peer_uid;    /* the peer's worker (its address's uid): an endpoint parked for it is reused */
     uint8_t rx_token[KV_UCX_TOKEN]; /* what the peer's headers must carry */
     uint8_t tx_token[KV_UCX_TOKEN]; /* what ours carry */
-    uint64_t window, inflight, fence_ns;
+    uint64_t window, fence_ns;
+    uint64_t inflight, pull_inflight; /* push bytes posted and not done (the peer stages them), and
+                                         pull bytes asked for and not landed (we stage them): each
+                                         kept to the window on its own */
     /* the lease (docs/protocol.md, "UCX links"): as a target we write a push's
      * bytes only before lease_until (our clock), set from the time we asked for
      * the grant; as a pusher, last_grant is when we last granted one */
@@ -298,7 +301,8 @@ struct ucx_link {
     uint64_t lease_asked[8];            /* when we sent LEASE_REQ seq (by seq % 8) */
     uint64_t lease_seen;                /* the highest seq granted */
     int peer_leased;                    /* the peer said (in a LEASE_REQ) that it holds a grant of ours */
-    kv_job *send_head, *send_tail; /* jobs with chunks left to post, by rank */
+    kv_job *send_head, *send_tail; /* pushes with chunks left to post, by rank */
+    kv_job *pull_head, *pull_tail; /* pulls with chunks left to ask for, by rank */
     ucx_job *active;      /* jobs taken off the inbox and not complete */
     ucx_pull *pulls;      /* our pull requests outstanding */
     uint64_t next_tag;
@@ -692,17 +696,34 @@ static void pulls_drop(ucx_link *l, ucx_job *j) {
             p = &q->next;
         } else {
             *p = q->next;
-            l->inflight -= q->len;
+            l->pull_inflight -= q->len;
             j->ops_pending--;
             free(q);
         }
     }
 }
 
+/* A job's queue on its link: pushes and pulls apart, so that neither direction waits
+ * for the other's window (a push's bytes wait in the peer's staging, a pull's answers
+ * in ours). */
+static void queue_add(ucx_link *l, ucx_job *j) {
+    if (j->is_pull)
+        kv__rank_insert(&l->pull_head, &l->pull_tail, &j->job);
+    else
+        kv__rank_insert(&l->send_head, &l->send_tail, &j->job);
+}
+
+static void queue_del(ucx_link *l, ucx_job *j) {
+    if (j->is_pull)
+        kv__queue_remove(&l->pull_head, &l->pull_tail, &j->job);
+    else
+        kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
+}
+
 /* Complete `j` (caller holds c->lock). Returns 1 if the eventfd must be signalled. */
 static int job_complete(kv_ucx *u, ucx_job *j, uint32_t status) {
     if (j->job.queued)
-        kv__queue_remove(&j->link->send_head, &j->link->send_tail, &j->job);
+        queue_del(j->link, j);
     if (j->job.state == KV_JS_INBOX) {
         inbox_remove(u, j);
     } else if (j->link) {
@@ -1162,7 +1183,7 @@ static int link_fail(kv_ucx *u, ucx_link *l, uint32_t status, int post_down) {
             j->job.record.status = KV_LLM_LINK_FAILED; /* an abort the target never acknowledged: not a
                                                           timeout or cancel on a usable link, tcp's rule */
         if (j->job.queued)
-            kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
+            queue_del(l, j);
         j->job.state = KV_JS_FENCING;
         /* at the latest then it stops waiting for UCX: a push with bytes on the way
          * once the peer's lease from our last grant has surely run out (the peer,
@@ -1668,7 +1689,7 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
                 *p = q->next;
                 break;
             }
-        l->inflight -= q->len;
+        l->pull_inflight -= q->len;
         if (q->job) {
             q->job->ops_pending--;
             if (status == UCS_OK) {
@@ -1986,7 +2007,7 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
                 *p = q->next;
                 break;
             }
-        l->inflight -= q->len;
+        l->pull_inflight -= q->len;
         j->ops_pending--;
         j->job.bytes_done += q->len;
         free(q);
@@ -2121,15 +2142,23 @@ static uint64_t stage_budget(kv_ucx *u, ucx_link *l) {
     return l->window ? l->window + msg_max(u, l) : UCX_STAGE_NO_WINDOW;
 }
 
-/* Post chunks of the link's most urgent jobs while the window allows. Caller
- * holds c->lock (ucp_am_send_nbx calls nothing back here). */
+/* Post chunks of the link's most urgent pushes, and ask for chunks of its most
+ * urgent pulls, each while its window allows. Caller holds c->lock
+ * (ucp_am_send_nbx calls nothing back here). */
+static int post_queue(kv_ucx *u, ucx_link *l, int pulls);
 static int post_chunks(kv_ucx *u, ucx_link *l) {
+    return post_queue(u, l, 0) | post_queue(u, l, 1);
+}
+
+static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
     kv_core *c = u->core;
+    kv_job **head = pulls ? &l->pull_head : &l->send_head, **tail = pulls ? &l->pull_tail : &l->send_tail;
+    uint64_t *inflight = pulls ? &l->pull_inflight : &l->inflight;
     int sig = 0;
-    while (!l->dead && l->send_head && (l->window == 0 || l->inflight < l->window)) {
-        ucx_job *j = (ucx_job *)l->send_head;
+    while (!l->dead && *head && (l->window == 0 || *inflight < l->window)) {
+        ucx_job *j = (ucx_job *)*head;
         if (j->job.state == KV_JS_ABORT_REQ) { /* acted on at the next round */
-            kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
+            kv__queue_remove(head, tail, &j->job);
             u->aborts = 1;
             continue;
         }
@@ -2169,7 +2198,7 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
                 q->next = l->pulls;
                 l->pulls = q;
                 j->ops_pending++;
-                l->inflight += n;
+                l->pull_inflight += n;
             }
         } else {
             int pack = rows > 1 && s->src_stride != s->len; /* rows apart at the source: packed here */
@@ -2242,7 +2271,7 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
         if (j->job.claim_offset == kv_seg_bytes(s)) {
             j->job.claim_offset = 0;
             if (++j->job.claim_segment == j->job.nsegments) {
-                kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
+                kv__queue_remove(head, tail, &j->job);
                 j->job.state = KV_JS_SENT;
                 sig |= job_maybe_done(u, j);
             }
@@ -2256,7 +2285,7 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
 static int handle_abort(kv_ucx *u, ucx_job *j, uint64_t now) {
     ucx_link *l = j->link;
     if (j->job.queued)
-        kv__queue_remove(&l->send_head, &l->send_tail, &j->job);
+        queue_del(l, j);
     j->job.state = KV_JS_ABORTING;
     j->due = now + l->fence_ns;
     if (l->dead) {
@@ -2713,7 +2742,7 @@ static int take_job(kv_ucx *u, ucx_job *j, int stop) {
     j->link = l;
     j->job.state = KV_JS_SENDING;
     list_add(&l->active, j);
-    kv__rank_insert(&l->send_head, &l->send_tail, &j->job);
+    queue_add(l, j);
     return 0;
 }
 

@@ -1,4 +1,5 @@
-"""Partition without RST (a switch port down) across network namespaces, under load.
+"""Partition without RST (a switch port down) across network namespaces, under load,
+over kvengine's tcp data plane and over UCX's tcp transport (``transport="ucx"``).
 
 Host 0 pushes rows into host 1 and pulls rows from it while host 1's port goes down;
 host 2 keeps being served. Proves (docs/reliability.md): every in-flight transfer
@@ -12,10 +13,24 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from kvengine import LLMStatusCode as S
 
 from kvengine.bench import netbed
 from kvengine.bench.netbed import HB, SECRET, SILENT_BOUND
+from kvengine.native import _native
+
+# kvengine's tcp data plane, and UCX's tcp transport (tests/cluster/test_cluster_ucx.py)
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
+    not _native.UCX, reason="kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild"))]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request, monkeypatch):
+    if request.param == "ucx":
+        monkeypatch.setenv("UCX_TLS", "tcp")   # across hosts (sm would pass through the one kernel)
+    return request.param
 
 ROWS, TENSORS, ROW_BYTES = 4, 2, 8 << 20     # a push or pull moves one row: 2 x 8 MiB
 SRC_SEED, DST_SEED = 11, 22
@@ -27,20 +42,20 @@ async def _alloc(agent, seed):
     return (await agent.call("alloc", n=TENSORS, shape=[ROWS, ROW_BYTES], dtype="uint8", fill=seed))["cache_id"]
 
 
-async def test_partition_fails_in_flight_transfers_in_bound_and_lands_nothing_after(bed3):
+async def test_partition_fails_in_flight_transfers_in_bound_and_lands_nothing_after(bed3, transport):
     bed = bed3
     bed.shape(1, LINK_RATE)
     p, victim, other = await asyncio.gather(
-        bed.spawn(0, 1, role="PROMPT", secret=SECRET, options=HB),
-        bed.spawn(1, 2, secret=SECRET, options=HB),
-        bed.spawn(2, 3, secret=SECRET, options=HB))
+        bed.spawn(0, 1, role="PROMPT", secret=SECRET, transport=transport, options=HB),
+        bed.spawn(1, 2, secret=SECRET, transport=transport, options=HB),
+        bed.spawn(2, 3, secret=SECRET, transport=transport, options=HB))
     # prefill: src (pushed from), pulled (pulled into); victim: dst (pushed into), src2 (pulled from)
     p_src, p_pull = await _alloc(p, SRC_SEED), await _alloc(p, DST_SEED)
     v_dst, v_src = await _alloc(victim, DST_SEED), await _alloc(victim, SRC_SEED)
     o_dst = await _alloc(other, DST_SEED)
     for a in (victim, other):
         assert (await p.call("link", cluster_id=a.cluster_id, address=a.address))["status"] == 0
-    assert (await p.call("stats"))["stats"]["links"]["2"]["transport"] == "tcp"
+    assert (await p.call("stats"))["stats"]["links"]["2"]["transport"] == transport
     read_v_dst, read_p_pull = await netbed.remote_view(victim, v_dst), await netbed.remote_view(p, p_pull)
     old, new = netbed.pattern(TENSORS, ROWS * ROW_BYTES, DST_SEED), netbed.pattern(TENSORS, ROWS * ROW_BYTES, SRC_SEED)
 
@@ -52,7 +67,7 @@ async def test_partition_fails_in_flight_transfers_in_bound_and_lands_nothing_af
     end = time.monotonic() + 10
     while True:
         n = (await p.call("stats"))["stats"]["native"]
-        if n["tcp_bytes_sent"] > ROW_BYTES and n["tcp_bytes_received"] > ROW_BYTES:
+        if n[f"{transport}_bytes_sent"] > ROW_BYTES and n[f"{transport}_bytes_received"] > ROW_BYTES:
             break
         assert time.monotonic() < end, "the transfers did not start"
         await asyncio.sleep(0.01)

@@ -1,5 +1,6 @@
 """A process SIGKILLed, or SIGSTOPped then SIGCONTed, mid-transfer, on either side of a
-link between two hosts (network namespaces), over TCP.
+link between two hosts (network namespaces), over kvengine's tcp data plane and over UCX's
+tcp transport (``transport="ucx"``).
 
 Prefill (host 0) links to decode (host 1); the survivor moves rows both ways (it pushes
 rows into the victim and pulls rows from it) when the victim is killed or stopped.
@@ -22,6 +23,18 @@ from kvengine import LLMStatusCode as S
 
 from kvengine.bench import netbed
 from kvengine.bench.netbed import HB, SECRET, SILENT_BOUND
+from kvengine.native import _native
+
+# kvengine's tcp data plane, and UCX's tcp transport (tests/cluster/test_cluster_ucx.py)
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
+    not _native.UCX, reason="kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild"))]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request, monkeypatch):
+    if request.param == "ucx":
+        monkeypatch.setenv("UCX_TLS", "tcp")   # across hosts (sm would pass through the one kernel)
+    return request.param
 
 ROWS, TENSORS, ROW_BYTES = 4, 2, 8 << 20
 SRC_SEED, DST_SEED = 31, 42
@@ -50,13 +63,13 @@ def _state(pid: int) -> str:
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 @pytest.mark.parametrize("victim_side", ["decode", "prefill"])
-async def test_process_fault_mid_transfer(bed3, victim_side, fault):
+async def test_process_fault_mid_transfer(bed3, victim_side, fault, transport):
     bed = bed3
     bed.shape(1, "1gbit")   # the transfers are still in flight at the fault
     prefill, decode, fresh = await asyncio.gather(
-        bed.spawn(0, 1, role="PROMPT", secret=SECRET, options=HB),
-        bed.spawn(1, 2, secret=SECRET, options=HB),
-        bed.spawn(2, 3, secret=SECRET, options=HB))
+        bed.spawn(0, 1, role="PROMPT", secret=SECRET, transport=transport, options=HB),
+        bed.spawn(1, 2, secret=SECRET, transport=transport, options=HB),
+        bed.spawn(2, 3, secret=SECRET, transport=transport, options=HB))
     assert (await prefill.call("link", cluster_id=2, address=decode.address))["status"] == 0
     surv, victim = (prefill, decode) if victim_side == "decode" else (decode, prefill)
     s_src, s_pull = await _alloc(surv, SRC_SEED), await _alloc(surv, DST_SEED)
@@ -71,7 +84,7 @@ async def test_process_fault_mid_transfer(bed3, victim_side, fault):
     end = time.monotonic() + 10
     while True:
         n = (await surv.call("stats"))["stats"]["native"]
-        if n["tcp_bytes_sent"] > ROW_BYTES and n["tcp_bytes_received"] > ROW_BYTES:
+        if n[f"{transport}_bytes_sent"] > ROW_BYTES and n[f"{transport}_bytes_received"] > ROW_BYTES:
             break
         assert time.monotonic() < end, "the transfers did not start"
         await asyncio.sleep(0.01)
