@@ -26,19 +26,11 @@ import numpy as np
 
 import kvengine as kv
 from kvengine._peer import PeerProcess
-from kvengine.bench.common import meta, pct, save_outputs
+from kvengine.bench.common import cpu_model, meta, pct, save_outputs
 
 SECRET = b"drive-incoming"
 LAYERS, HALF = 8, 32 << 10
 IDLE = "A idle"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        return "?"
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -25,18 +25,10 @@ import time
 from typing import Any
 
 import kvengine as kv
-from kvengine.bench.common import meta, save_outputs
+from kvengine.bench.common import cpu_model, meta, save_outputs
 from kvengine.bench.harness import KvSide
 
 TENSORS = 64
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        return "?"
 
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:

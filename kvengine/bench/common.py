@@ -302,11 +302,20 @@ def git_rev() -> str | None:
     return (rev + "+dirty" if dirty else rev) or None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo): figures name it (AMD and Intel VMs differ)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        return "?"
+
+
 def meta(argv: list[str] | None) -> dict[str, Any]:
     import numpy as np
     import kvengine as kv
     m: dict[str, Any] = {"kvengine": kv.__version__, "git": git_rev(), "python": sys.version.split()[0],
-         "numpy": np.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+         "numpy": np.__version__, "machine": platform.machine(), "cpu": cpu_model(), "cpus": os.cpu_count(),
          "kernel": platform.release(), "argv": list(sys.argv[1:] if argv is None else argv),
          "time": time.strftime("%Y-%m-%d %H:%M:%S %z")}
     try:

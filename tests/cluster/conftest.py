@@ -13,6 +13,7 @@ import asyncio
 import pytest
 
 from kvengine.bench import netbed
+from kvengine.native import _native
 
 
 
@@ -62,3 +63,15 @@ async def bed3(bed_factory):
         yield bed
     finally:
         await bed.aclose()
+
+
+# kvengine's tcp data plane, and UCX's tcp transport (the UCX case skipped, with the reason,
+# where kvengine was built without it)
+@pytest.fixture(params=["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
+    not _native.UCX, reason="kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild"))])
+def transport(request, monkeypatch):
+    """A test taking it runs over each transport; over UCX with UCX_TLS=tcp (across hosts:
+    UCX's shared memory would pass through the one kernel)."""
+    if request.param == "ucx":
+        monkeypatch.setenv("UCX_TLS", "tcp")
+    return request.param

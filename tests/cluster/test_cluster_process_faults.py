@@ -23,18 +23,6 @@ from kvengine import LLMStatusCode as S
 
 from kvengine.bench import netbed
 from kvengine.bench.netbed import HB, SECRET, SILENT_BOUND
-from kvengine.native import _native
-
-# kvengine's tcp data plane, and UCX's tcp transport (tests/cluster/test_cluster_ucx.py)
-TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
-    not _native.UCX, reason="kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild"))]
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request, monkeypatch):
-    if request.param == "ucx":
-        monkeypatch.setenv("UCX_TLS", "tcp")   # across hosts (sm would pass through the one kernel)
-    return request.param
 
 ROWS, TENSORS, ROW_BYTES = 4, 2, 8 << 20
 SRC_SEED, DST_SEED = 31, 42
