@@ -95,9 +95,10 @@ async def test_process_fault_mid_transfer(bed3, victim_side, fault, transport):
         print(f"\n{victim_side} {fault}: " + ", ".join(f"{k}{r} {st} {dt:+.3f} s" for k, r, st, dt in report))
         failed = [x for x in report if x[2] != "LLM_SUCCESS"]
         assert {x[0] for x in failed} == {"push", "pull"}, "pushes and pulls were not both in flight"
+        queued = _queued_bound()
         for k, r, st, dt in report:
             if st == "LLM_SUCCESS":
-                assert dt < _queued_bound(), f"{k} of row {r} succeeded {dt:.3f} s after the {fault}"
+                assert dt < queued, f"{k} of row {r} succeeded {dt:.3f} s after the {fault}"
             else:
                 assert st == "LLM_LINK_FAILED", f"{k} of row {r}: {st}"
                 assert dt <= SILENT_BOUND, f"{k} of row {r} resolved {dt:.2f} s after the {fault}"
