@@ -9,6 +9,11 @@ pass through for transport ucx.
 
     python benchmarks/thread_cpu.py tcp 5000 65536          # transport, pushes, bytes a push
     UCX_TLS=sm,self python benchmarks/thread_cpu.py ucx 5000 65536
+    UCX_TLS=cma,tcp,self python benchmarks/thread_cpu.py ucx 20 268435456 numpy
+
+The optional fourth argument is the caches' memory: engine (allocate_cache, the default) or
+numpy (register_kv_cache of numpy arrays, as `kvengine bench --memory numpy`). The warm-up
+is 500 pushes, or 1 GiB of them where pushes are larger than 2 MiB.
 
 With both processes on one 2-vCPU host, the sum of the run times per push against the
 wall time per push says how full the CPUs are (docs/benchmarks.md, "Where the two vCPUs
@@ -39,12 +44,13 @@ def threads(pid: int) -> dict[tuple[str, str], tuple[int, int]]:
 
 async def main() -> None:
     transport, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    memory = sys.argv[4] if len(sys.argv) > 4 else "engine"
     side = KvSide(transport, 2)
     await side.start()
     try:
         engine, peer = side.started()
-        src, idx = await side.alloc(2, size // 2, 3)
-        for _ in range(500):
+        src, idx = await side.alloc(2, size // 2, 3, memory=memory)
+        for _ in range(min(500, max(1, (1 << 30) // size))):
             await engine.push_kv_cache(src, idx, timeout=5)
         a, b, t0 = threads(os.getpid()), threads(peer.pid), time.perf_counter()
         for _ in range(n):

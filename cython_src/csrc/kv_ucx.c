@@ -226,6 +226,8 @@ typedef struct ucx_op ucx_op;
 typedef struct ucx_stage {
     void *buf;
     size_t cap;
+    size_t skew;            /* the payload starts here in `buf` (and in the memfd): its destination's
+                               offset in a page (stage_get) */
     int fd;                 /* the memfd `buf` maps (landed with pread), or -1 */
     int mapped;             /* `buf` is a mapping (of the memfd, closed once released), not malloc's */
     int live;               /* counted in ucx_stage_bytes: a receive holds it */
@@ -885,10 +887,21 @@ static void job_detach(ucx_link *l, ucx_job *j) {
 
 static ucx_stage *stage_new(uint64_t len);
 
-/* A staging buffer of at least `len` bytes (reused when one is free), counted
- * in ucx_stage_bytes until the receive gives it back. */
-static ucx_stage *stage_get(kv_ucx *u, uint64_t len) {
+/* Where a stage's payload begins (stage_get). */
+static inline uint8_t *stage_at(const ucx_stage *st) { return (uint8_t *)st->buf + st->skew; }
+
+/* A staging buffer for a payload of `len` bytes bound for `dst` (reused when one
+ * is free), counted in ucx_stage_bytes until the receive gives it back. The
+ * payload goes at the destination's offset in a page (stage_at), so that each
+ * landing copy reads and writes at the same offset in a page: the kernel copies
+ * with `rep movsb`, which on AMD EPYC (Zen) runs at a quarter of its speed when
+ * the destination lies 1-31 bytes past the source modulo 4 KiB, and numpy arrays
+ * begin 16 bytes into a page (docs/benchmarks.md, "Landing at the destination's
+ * offset in a page"). */
+static ucx_stage *stage_get(kv_ucx *u, uint64_t len, uint64_t dst) {
     ucx_stage *st = NULL;
+    size_t skew = (size_t)(dst & 4095);
+    len += skew;
     for (ucx_stage **p = &u->stages; *p; p = &(*p)->next)
         if ((*p)->cap >= len) {
             st = *p;
@@ -898,6 +911,7 @@ static ucx_stage *stage_get(kv_ucx *u, uint64_t len) {
         }
     if (!st && !(st = stage_new(len)))
         return NULL;
+    st->skew = skew;
     st->live = 1;
     u->core->stats.ucx_stage_bytes += st->cap;
     return st;
@@ -1361,9 +1375,9 @@ static void copy_into(pid_t pid, int *self_copy, uint8_t *d, const uint8_t *sp, 
  * iovec per row pins each row's page anew (gather over shared memory: 0.28x -> 0.60x
  * contiguous, docs/benchmarks.md); writing the memfd lands nothing. */
 static void copy_rows_into(pid_t pid, int *self_copy, uint8_t *d, uint64_t row, uint64_t stride, const uint8_t *sp,
-                           uint64_t off, uint64_t n, int fd, int *scratch, uint64_t *scratch_len) {
+                           uint64_t off, uint64_t n, int fd, uint64_t fbase, int *scratch, uint64_t *scratch_len) {
     if (row >= off + n) { /* one row: as ever */
-        copy_into(pid, self_copy, d + off, sp ? sp + off : NULL, n, fd, off);
+        copy_into(pid, self_copy, d + off, sp ? sp + off : NULL, n, fd, fbase + off);
         return;
     }
     struct iovec iov[UCX_LAND_IOV];
@@ -1372,7 +1386,7 @@ static void copy_rows_into(pid_t pid, int *self_copy, uint8_t *d, uint64_t row, 
         iov[i].iov_base = d + (r0 + i) * stride;
         iov[i].iov_len = (size_t)row;
     }
-    uint64_t foff = off;
+    uint64_t foff = fbase + off;
     if (fd < 0 && scratch && n <= UCX_LAND_PIECE) { /* at most a piece: that much memory kept */
         if (*scratch < 0)
             *scratch = memfd_create("kv-ucx-rows", MFD_CLOEXEC);
@@ -1464,8 +1478,8 @@ static int land_checked(kv_ucx *u, ucx_link *l, uint64_t dst, uint64_t row, uint
         int marked = 0;
         if (!piece_may_land(u->core, l, &marked))
             return 0;
-        copy_rows_into(u->pid, &u->self_copy, d, row, stride, src, off, n, st ? st->fd : -1, &u->rows_fd,
-                       &u->rows_len);
+        copy_rows_into(u->pid, &u->self_copy, d, row, stride, src, off, n, st ? st->fd : -1, st ? st->skew : 0,
+                       &u->rows_fd, &u->rows_len);
     }
     return 1;
 }
@@ -1541,13 +1555,13 @@ static void *land_main(void *arg) {
                 ucx_land_pick *p = &u->pick;
                 int how = land_how(p);
                 uint64_t t0 = now_ns();
-                copy_into(u->pid, &self_copy, d + off, (const uint8_t *)op->stage->buf + off, n, how ? -1 : op->stage->fd,
-                          off);
+                copy_into(u->pid, &self_copy, d + off, stage_at(op->stage) + off, n, how ? -1 : op->stage->fd,
+                          op->stage->skew + off);
                 land_timed(p, how, now_ns() - t0, n);
                 way = how;
             } else {
-                copy_rows_into(u->pid, &self_copy, d, op->row, op->stride, op->stage->buf, off, n, op->stage->fd, NULL,
-                               NULL);
+                copy_rows_into(u->pid, &self_copy, d, op->row, op->stride, stage_at(op->stage), off, n, op->stage->fd,
+                               op->stage->skew, NULL, NULL);
             }
             __atomic_store_n(&u->land_piece, NULL, __ATOMIC_RELEASE); /* recvs_abandon may wait for this */
             pthread_mutex_lock(&c->lock);
@@ -1675,7 +1689,7 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
                 ucp_request_free(request);
             return;
         } else if (status == UCS_OK &&
-                   land_checked(u, l, op->dst, op->row, op->stride, op->stage->buf, op->len, op->stage)) {
+                   land_checked(u, l, op->dst, op->row, op->stride, stage_at(op->stage), op->len, op->stage)) {
             r->landed += op->len; /* small, or no landing thread: landed here (the lease checked first) */
         }
         if (!l->dead)
@@ -1693,7 +1707,7 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
         if (q->job) {
             q->job->ops_pending--;
             if (status == UCS_OK) {
-                memcpy((void *)(uintptr_t)q->dst, op->stage->buf, q->len);
+                memcpy((void *)(uintptr_t)q->dst, stage_at(op->stage), q->len);
                 q->job->job.bytes_done += q->len;
             } else if (q->job->job.record.status == KV_LLM_SUCCESS) {
                 q->job->job.record.status = KV_LLM_LINK_FAILED;
@@ -1722,7 +1736,7 @@ static void recv_post(kv_ucx *u, ucx_op *op) {
     ucx_link *l = op->link;
     void *desc = op->desc;
     op->desc = NULL;
-    op->stage = stage_get(u, op->len);
+    op->stage = stage_get(u, op->len, op->dst);
     op_push(&l->recvs, op);
     l->staged += op->len;
     if (!op->stage) {
@@ -1732,7 +1746,7 @@ static void recv_post(kv_ucx *u, ucx_op *op) {
     }
     ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                              .cb.recv_am = recv_done, .user_data = op};
-    ucs_status_ptr_t r = ucp_am_recv_data_nbx(u->worker, desc, op->stage->buf, op->len, &p);
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(u->worker, desc, stage_at(op->stage), op->len, &p);
     if (r == NULL)
         recv_done(NULL, UCS_OK, op->len, op); /* under the lock: recv_done sees io_locked */
     else if (UCS_PTR_IS_ERR(r))
