@@ -9,14 +9,18 @@
  * blocks x 64 tensors (32 KiB each, 512 MiB) out of a pool of 1024 blocks per tensor into
  * random blocks of another pool ("paged"); the same bytes as one 8 MiB run per tensor
  * ("contiguous"); a TP=2 rank's half of each random block (16 rows of 1 KiB at a 2 KiB
- * stride, 256 MiB) into a pool of half blocks ("head-split"). Two threads take 1 MiB
- * at a time, as the movers do. The pools are shared anonymous memory of one process
+ * stride, 256 MiB) into a pool of half blocks ("head-split"); both TP=2 ranks' halves
+ * (512 MiB), rank 0's whole table first and then rank 1's, as the movers take two queued
+ * jobs ("2 ranks in turn"), or 64 blocks of one rank and then the same 64 of the other,
+ * so the second reads lines the first brought in ("2 ranks in step"). Two threads take
+ * 1 MiB at a time, as the movers do. The pools are shared anonymous memory of one process
  * (the engine's are memfds of two). 11 rounds, a new random table each; medians, GB/s
  * (1e9 B/s) of the bytes copied.
  *
  *   cc -O2 -pthread -o /tmp/paged_copy benchmarks/paged_copy.c && /tmp/paged_copy
  *
- * docs/benchmarks.md, "Prefetching less", has the figures. */
+ * docs/benchmarks.md, "Prefetching less" and "Tried, not kept: head-split ranks copied in
+ * step", have the figures. */
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <pthread.h>
@@ -34,6 +38,8 @@
 #define AHEAD 4096
 #define CLAIM (1u << 20) /* bytes a thread takes at a time, as chunk_bytes */
 #define ROUNDS 11
+#define STEP 64 /* blocks of one rank before the other's ("in step": a 1 MiB claim of half blocks) */
+#define KINDS 5
 
 typedef struct {
     size_t src, dst, len, rows, src_stride, dst_stride;
@@ -164,10 +170,11 @@ int main(void) {
     memset(dst_pool, 2, pool);
     const int n = TABLE * TENSORS, pieces = (int)((size_t)TABLE * BLOCK / CLAIM);
     run_t *paged = calloc(n, sizeof *paged), *split = calloc(n, sizeof *split);
+    run_t *in_turn = calloc(2 * (size_t)n, sizeof *in_turn), *in_step = calloc(2 * (size_t)n, sizeof *in_step);
     run_t *contiguous = calloc((size_t)TENSORS * pieces, sizeof *contiguous);
     static int ps[POOL], pd[POOL];
-    const char *names[3] = {"paged", "contiguous", "head-split"};
-    double secs[2][3][ROUNDS];
+    const char *names[KINDS] = {"paged", "contiguous", "head-split", "2 ranks in turn", "2 ranks in step"};
+    double secs[2][KINDS][ROUNDS];
     for (int r = 0; r < ROUNDS; r++) {
         for (int t = 0; t < TENSORS; t++) {
             shuffle(ps);
@@ -175,7 +182,15 @@ int main(void) {
             for (int i = 0; i < TABLE; i++) {
                 size_t s = ((size_t)t * POOL + ps[i]) * BLOCK;
                 paged[t * TABLE + i] = (run_t){s, ((size_t)t * POOL + pd[i]) * BLOCK, BLOCK, 1, 0, 0};
-                split[t * TABLE + i] = (run_t){s, ((size_t)t * POOL + pd[i]) * (BLOCK / 2), 1024, 16, 2048, 1024};
+                int k = t * TABLE + i;
+                split[k] = (run_t){s, ((size_t)t * POOL + pd[i]) * (BLOCK / 2), 1024, 16, 2048, 1024};
+                run_t other = split[k]; /* rank 1: the other half of each row, into its own pool */
+                other.src += 1024;
+                other.dst += pool / 2;
+                in_turn[k] = split[k];
+                in_turn[n + k] = other;
+                in_step[k / STEP * 2 * STEP + k % STEP] = split[k];
+                in_step[k / STEP * 2 * STEP + STEP + k % STEP] = other;
             }
             for (int i = 0; i < pieces; i++) {
                 size_t at = (size_t)t * POOL * BLOCK + (size_t)i * CLAIM;
@@ -186,12 +201,15 @@ int main(void) {
             secs[page_starts][0][r] = timed(paged, n);
             secs[page_starts][1][r] = timed(contiguous, TENSORS * pieces);
             secs[page_starts][2][r] = timed(split, n);
+            secs[page_starts][3][r] = timed(in_turn, 2 * n);
+            secs[page_starts][4][r] = timed(in_step, 2 * n);
         }
     }
-    double bytes[3] = {(double)n * BLOCK, (double)n * BLOCK, (double)n * BLOCK / 2};
+    double bytes[KINDS] = {(double)n * BLOCK, (double)n * BLOCK, (double)n * BLOCK / 2, (double)n * BLOCK,
+                           (double)n * BLOCK};
     for (int p = 0; p < 2; p++) {
         printf("%-12s", p ? "page starts" : "every line");
-        for (int k = 0; k < 3; k++) {
+        for (int k = 0; k < KINDS; k++) {
             qsort(secs[p][k], ROUNDS, sizeof(double), by_value);
             printf("  %s %.2f GB/s", names[k], bytes[k] / secs[p][k][ROUNDS / 2] / 1e9);
         }
