@@ -93,7 +93,11 @@ async def test_a_burst_of_notifications_arrives_whole_once(transport):
         assert p.stats()["links"][2]["transport"] == transport
         await p.wait_remote_cache(2, dst.cache_id)
         n = 20_000
-        ts = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, i % 64), i % 64, notify=b"%d" % i)
+        # a deadline far beyond the burst: the engine's default (sync_kv_timeout, 1 s) counts
+        # from submission, and on an AMD EPYC VM this test took 1.2-2.1 s and CI saw the
+        # last of the 20,000 run out (LLM_TIMEOUT)
+        ts = [p.submit_push_kv_cache(src, kv.CacheIndex(2, dst.cache_id, i % 64), i % 64, timeout=60,
+                                     notify=b"%d" % i)
               for i in range(n)]
         assert set(await asyncio.gather(*ts)) == {S.LLM_SUCCESS}
         got = [int((await d.wait_notification(timeout=10)).payload) for _ in range(n)]

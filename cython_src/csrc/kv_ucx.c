@@ -1367,7 +1367,7 @@ static void copy_into(pid_t pid, int *self_copy, uint8_t *d, const uint8_t *sp, 
 }
 
 /* Bytes [off, off + n) of a payload of rows `row` bytes long (packed at `sp`, or in
- * `fd` from offset 0), landing `stride` apart from `d` (row >= the payload: 1-D, into
+ * `fd` from offset `fbase`: a stage's skew), landing `stride` apart from `d` (row >= the payload: 1-D, into
  * d + off): one system call (preadv, or process_vm_writev into ourselves) for all of
  * it, as copy_into. `off` and `n` are whole rows unless 1-D; n / row <= UCX_LAND_IOV.
  * An eager payload's rows (`scratch`: the caller's memfd, NULL for none) go through
