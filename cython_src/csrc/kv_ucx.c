@@ -1367,9 +1367,10 @@ static void copy_into(pid_t pid, int *self_copy, uint8_t *d, const uint8_t *sp, 
 }
 
 /* Bytes [off, off + n) of a payload of rows `row` bytes long (packed at `sp`, or in
- * `fd` from offset `fbase`: a stage's skew), landing `stride` apart from `d` (row >= the payload: 1-D, into
- * d + off): one system call (preadv, or process_vm_writev into ourselves) for all of
- * it, as copy_into. `off` and `n` are whole rows unless 1-D; n / row <= UCX_LAND_IOV.
+ * `fd` from offset `fbase`: a stage's skew), landing `stride` apart from `d` (row >=
+ * the payload: 1-D, into d + off): one system call (preadv, or process_vm_writev into
+ * ourselves) for all of it, as copy_into. `off` and `n` are whole rows unless 1-D;
+ * n / row <= UCX_LAND_IOV.
  * An eager payload's rows (`scratch`: the caller's memfd, NULL for none) go through
  * that memfd first, and land with one preadv from it: a process_vm_writev of one
  * iovec per row pins each row's page anew (gather over shared memory: 0.28x -> 0.60x
