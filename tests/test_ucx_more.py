@@ -267,8 +267,11 @@ async def pushes_in_between_drives(transport: str) -> None:
     does not watch the sockets or the worker while a drive runs), a peer's pushes into
     it are taken as they come. Before, the I/O thread left them for 2 ms after each drive
     and looked every 1 ms meanwhile: each such push waited for that tick (a median of
-    978 us here). Now tcp's waits for nothing, and UCX's at most for the end of its
-    250 us quiet window: the median of 40 stays under 500 us (110-220 here), byte-exact."""
+    978 us on an Intel Xeon VM, where the same pushes into an engine that drives nothing
+    took 110-220). Now tcp's wait for nothing, and UCX's at most for the end of its
+    250 us quiet window: the median of 40 stays within 400 us of the median of 40 pushed
+    the same way just before, while nothing was driven (relative: on a loaded CI host
+    both medians can reach 750-1300 us), byte-exact."""
     peer = await PeerProcess.start(cluster_id=2, transport=transport, secret=SECRET)
     p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0", opts(transport=transport)).start()
     stop = asyncio.Event()
@@ -292,16 +295,22 @@ async def pushes_in_between_drives(transport: str) -> None:
                 except asyncio.TimeoutError:
                     pass
 
+        def median(r: dict) -> float:
+            assert r["status"] == 0, r
+            return sorted(r["us"])[len(r["us"]) // 2]
+
+        idle = median(await peer.call("push_times", cluster_id=1, dst_cache_id=mine.cache_id, cache_id=theirs,
+                                      n=40, gap=0.0007, timeout=10))
         driver = asyncio.ensure_future(drive())
         before = p.stats()["native"][f"{transport}_driven"]
         r = await peer.call("push_times", cluster_id=1, dst_cache_id=mine.cache_id, cache_id=theirs, n=40,
                             gap=0.0007, timeout=10)
         stop.set()
         await driver
-        assert r["status"] == 0, r
         assert p.stats()["native"][f"{transport}_driven"] > before, "no push of ours was driven meanwhile"
-        us = sorted(r["us"])
-        assert us[len(us) // 2] < 500, f"a push into us waited for our I/O thread: median {us[len(us) // 2]:.0f} us"
+        busy = median(r)
+        assert busy < idle + 400, \
+            f"a push into us waited for our I/O thread: median {busy:.0f} us while we drove, {idle:.0f} before"
         assert (await peer.call("digest", cache_id=theirs))["rows"] == row_digests(mine.tensors), \
             "the peer's pushes did not land byte-exact"
     finally:
