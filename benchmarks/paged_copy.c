@@ -12,15 +12,17 @@
  * stride, 256 MiB) into a pool of half blocks ("head-split"); both TP=2 ranks' halves
  * (512 MiB), rank 0's whole table first and then rank 1's, as the movers take two queued
  * jobs ("2 ranks in turn"), or 64 blocks of one rank and then the same 64 of the other,
- * so the second reads lines the first brought in ("2 ranks in step"). Two threads take
+ * so the second reads lines the first brought in ("2 ranks in step"), or each row's two
+ * halves in one pass, into both ranks' pools ("2 ranks paired", as the movers copy a
+ * head-split pair since 2026-12-06: kv_core.c copy_rows_pair). Two threads take
  * 1 MiB at a time, as the movers do. The pools are shared anonymous memory of one process
  * (the engine's are memfds of two). 11 rounds, a new random table each; medians, GB/s
  * (1e9 B/s) of the bytes copied.
  *
  *   cc -O2 -pthread -o /tmp/paged_copy benchmarks/paged_copy.c && /tmp/paged_copy
  *
- * docs/benchmarks.md, "Prefetching less" and "Tried, not kept: head-split ranks copied in
- * step", have the figures. */
+ * docs/benchmarks.md, "Prefetching less", "Tried, not kept: head-split ranks copied in
+ * step" and "Head-split pairs", have the figures. */
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <pthread.h>
@@ -39,10 +41,10 @@
 #define CLAIM (1u << 20) /* bytes a thread takes at a time, as chunk_bytes */
 #define ROUNDS 11
 #define STEP 64 /* blocks of one rank before the other's ("in step": a 1 MiB claim of half blocks) */
-#define KINDS 5
+#define KINDS 6
 
 typedef struct {
-    size_t src, dst, len, rows, src_stride, dst_stride;
+    size_t src, dst, len, rows, src_stride, dst_stride, dst2;
 } run_t;
 
 static uint8_t *src_pool, *dst_pool;
@@ -110,6 +112,23 @@ COPY_RUN(copy_page_starts, PAGE_START)
 COPY_ROWS(rows_l1, _MM_HINT_T0)
 COPY_ROWS(rows_l2, _MM_HINT_T2)
 
+/* both ranks' halves of each row in one pass, as the movers copy a head-split pair
+ * (kv_core.c copy_rows_pair): s[0:len] -> d, s[len:2len] -> d2 */
+__attribute__((target("avx2"))) static void rows_paired(uint8_t *d, uint8_t *d2, const uint8_t *s, const run_t *r) {
+    size_t k = (AHEAD + 2 * r->len - 1) / (2 * r->len);
+    for (size_t i = 0; i < r->rows; i++, d += r->dst_stride, d2 += r->dst_stride, s += r->src_stride) {
+        const uint8_t *p = i + k < r->rows ? s + k * r->src_stride : NULL;
+        for (size_t o = 0; o + 128 <= r->len; o += 128) {
+            if (p) {
+                PREFETCH2(p + o, _MM_HINT_T2);
+                PREFETCH2(p + r->len + o, _MM_HINT_T2);
+            }
+            stream_128(d + o, s + o);
+            stream_128(d2 + o, s + r->len + o);
+        }
+    }
+}
+
 static void *mover(void *arg) {
     (void)arg;
     for (;;) {
@@ -119,7 +138,9 @@ static void *mover(void *arg) {
             break;
         const run_t *r = &runs[i], *nr = i + 1 < nruns ? &runs[i + 1] : NULL;
         const uint8_t *next = nr ? src_pool + nr->src : NULL;
-        if (r->rows > 1)
+        if (r->dst2)
+            rows_paired(dst_pool + r->dst, dst_pool + r->dst2, src_pool + r->src, r);
+        else if (r->rows > 1)
             (page_starts ? rows_l2 : rows_l1)(dst_pool + r->dst, src_pool + r->src, r, next, nr);
         else
             (page_starts ? copy_page_starts : copy_every_line)(dst_pool + r->dst, src_pool + r->src, r->len, next,
@@ -171,9 +192,11 @@ int main(void) {
     const int n = TABLE * TENSORS, pieces = (int)((size_t)TABLE * BLOCK / CLAIM);
     run_t *paged = calloc(n, sizeof *paged), *split = calloc(n, sizeof *split);
     run_t *in_turn = calloc(2 * (size_t)n, sizeof *in_turn), *in_step = calloc(2 * (size_t)n, sizeof *in_step);
+    run_t *paired = calloc(n, sizeof *paired);
     run_t *contiguous = calloc((size_t)TENSORS * pieces, sizeof *contiguous);
     static int ps[POOL], pd[POOL];
-    const char *names[KINDS] = {"paged", "contiguous", "head-split", "2 ranks in turn", "2 ranks in step"};
+    const char *names[KINDS] = {"paged",           "contiguous",      "head-split",
+                                "2 ranks in turn", "2 ranks in step", "2 ranks paired"};
     double secs[2][KINDS][ROUNDS];
     for (int r = 0; r < ROUNDS; r++) {
         for (int t = 0; t < TENSORS; t++) {
@@ -181,9 +204,9 @@ int main(void) {
             shuffle(pd);
             for (int i = 0; i < TABLE; i++) {
                 size_t s = ((size_t)t * POOL + ps[i]) * BLOCK;
-                paged[t * TABLE + i] = (run_t){s, ((size_t)t * POOL + pd[i]) * BLOCK, BLOCK, 1, 0, 0};
+                paged[t * TABLE + i] = (run_t){s, ((size_t)t * POOL + pd[i]) * BLOCK, BLOCK, 1, 0, 0, 0};
                 int k = t * TABLE + i;
-                split[k] = (run_t){s, ((size_t)t * POOL + pd[i]) * (BLOCK / 2), 1024, 16, 2048, 1024};
+                split[k] = (run_t){s, ((size_t)t * POOL + pd[i]) * (BLOCK / 2), 1024, 16, 2048, 1024, 0};
                 run_t other = split[k]; /* rank 1: the other half of each row, into its own pool */
                 other.src += 1024;
                 other.dst += pool / 2;
@@ -191,10 +214,12 @@ int main(void) {
                 in_turn[n + k] = other;
                 in_step[k / STEP * 2 * STEP + k % STEP] = split[k];
                 in_step[k / STEP * 2 * STEP + STEP + k % STEP] = other;
+                paired[k] = split[k];
+                paired[k].dst2 = other.dst;
             }
             for (int i = 0; i < pieces; i++) {
                 size_t at = (size_t)t * POOL * BLOCK + (size_t)i * CLAIM;
-                contiguous[t * pieces + i] = (run_t){at, at, CLAIM, 1, 0, 0};
+                contiguous[t * pieces + i] = (run_t){at, at, CLAIM, 1, 0, 0, 0};
             }
         }
         for (page_starts = 0; page_starts < 2; page_starts++) {
@@ -203,10 +228,11 @@ int main(void) {
             secs[page_starts][2][r] = timed(split, n);
             secs[page_starts][3][r] = timed(in_turn, 2 * n);
             secs[page_starts][4][r] = timed(in_step, 2 * n);
+            secs[page_starts][5][r] = timed(paired, n);
         }
     }
     double bytes[KINDS] = {(double)n * BLOCK, (double)n * BLOCK, (double)n * BLOCK / 2, (double)n * BLOCK,
-                           (double)n * BLOCK};
+                           (double)n * BLOCK, (double)n * BLOCK};
     for (int p = 0; p < 2; p++) {
         printf("%-12s", p ? "page starts" : "every line");
         for (int k = 0; k < KINDS; k++) {

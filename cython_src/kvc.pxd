@@ -77,6 +77,7 @@ cdef extern from "kv_core.h" nogil:
         uint64_t tcp_drive_handed
         uint64_t jobs_abandoned
         uint64_t movers_stuck
+        uint64_t chunks_paired
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)

@@ -8,6 +8,7 @@ moved), layer streams with a head range per destination, and a 2-D plan's pieces
 
 from __future__ import annotations
 
+import asyncio
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ from kvengine import LLMStatusCode as S, layout, plan, status
 from kvengine._peer import PeerProcess, row_digests
 from kvengine.types import CacheDesc, KvCacheExtParam as Ext
 from kvengine.native import _native
+from test_fencing import poll_until
 from test_layouts import apply_plan, build, expected, same
 
 ParamInvalid = status.LLMParamInvalidError
@@ -269,6 +271,70 @@ async def test_split_and_gather_across_processes(transport):
             rows = (await peer.call("digest", cache_id=tp1))["rows"]
             want = row_digests([np.ascontiguousarray(t[sbl]) for t in stens])
             assert [[rows[t][b] for b in dbl.tolist()] for t in range(4)] == want
+    finally:
+        await peer.close()
+
+
+async def test_a_tp1_push_to_two_ranks_reads_each_source_row_once():
+    """Head-split pushes of one block table to two TP=2 ranks, submitted together (as a
+    TP=1 prefill feeds its decode pair), are copied by the movers as a pair, both ranks'
+    rows of a source row in one pass (kv_core.c pairable; `chunks_paired` counts them),
+    byte-exact. Cancelled mid-way, one of a pair resolves LLM_CANCELLED, nothing of it
+    lands after that, and the other goes on alone, byte-exact. A 64 MiB push queued first
+    keeps the one mover busy while the pair is submitted; the pair's rows are 512 bytes
+    (4 heads x 64 x fp16), 32 MB a rank."""
+    nb, heads, dim = 1024, 8, 64
+    peer = await PeerProcess.start(cluster_id=2, secret=SECRET, transport="shm")
+    try:
+        opts = kv.EngineOptions(secret=SECRET, transport="shm", movers=1)
+        async with kv.KvEngine(1, kv.Role.PROMPT, None, opts) as e:
+            st_, _ = await e.link_clusters([kv.ClusterInfo(2, peer.address)])
+            assert st_ == S.LLM_SUCCESS
+            rng = np.random.default_rng(8)
+            stens = [rng.integers(0, 1 << 16, (nb, BS, heads, dim), dtype=np.uint16).view(np.float16)
+                     for _ in range(4)]
+            src = e.register_kv_cache(layout.describe(stens, head_axis=2), stens)
+            big = e.register_kv_cache(kv.CacheDesc(1, (1, 64 << 20), np.uint8), [np.ones((1, 64 << 20), np.uint8)])
+            sink = (await peer.call("alloc", n=1, shape=[1, 64 << 20], dtype="uint8"))["cache_id"]
+            ranks = [(await peer.call("alloc", n=4, shape=[nb, BS, heads // 2, dim], head_axis=2))["cache_id"]
+                     for _ in range(2)]
+            for c in (sink, *ranks):
+                await e.wait_remote_cache(2, c)
+            halves = [range(0, heads // 2), range(heads // 2, heads)]
+
+            def native() -> dict:
+                return e.stats()["native"]
+
+            def pair(sbl, dbl):
+                blocker = e.submit_push_kv_cache(big, kv.CacheIndex(2, sink, 0), timeout=60)
+                return blocker, [e.submit_push_kv_blocks(src, kv.BlocksCacheKey(2, c), sbl, dbl,
+                                                         Ext(src_head_range=halves[r]), timeout=60)
+                                 for r, c in enumerate(ranks)]
+
+            async def landed(c, dbl) -> list[list[str]]:
+                rows = (await peer.call("digest", cache_id=c))["rows"]
+                return [[rows[t][b] for b in dbl.tolist()] for t in range(4)]
+
+            sbl, dbl = rng.permutation(nb)[:1000], rng.permutation(nb)[:1000]
+            paired = native()["chunks_paired"]
+            blocker, ts = pair(sbl, dbl)
+            assert await blocker == S.LLM_SUCCESS
+            assert await asyncio.gather(*ts) == [S.LLM_SUCCESS, S.LLM_SUCCESS], [t.message() for t in ts]
+            assert native()["chunks_paired"] > paired, "the two ranks' pushes were copied one after the other"
+            for r, c in enumerate(ranks):
+                assert await landed(c, dbl) == head_digests(stens, sbl, halves[r]), f"rank {r}'s heads differ"
+
+            # again, other blocks; rank 1's push cancelled once the pair is being copied
+            sbl, dbl = rng.permutation(nb)[:1000], rng.permutation(nb)[:1000]
+            paired = native()["chunks_paired"]
+            blocker, ts = pair(sbl, dbl)
+            await poll_until(lambda: native()["chunks_paired"] > paired, 30, "the pair being copied", every=0)
+            assert ts[1].cancel(), "rank 1's push ended before it could be cancelled"
+            assert await ts[1] == S.LLM_CANCELLED
+            at_status = await landed(ranks[1], dbl)
+            assert await ts[0] == S.LLM_SUCCESS and await blocker == S.LLM_SUCCESS
+            assert await landed(ranks[0], dbl) == head_digests(stens, sbl, halves[0]), "rank 0's heads differ"
+            assert await landed(ranks[1], dbl) == at_status, "rank 1's cancelled push landed after its status"
     finally:
         await peer.close()
 

@@ -111,6 +111,7 @@ typedef struct {
     uint64_t tcp_drive_handed;  /* ...and those it handed to the I/O thread (sockets busy, or not done in time) */
     uint64_t jobs_abandoned;    /* mover jobs kv_core_reap completed LINK_FAILED, a copy of theirs stuck */
     uint64_t movers_stuck;      /* now: retired movers whose copy has not returned */
+    uint64_t chunks_paired;     /* mover chunks copied as a head-split pair (two jobs, one pass) */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a

@@ -128,6 +128,10 @@ typedef struct kv_mover_job {
     int abandoned;      /* kv_core_reap completed it for the caller (LINK_FAILED) while a
                            chunk of it was still inside its copy: its own completion, once
                            that copy returns, is of an id the caller no longer knows */
+    uint64_t claimed;   /* bytes claimed so far */
+    int paired;         /* a head-split pair's second job (kv_core.c pairable): copied in one
+                           pass with job `pair_id` while that one is right before it in the queue */
+    uint64_t pair_id;
 } kv_mover_job;
 
 /* A mover thread's slot. A mover whose chunk stays inside its copy (a CMA page of
@@ -138,6 +142,7 @@ typedef struct kv_mover {
     kv_core *core;
     pthread_t thread;
     kv_mover_job *job; /* whose chunk it copies now, or NULL */
+    kv_mover_job *job2; /* ...and the same chunk of the second job of a head-split pair, or NULL */
     uint64_t since_ns; /* CLOCK_BOOTTIME when that chunk began */
     uint64_t busy_ns;  /* when its last chunk ended (0: polled since) */
     int retired;       /* reaped (detached): exits after its copy, replaced */

@@ -23,7 +23,7 @@
 # UCX_TLS for the loopback (default tcp).
 # Test names: new_params regions submit_validation inline mover process_self
 #   process_child abort done_flags remove_in_use close poll_small_max concurrent
-#   pidfd mover_lease tcp_api accept_emfile seg2d_validation seg2d_copy seg2d_abort
+#   pidfd mover_lease tcp_api accept_emfile seg2d_validation seg2d_copy seg2d_abort seg2d_pair
 #   large_copy tcp_2d tcp_close_fence reap lease_busy wait_take
 # Exit status is the test program's: 0 and "N passed, 0 failed" on success.
 set -eu
