@@ -873,13 +873,20 @@ static uint64_t claim(kv_core *c, kv_mover_job *m, uint64_t max, size_t *first, 
     return n;
 }
 
+/* A pair's second job may rank this much after the first (kvengine/scheduler.py rank(): the
+ * same priority, deadlines at most 100 ms apart, as two pushes submitted together with one
+ * timeout, the planning of the first between them): the first then shares the movers with
+ * the second only where its deadline is not the more urgent by much. */
+#define KV_PAIR_RANK_SLACK 100000u
+
 /* Are `a` and `b` a head-split pair: one job's segments, one for one, the same rows
  * of the same source rows as the other's, a fixed distance apart within each row (a
  * TP=1 prefill's pushes of one block table to two TP=2 ranks, heads [0, h/2) and
  * [h/2, h)), short rows of whole cache lines, local memory, large enough to be
  * streamed? The movers then copy both in one pass (copy_pair). */
 static int pairable(const kv_job *a, const kv_job *b) {
-    if (a->nsegments != b->nsegments || a->total_bytes != b->total_bytes || a->total_bytes < KV_STREAM_MIN_JOB)
+    if (a->nsegments != b->nsegments || a->total_bytes != b->total_bytes || a->total_bytes < KV_STREAM_MIN_JOB ||
+        b->rank < a->rank || b->rank - a->rank > KV_PAIR_RANK_SLACK)
         return 0;
     uint64_t d = b->segments[0].src - a->segments[0].src;
     for (size_t i = 0; i < a->nsegments; i++) {

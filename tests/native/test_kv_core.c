@@ -1850,7 +1850,20 @@ static void test_seg2d_copy(void) {
  * rows of random 16-row blocks, submitted back to back, are copied as a pair (both
  * halves of a source row in one pass: kv_core.c pairable, copy_pair) and land
  * byte-exact, with chunks that end on a row (1 MiB) and in the middle of one (1 MiB
- * + 192: those pieces take the unpaired way). A job of another shape is not paired. */
+ * + 192: those pieces take the unpaired way). A job of another shape, or one ranked more
+ * than KV_PAIR_RANK_SLACK after the first, is not paired. */
+/* Two completions, of `a` (`na` bytes) and `b` (`nb` bytes) in either order, both successful. */
+static void wait_both(kv_core *c, uint64_t a, uint64_t na, uint64_t b, uint64_t nb) {
+    kv_completion cp[2];
+    memset(cp, 0, sizeof cp);
+    CHECK_EQ(drain(c, cp, 2, WAIT_MS), 2);
+    CHECK((cp[0].job_id == a && cp[1].job_id == b) || (cp[0].job_id == b && cp[1].job_id == a));
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ(cp[k].status, KV_LLM_SUCCESS);
+        CHECK_EQ(cp[k].nbytes, cp[k].job_id == a ? na : nb);
+    }
+}
+
 static void test_seg2d_pair(void) {
     const uint64_t ROW = 1024, BLK = 16, NBLK = 640, NSEG = 512; /* 8 MiB a job */
     const uint64_t NS = NBLK * BLK * 2 * ROW, ND = NBLK * BLK * ROW;
@@ -1893,26 +1906,25 @@ static void test_seg2d_pair(void) {
             uint64_t id = 100 + (uint64_t)attempt * 2;
             CHECK_EQ(submit2(c, id, w[0], NSEG, 0, &done, &nb), KV_LLM_SUCCESS);
             CHECK_EQ(submit2(c, id + 1, w[1], NSEG, 0, &done, &nb), KV_LLM_SUCCESS);
-            for (int r = 0; r < 2; r++) {
-                kv_completion cp = wait_one(c, id + (uint64_t)r);
-                CHECK_EQ(cp.status, KV_LLM_SUCCESS);
-                CHECK_EQ(cp.nbytes, NSEG * BLK * ROW);
-            }
+            wait_both(c, id, NSEG * BLK * ROW, id + 1, NSEG * BLK * ROW);
             for (int r = 0; r < 2; r++)
                 CHECK(memcmp(dst[r], want[r], (size_t)ND) == 0);
             paired = stats(c).chunks_paired - before;
         }
         CHECK(paired > 0); /* (the movers may finish the first job before the second comes: a few tries) */
-        /* not a pair: the second job's rows are one line shorter */
-        for (uint64_t i = 0; i < NSEG; i++)
-            w[1][i * KV_SEG2_WORDS + 4] = ROW - 64;
+        /* not a pair: the second job ranks more than 100 ms of deadline later; then its
+         * rows are one line shorter */
         uint64_t before = stats(c).chunks_paired;
         int done;
         uint64_t nb;
-        CHECK_EQ(submit2(c, 200, w[0], NSEG, 0, &done, &nb), KV_LLM_SUCCESS);
-        CHECK_EQ(submit2(c, 201, w[1], NSEG, 0, &done, &nb), KV_LLM_SUCCESS);
-        CHECK_EQ(wait_one(c, 200).status, KV_LLM_SUCCESS);
-        CHECK_EQ(wait_one(c, 201).status, KV_LLM_SUCCESS);
+        CHECK_EQ(kv_core_submit_job(c, 200, w[0], NSEG, KV_SEG2_WORDS, 0, 5000, 0, &done, &nb), KV_LLM_SUCCESS);
+        CHECK_EQ(kv_core_submit_job(c, 201, w[1], NSEG, KV_SEG2_WORDS, 0, 105001, 0, &done, &nb), KV_LLM_SUCCESS);
+        wait_both(c, 200, NSEG * BLK * ROW, 201, NSEG * BLK * ROW);
+        for (uint64_t i = 0; i < NSEG; i++)
+            w[1][i * KV_SEG2_WORDS + 4] = ROW - 64;
+        CHECK_EQ(submit2(c, 202, w[0], NSEG, 0, &done, &nb), KV_LLM_SUCCESS);
+        CHECK_EQ(submit2(c, 203, w[1], NSEG, 0, &done, &nb), KV_LLM_SUCCESS);
+        wait_both(c, 202, NSEG * BLK * ROW, 203, NSEG * BLK * (ROW - 64));
         CHECK_EQ(stats(c).chunks_paired, before);
         check_no_more(c);
         check_quiet_stats(c);
