@@ -147,51 +147,41 @@ static int cmp(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+/* The median of ROUNDS runs of `two` (slots 0: serial), GB/s. */
+static double median_two(char *src, char *dst, size_t msg, size_t slots) {
+    double r[ROUNDS];
+    for (int k = 0; k < ROUNDS; k++)
+        r[k] = two(src, dst, msg, slots ? slots : 1, !slots);
+    qsort(r, ROUNDS, sizeof r[0], cmp);
+    return r[ROUNDS / 2];
+}
+
 int main(int argc, char **argv) {
     char *src = big(TOTAL), *dst = big(TOTAL);
-    if (argc > 1) { /* only these: KIBxSLOTS ... (KIBx0: serial) */
-        double r[ROUNDS], base;
-        for (int k = 0; k < ROUNDS; k++)
-            r[k] = one(src, dst, 1u << 20);
-        qsort(r, ROUNDS, sizeof r[0], cmp);
-        base = r[ROUNDS / 2];
-        printf("%-22s %8.2f %8s\n", "one", base, "1.00x");
-        for (int a = 1; a < argc; a++) {
-            size_t kib = 0, slots = 0;
-            if (sscanf(argv[a], "%zux%zu", &kib, &slots) != 2 || !kib || TOTAL % (kib << 10)) {
-                fprintf(stderr, "bad %s (KIBxSLOTS, KiB dividing 256 MiB)\n", argv[a]);
-                return 2;
-            }
-            for (int k = 0; k < ROUNDS; k++)
-                r[k] = two(src, dst, kib << 10, slots ? slots : 1, !slots);
-            qsort(r, ROUNDS, sizeof r[0], cmp);
-            printf("two %-18s %8.2f %7.2fx\n", argv[a], r[ROUNDS / 2], r[ROUNDS / 2] / base);
-        }
-        return 0;
-    }
-    static const size_t msgs[] = {256u << 10, 1u << 20, 2u << 20};
-    static const size_t slotn[] = {2, 3, 6};
-    printf("%-22s %8s %8s\n", "copy", "GB/s", "x one");
-    double r[ROUNDS], base;
+    double r[ROUNDS];
     for (int k = 0; k < ROUNDS; k++)
         r[k] = one(src, dst, 1u << 20);
     qsort(r, ROUNDS, sizeof r[0], cmp);
-    base = r[ROUNDS / 2];
-    printf("%-22s %8.2f %8s\n", "one", base, "1.00x");
-    for (size_t m = 0; m < sizeof msgs / sizeof msgs[0]; m++) {
-        for (size_t s = 0; s <= sizeof slotn / sizeof slotn[0]; s++) {
-            int serial = s == sizeof slotn / sizeof slotn[0];
-            size_t slots = serial ? 1 : slotn[s];
-            char name[64];
-            if (serial)
-                snprintf(name, sizeof name, "two serial %zuK", msgs[m] >> 10);
-            else
-                snprintf(name, sizeof name, "two %zuKx%zu", msgs[m] >> 10, slots);
-            for (int k = 0; k < ROUNDS; k++)
-                r[k] = two(src, dst, msgs[m], slots, serial);
-            qsort(r, ROUNDS, sizeof r[0], cmp);
-            printf("%-22s %8.2f %7.2fx\n", name, r[ROUNDS / 2], r[ROUNDS / 2] / base);
+    double base = r[ROUNDS / 2];
+    printf("%-22s %8s %8s\n%-22s %8.2f %8s\n", "copy", "GB/s", "x one", "one", base, "1.00x");
+    /* the configurations: the arguments (KIBxSLOTS, x0: serial), or these */
+    static const char *const all[] = {"256x2",  "256x3",  "256x6",  "256x0",  "1024x2", "1024x3",
+                                      "1024x6", "1024x0", "2048x2", "2048x3", "2048x6", "2048x0"};
+    int n = argc > 1 ? argc - 1 : (int)(sizeof all / sizeof all[0]);
+    for (int a = 0; a < n; a++) {
+        const char *arg = argc > 1 ? argv[a + 1] : all[a];
+        size_t kib = 0, slots = 0;
+        if (sscanf(arg, "%zux%zu", &kib, &slots) != 2 || !kib || TOTAL % (kib << 10)) {
+            fprintf(stderr, "bad %s (KIBxSLOTS, KiB dividing 256 MiB)\n", arg);
+            return 2;
         }
+        char name[64];
+        if (slots)
+            snprintf(name, sizeof name, "two %zuKx%zu", kib, slots);
+        else
+            snprintf(name, sizeof name, "two serial %zuK", kib);
+        double v = median_two(src, dst, kib << 10, slots);
+        printf("%-22s %8.2f %7.2fx\n", name, v, v / base);
     }
     return 0;
 }
