@@ -355,6 +355,8 @@ def test_bench_head_split_runs_checks_bytes_and_reports_the_ratio(tmp_path):
     assert t["blocks"] == 8 and t["segments_2d"] == 64 * 8 * 2
     assert t["split_over_contiguous"] > 0 and t["gather_over_contiguous"] > 0
     assert "x contiguous" in r.stdout and "goal: 8 blocks, TP=1 -> 2 TP=2 ranks" in r.stdout
+    paired = out["engine_stats"]["prefill"]["native"]["chunks_paired"]
+    assert f"the movers copied {paired} chunks as head-split pairs" in r.stdout
     bad = subprocess.run([sys.executable, "-m", "kvengine", "bench", "throughput", "--head-split", "2"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--head-split N: N >= 2, with --layout paged" in bad.stderr

@@ -178,6 +178,10 @@ def report(r: Report, reps: int) -> list[str]:
     lines.append(table(rows, ["table", "2-D segments", "rows", SPLIT, GATHER, CONTIG, "split x contiguous",
                               "gather x contiguous"]))
     lines.append("")
+    paired = r.get("engine_stats", {}).get("prefill", {}).get("native", {}).get("chunks_paired")
+    if paired is not None and T == "shm":
+        lines.append(f"the movers copied {paired} chunks as head-split pairs, both ranks' heads of a source row in one "
+                     "pass (decisions.md #37)")
     for g in goals(r):
         lines.append(f"goal: {g['what']}: {g['ratio']:.2f}x, {g['status']}")
     lines.extend(footer(r))
