@@ -426,6 +426,15 @@ __attribute__((target("avx2"))) static void copy_stream(uint8_t *d, const uint8_
         memcpy(d, s, n);
 }
 
+/* May `rows` whole rows of segment `s`, from `src` to `dst`, go through copy_rows_stream
+ * (or copy_rows_pair): short rows of whole cache lines to 64-byte aligned destination
+ * rows, the source and destination rows apart. */
+static inline int rows_streamable(const kv_segment *s, uint64_t src, uint64_t dst, uint64_t rows) {
+    return rows >= 2 && s->len >= KV_STREAM_MIN_LINES && s->len < KV_STREAM_MIN_RUN &&
+           ((dst | s->len | s->dst_stride) & 63) == 0 &&
+           (dst >= src + (rows - 1) * s->src_stride + s->len || src >= dst + (rows - 1) * s->dst_stride + s->len);
+}
+
 /* Whole rows of a 2-D segment whose rows are short whole cache lines (a head
  * range's 1 KiB rows: `len` a multiple of 64, below KV_STREAM_MIN_RUN, every
  * destination row 64-byte aligned): one tight loop, not a copy_stream call per
@@ -549,9 +558,7 @@ static uint32_t copy_chunk(const kv_segment *s, uint64_t off, uint64_t n, int st
 #ifdef KV_HAVE_STREAM
             /* whole rows of short whole lines from here on: one tight loop */
             uint64_t wr = t == s->len ? n / s->len : 0;
-            if (stream && wr >= 2 && s->len >= KV_STREAM_MIN_LINES && s->len < KV_STREAM_MIN_RUN &&
-                ((dst | s->len | s->dst_stride) & 63) == 0 &&
-                (dst >= src + (wr - 1) * s->src_stride + s->len || src >= dst + (wr - 1) * s->dst_stride + s->len)) {
+            if (stream && rows_streamable(s, src, dst, wr)) {
                 copy_rows_stream((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, (size_t)s->len,
                                  s->src_stride, s->dst_stride, wr, (const uint8_t *)(uintptr_t)next_src, next_len,
                                  next_src ? next->src_stride : 0, next_src ? next->rows : 0);
@@ -613,10 +620,8 @@ static void copy_pair(const kv_job *a, const kv_job *b, size_t first, uint64_t o
         uint64_t r0 = off / s->len, rows = take / s->len;
         uint64_t sd = s->dst + r0 * s->dst_stride, td = t->dst + r0 * t->dst_stride;
         uint64_t ss = s->src + r0 * s->src_stride, ts = t->src + r0 * s->src_stride;
-        if (stream && off % s->len == 0 && take % s->len == 0 && rows >= 2 &&
-            ((sd | td | s->dst_stride | t->dst_stride) & 63) == 0 &&
-            (sd >= ss + (rows - 1) * s->src_stride + s->len || ss >= sd + (rows - 1) * s->dst_stride + s->len) &&
-            (td >= ts + (rows - 1) * s->src_stride + s->len || ts >= td + (rows - 1) * t->dst_stride + s->len)) {
+        if (stream && off % s->len == 0 && take % s->len == 0 && rows_streamable(s, ss, sd, rows) &&
+            rows_streamable(t, ts, td, rows)) {
             copy_rows_pair((uint8_t *)(uintptr_t)sd, (uint8_t *)(uintptr_t)td, (const uint8_t *)(uintptr_t)ss,
                            (const uint8_t *)(uintptr_t)ts, (size_t)s->len, s->src_stride, s->dst_stride,
                            t->dst_stride, rows);
@@ -894,7 +899,7 @@ static int pairable(const kv_job *a, const kv_job *b) {
         if (s->src_kind != KV_REGION_LOCAL || s->dst_kind != KV_REGION_LOCAL || t->src_kind != KV_REGION_LOCAL ||
             t->dst_kind != KV_REGION_LOCAL || s->rows < 2 || t->rows != s->rows || t->len != s->len ||
             t->src_stride != s->src_stride || s->len < KV_STREAM_MIN_LINES || s->len >= KV_STREAM_MIN_RUN ||
-            t->src - s->src != d)
+            (s->len & 63) || t->src - s->src != d)
             return 0;
     }
     uint64_t ad = d >> 63 ? -d : d, len = a->segments[0].len;

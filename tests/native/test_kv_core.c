@@ -1846,12 +1846,6 @@ static void test_seg2d_copy(void) {
     xunmap(want, N);
 }
 
-/* A head-split pair: two 2-D jobs taking the two halves (1 KiB each) of the same 2 KiB
- * rows of random 16-row blocks, submitted back to back, are copied as a pair (both
- * halves of a source row in one pass: kv_core.c pairable, copy_pair) and land
- * byte-exact, with chunks that end on a row (1 MiB) and in the middle of one (1 MiB
- * + 192: those pieces take the unpaired way). A job of another shape, or one ranked more
- * than KV_PAIR_RANK_SLACK after the first, is not paired. */
 /* Two completions, of `a` (`na` bytes) and `b` (`nb` bytes) in either order, both successful. */
 static void wait_both(kv_core *c, uint64_t a, uint64_t na, uint64_t b, uint64_t nb) {
     kv_completion cp[2];
@@ -1864,6 +1858,14 @@ static void wait_both(kv_core *c, uint64_t a, uint64_t na, uint64_t b, uint64_t 
     }
 }
 
+/* A head-split pair: two 2-D jobs taking the two halves (1 KiB each) of the same 2 KiB
+ * rows of random 16-row blocks, submitted back to back, are copied as a pair (both
+ * halves of a source row in one pass: kv_core.c pairable, copy_pair) and land
+ * byte-exact, with chunks that end on a row (1 MiB) and in the middle of one (1 MiB
+ * + 192: those pieces take the unpaired way). A job of another shape, one ranked more
+ * than KV_PAIR_RANK_SLACK after the first, or rows that are not whole cache lines (992
+ * bytes into 1 KiB destination rows, whose last 32 bytes must stay as they were) are
+ * not paired, and land byte-exact. */
 static void test_seg2d_pair(void) {
     const uint64_t ROW = 1024, BLK = 16, NBLK = 640, NSEG = 512; /* 8 MiB a job */
     const uint64_t NS = NBLK * BLK * 2 * ROW, ND = NBLK * BLK * ROW;
@@ -1925,6 +1927,21 @@ static void test_seg2d_pair(void) {
         CHECK_EQ(submit2(c, 202, w[0], NSEG, 0, &done, &nb), KV_LLM_SUCCESS);
         CHECK_EQ(submit2(c, 203, w[1], NSEG, 0, &done, &nb), KV_LLM_SUCCESS);
         wait_both(c, 202, NSEG * BLK * ROW, 203, NSEG * BLK * (ROW - 64));
+        const uint64_t PART = 992, RS = NBLK * BLK / NSEG; /* 15.5 lines; 20 rows a segment, 10 MB a job */
+        for (int r = 0; r < 2; r++) {
+            memset(dst[r], 0x5A, (size_t)ND);
+            memcpy(want[r], dst[r], (size_t)ND);
+            for (uint64_t i = 0; i < NSEG; i++) {
+                uint64_t *wi = w[r] + i * KV_SEG2_WORDS;
+                seg2(wi, rs, i * RS * 2 * ROW + (uint64_t)r * PART, rd[r], i * RS * ROW, PART, RS, 2 * ROW, ROW);
+                model2(want[r], src, wi);
+            }
+        }
+        CHECK_EQ(submit2(c, 204, w[0], NSEG, 0, &done, &nb), KV_LLM_SUCCESS);
+        CHECK_EQ(submit2(c, 205, w[1], NSEG, 0, &done, &nb), KV_LLM_SUCCESS);
+        wait_both(c, 204, NSEG * RS * PART, 205, NSEG * RS * PART);
+        for (int r = 0; r < 2; r++)
+            CHECK(memcmp(dst[r], want[r], (size_t)ND) == 0);
         CHECK_EQ(stats(c).chunks_paired, before);
         check_no_more(c);
         check_quiet_stats(c);
