@@ -65,7 +65,7 @@ static void pread_all(int fd, char *d, size_t n, off_t off) {
 }
 
 typedef struct {
-    char *src, *dst, *ring;
+    char *dst, *ring;
     int fd;
     size_t msg, slots;
     size_t produced, consumed; /* pieces, under mu */
@@ -92,7 +92,7 @@ static void *lander(void *arg) {
 }
 
 static double two(char *src, char *dst, size_t msg, size_t slots, int serial) {
-    pipe_t p = {.src = src, .dst = dst, .msg = msg, .slots = slots};
+    pipe_t p = {.dst = dst, .msg = msg, .slots = slots};
     size_t span = slots * (msg + 4096);
     p.fd = memfd_create("staging", 0);
     if (p.fd < 0 || ftruncate(p.fd, (off_t)span) != 0) {
