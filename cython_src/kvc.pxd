@@ -78,6 +78,7 @@ cdef extern from "kv_core.h" nogil:
         uint64_t jobs_abandoned
         uint64_t movers_stuck
         uint64_t chunks_paired
+        uint64_t tcp_row_reads
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)

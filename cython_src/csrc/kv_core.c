@@ -1259,9 +1259,9 @@ static uint32_t expand_rows(kv_core *c, kv_segment **rs, uint32_t **refs, size_t
 }
 
 /* Must the 2-D segments of a job of `t` be expanded into rows? */
-static int needs_rows(const kv_transport *t, const kv_segment *rs, size_t nsegs, int remote_kind) {
+static int needs_rows(kv_transport *t, const kv_segment *rs, size_t nsegs, int remote_kind) {
     unsigned need = rs[0].dst_kind == remote_kind ? KV_T2D_PUSH : KV_T2D_PULL;
-    if (t && (t->ops->seg2d & need))
+    if (t && ((t->ops->seg2d & need) || (need == KV_T2D_PULL && t->ops->pull_2d && t->ops->pull_2d(t, rs, nsegs))))
         return 0;
     for (size_t i = 0; i < nsegs; i++)
         if (rs[i].rows > 1)

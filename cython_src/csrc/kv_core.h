@@ -112,6 +112,7 @@ typedef struct {
     uint64_t jobs_abandoned;    /* mover jobs kv_core_reap completed LINK_FAILED, a copy of theirs stuck */
     uint64_t movers_stuck;      /* now: retired movers whose copy has not returned */
     uint64_t chunks_paired;     /* mover chunks copied as a head-split pair (two jobs, one pass) */
+    uint64_t tcp_row_reads;     /* READs of a 2-D pull segment's rows sent (kv_tcp.c tcp_pull_2d) */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a

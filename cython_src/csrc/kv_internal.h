@@ -246,6 +246,9 @@ typedef struct kv_transport_ops {
     /* KV_T2D_*: which jobs it takes with 2-D segments (rows > 1). The core
      * expands the 2-D segments of any other job into 1-D rows at submit. */
     unsigned seg2d;
+    /* Optional, for a pull not in seg2d: does it take this pull's 2-D segments
+     * (`rs`, its region on the source side) as they are? c->lock held. */
+    int (*pull_2d)(kv_transport *t, const kv_segment *rs, size_t nsegs);
 } kv_transport_ops;
 
 #define KV_T2D_PUSH 1u /* its region is the destination */

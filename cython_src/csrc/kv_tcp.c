@@ -41,6 +41,9 @@ enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_
        F_LEASE_REQ, F_LEASE, F_DATAV, F_LAST = F_DATAV };
 #define F_FLAG_PULL 1u
 #define F_FLAG_DATAV 2u /* HELLO, HELLO_ACK: this end takes DATAV frames */
+#define F_FLAG_READ2D 4u /* HELLO, HELLO_ACK: this end serves READs of rows (F_FLAG_ROWS) */
+#define F_FLAG_ROWS 4u   /* READ: rows of `pad` bytes, `total` apart, from `offset`; `offset2` bytes
+                          * into them (row order) start the `length` asked */
 
 /* DATAV: one payload scattered over a list of pieces of one region */
 #define KV_MAX_PIECES 1024u /* pieces of one DATAV frame */
@@ -131,6 +134,7 @@ typedef struct kv_pull_tracking {
     uint64_t nchunks;      /* chunks in all */
     uint64_t reads_sent;   /* READs sent: chunks 0 .. reads_sent-1 */
     uint64_t *segment_len; /* nsegments */
+    uint64_t *unit;        /* nsegments: the bytes of each READ of the segment (read_unit) */
     uint64_t *first_chunk; /* chunks before each segment (nsegments + 1) */
     uint32_t *answered;    /* per chunk: bytes answered (RDATA header accepted) or given up */
     uint8_t *stream;       /* per chunk: the stream (index in the link) its READ went out on */
@@ -157,6 +161,7 @@ typedef struct kv_tcp_job {
  * ref on the region it reads from until its frame is sent (or dropped). */
 typedef struct kv_serve {
     uint64_t xfer, src, len, total, dst_offset;
+    uint64_t row_len, stride; /* F_FLAG_ROWS (row_len > 0): src is row 0, dst_offset where it starts */
     uint32_t region_id, dst_segment; /* dst_*: where the requester wants it, echoed in RDATA */
     struct kv_serve *next;
 } kv_serve;
@@ -216,6 +221,7 @@ typedef struct kv_conn {
     uint32_t in_region_ref;   /* region ref held while a DATA payload is written into place */
     uint8_t hello_token[KV_TOKEN_BYTES];
     int peer_datav;           /* the peer takes DATAV (F_FLAG_DATAV in its HELLO or HELLO_ACK) */
+    int peer_read2d;          /* its HELLO had F_FLAG_READ2D (the link's, once it joins one) */
     /* a DATAV frame going out (out_vn > 0): header, piece list, payload runs;
      * sent iovecs are consumed in place */
     struct iovec *out_vec;    /* KV_MAX_PIECES + 2, allocated at the first DATAV */
@@ -234,6 +240,7 @@ typedef struct kv_link {
     uint32_t id;
     uint8_t token[KV_TOKEN_BYTES];
     int nstreams, nstreams_up, dead;
+    int peer_read2d;               /* the peer serves F_FLAG_ROWS READs (its HELLO or HELLO_ACK) */
     int refused; /* atomic: kv_tcp_link_close was called: nothing of it is received into place any more */
     kv_conn *conns[KV_MAX_STREAMS];
     int nconns;
@@ -510,15 +517,24 @@ static void send_queue_insert(kv_link *l, kv_tcp_job *j) {
     l->send_pulls += j->is_pull;
 }
 
+/* The bytes each READ of pull segment `s` asks (READ k of it: [k * unit, (k + 1) * unit)
+ * of its bytes in row order): `chunk`, or for short rows (a 2-D segment: tcp_pull_2d)
+ * KV_MAX_PIECES - 1 whole rows, which one RDATA gathers. */
+static uint64_t read_unit(const kv_segment *s, uint64_t chunk) {
+    return s->rows > 1 && s->len * (KV_MAX_PIECES - 1) < chunk ? s->len * (KV_MAX_PIECES - 1) : chunk;
+}
+
 /* A pull's answer tracking (one allocation), or NULL if out of memory. */
 static kv_pull_tracking *pull_tracking_new(const kv_tcp_job *j, uint64_t chunk) {
     uint64_t nch = 0;
-    for (size_t i = 0; i < j->job.nsegments; i++)
-        nch += (j->job.segments[i].len + chunk - 1) / chunk; /* total < 2^64: no overflow */
+    for (size_t i = 0; i < j->job.nsegments; i++) { /* total < 2^64, unit >= 1: no overflow */
+        uint64_t u = read_unit(&j->job.segments[i], chunk);
+        nch += (kv_seg_bytes(&j->job.segments[i]) + u - 1) / u;
+    }
     size_t ns = j->job.nsegments;
-    if (nch > (SIZE_MAX / 2 - 8 * (2 * ns + 1) - sizeof(kv_pull_tracking)) / 5)
+    if (nch > (SIZE_MAX / 2 - 8 * (3 * ns + 1) - sizeof(kv_pull_tracking)) / 5)
         return NULL;
-    size_t sz = sizeof(kv_pull_tracking) + 8 * (2 * ns + 1) + 4 * (size_t)nch + (size_t)nch;
+    size_t sz = sizeof(kv_pull_tracking) + 8 * (3 * ns + 1) + 4 * (size_t)nch + (size_t)nch;
     kv_pull_tracking *tracking = calloc(1, sz);
     if (!tracking)
         return NULL;
@@ -526,13 +542,16 @@ static kv_pull_tracking *pull_tracking_new(const kv_tcp_job *j, uint64_t chunk) 
     tracking->chunk_bytes = chunk;
     tracking->nchunks = nch;
     tracking->segment_len = (uint64_t *)(tracking + 1);
-    tracking->first_chunk = tracking->segment_len + ns;
+    tracking->unit = tracking->segment_len + ns;
+    tracking->first_chunk = tracking->unit + ns;
     tracking->answered = (uint32_t *)(tracking->first_chunk + ns + 1);
     tracking->stream = (uint8_t *)(tracking->answered + nch);
     tracking->first_chunk[0] = 0;
     for (size_t i = 0; i < ns; i++) {
-        tracking->segment_len[i] = j->job.segments[i].len;
-        tracking->first_chunk[i + 1] = tracking->first_chunk[i] + (j->job.segments[i].len + chunk - 1) / chunk;
+        tracking->segment_len[i] = kv_seg_bytes(&j->job.segments[i]); /* rows in row order (tcp_pull_2d) */
+        tracking->unit[i] = read_unit(&j->job.segments[i], chunk);
+        tracking->first_chunk[i + 1] =
+            tracking->first_chunk[i] + (tracking->segment_len[i] + tracking->unit[i] - 1) / tracking->unit[i];
     }
     return tracking;
 }
@@ -546,10 +565,11 @@ static int64_t pull_claim(kv_pull_tracking *tracking, const kv_frame *h, int idx
     if (h->region >= tracking->nsegments || h->offset > tracking->segment_len[h->region] ||
         h->length > tracking->segment_len[h->region] - h->offset)
         return -1;
-    uint64_t k = tracking->first_chunk[h->region] + h->offset / tracking->chunk_bytes, at = h->offset % tracking->chunk_bytes;
+    uint64_t u = tracking->unit[h->region];
+    uint64_t k = tracking->first_chunk[h->region] + h->offset / u, at = h->offset % u;
     uint64_t clen = tracking->segment_len[h->region] - (h->offset - at);
-    if (clen > tracking->chunk_bytes)
-        clen = tracking->chunk_bytes;
+    if (clen > u)
+        clen = u;
     if (k >= tracking->reads_sent || tracking->stream[k] != idx || at != tracking->answered[k] || h->length > clen - at)
         return -1;
     tracking->answered[k] += (uint32_t)h->length;
@@ -564,9 +584,9 @@ static void pull_give_up(kv_pull_tracking *tracking, kv_conn *k, int idx) {
         for (uint64_t q = tracking->first_chunk[i]; q < tracking->first_chunk[i + 1] && q < tracking->reads_sent; q++) {
             if (tracking->stream[q] != idx)
                 continue;
-            uint64_t off = (q - tracking->first_chunk[i]) * tracking->chunk_bytes, clen = tracking->segment_len[i] - off;
-            if (clen > tracking->chunk_bytes)
-                clen = tracking->chunk_bytes;
+            uint64_t off = (q - tracking->first_chunk[i]) * tracking->unit[i], clen = tracking->segment_len[i] - off;
+            if (clen > tracking->unit[i])
+                clen = tracking->unit[i];
             uint64_t left = clen - tracking->answered[q];
             k->read_bytes_out -= left < k->read_bytes_out ? left : k->read_bytes_out;
             tracking->answered[q] = (uint32_t)clen;
@@ -801,13 +821,9 @@ static uint64_t frame_bytes(uint64_t chunk, uint64_t total) {
     return total <= KV_SEND_SMALL && KV_SMALL_FRAME < chunk ? KV_SMALL_FRAME : chunk;
 }
 
-/* The next frame of push `j` for a peer that takes DATAV: up to `most` bytes
- * (frame_bytes) from the claim point, across rows and segments while they name
- * one region of the peer, as one DATAV (a piece list, the payload gathered by
- * sendmsg), or as one DATA if that is a single run on both sides. Returns 0 (nothing claimed)
- * if it is a single run of at most a row: the caller sends DATA as before; or if
- * out of memory (the same). Caller holds c->lock. */
-static int datav_claim(kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_t most) {
+/* k's gathered frames' iovecs and piece list (DATAV, RDATA of rows), allocated at the
+ * first: 0 if out of memory. */
+static int out_vec_alloc(kv_conn *k) {
     if (!k->out_vec) {
         k->out_vec = malloc((KV_MAX_PIECES + 2) * sizeof *k->out_vec);
         k->out_list = malloc(KV_MAX_PIECES * sizeof *k->out_list);
@@ -819,6 +835,18 @@ static int datav_claim(kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_t most) {
             return 0;
         }
     }
+    return 1;
+}
+
+/* The next frame of push `j` for a peer that takes DATAV: up to `most` bytes
+ * (frame_bytes) from the claim point, across rows and segments while they name
+ * one region of the peer, as one DATAV (a piece list, the payload gathered by
+ * sendmsg), or as one DATA if that is a single run on both sides. Returns 0 (nothing claimed)
+ * if it is a single run of at most a row: the caller sends DATA as before; or if
+ * out of memory (the same). Caller holds c->lock. */
+static int datav_claim(kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_t most) {
+    if (!out_vec_alloc(k))
+        return 0;
     const kv_segment *segs = j->job.segments;
     uint64_t bytes = 0, off = j->job.claim_offset, src, dst;
     size_t seg = j->job.claim_segment, np = 0, nv = 2;
@@ -914,6 +942,23 @@ static int next_frame(kv_net *n, kv_conn *k) {
         k->out_payload = (const uint8_t *)(uintptr_t)s->src;
         k->out_payload_len = s->len;
         k->out_region_ref = s->region_id; /* the ref moves from the task to the frame */
+        if (s->row_len) { /* rows (on_read checked them, and allocated out_vec): gathered by sendmsg */
+            uint64_t row = s->dst_offset / s->row_len, col = s->dst_offset % s->row_len, left = s->len;
+            size_t nv = 1;
+            k->out_vec[0].iov_base = &k->out;
+            k->out_vec[0].iov_len = sizeof k->out;
+            for (; left; row++, col = 0) {
+                uint64_t t = s->row_len - col < left ? s->row_len - col : left;
+                k->out_vec[nv].iov_base = (void *)(uintptr_t)(s->src + row * s->stride + col);
+                k->out_vec[nv++].iov_len = (size_t)t;
+                left -= t;
+            }
+            k->out_vn = nv;
+            k->out_vi = 0;
+            k->out_vhead = sizeof k->out;
+            k->out_payload = NULL;
+            k->out_payload_len = 0;
+        }
         free(s);
         goto start;
     }
@@ -941,15 +986,22 @@ static int next_frame(kv_net *n, kv_conn *k) {
         const kv_segment *s = &j->job.segments[j->job.claim_segment];
         uint64_t off = j->job.claim_offset, src, dst, len = kv_seg_run(s, off, most, &src, &dst); /* one row at most */
         size_t seg = j->job.claim_segment;
+        int rows = j->is_pull && s->rows > 1; /* a 2-D pull segment (tcp_pull_2d): READs of rows */
+        if (rows) {
+            uint64_t u = read_unit(s, chunk);
+            len = kv_seg_bytes(s) - off < u ? kv_seg_bytes(s) - off : u;
+        }
         claim_advance(l, j, len);
-        if (j->is_pull) { /* (segments of pulls are 1-D: the core expands 2-D ones) */
+        if (j->is_pull) {
             j->pull->stream[j->frames] = (uint8_t)k->index; /* READ k is chunk k */
             j->pull->reads_sent = j->frames + 1;
-            k->out = frame_new(F_READ, 0, j->job.record.id);
+            k->out = frame_new(F_READ, rows ? F_FLAG_ROWS : 0, j->job.record.id);
             k->out.region = s->remote_region;
-            k->out.offset = src;
+            k->out.offset = rows ? s->src : src;
             k->out.length = len;
-            k->out.total = j->job.total_bytes;
+            k->out.total = rows ? s->src_stride : j->job.total_bytes;
+            k->out.pad = rows ? (uint32_t)s->len : 0;
+            n->core->stats.tcp_row_reads += (uint64_t)rows;
             k->out.region2 = (uint32_t)seg;
             k->out.offset2 = off;
             k->out_payload = NULL;
@@ -1098,6 +1150,12 @@ static int conn_send(kv_net *n, kv_conn *k) {
             if (k->out_vi == k->out_vn) {
                 k->out_busy = 0;
                 k->out_vn = 0;
+                if (k->out_region_ref) { /* RDATA of rows */
+                    pthread_mutex_lock(&c->lock);
+                    kv__region_unref(c, k->out_region_ref);
+                    pthread_mutex_unlock(&c->lock);
+                    k->out_region_ref = 0;
+                }
             }
             continue;
         }
@@ -1316,7 +1374,26 @@ static int on_rdata(kv_net *n, kv_conn *k, int *sig) {
         (j->job.state == KV_JS_SENDING || j->job.state == KV_JS_SENT || j->job.state == KV_JS_ABORT_REQ)) {
         if ((q = pull_claim(j->pull, h, k->index)) < 0)
             return BAD_FRAME();
-        k->in_dest = (uint8_t *)(uintptr_t)(j->job.segments[h->region].dst + h->offset);
+        const kv_segment *s = &j->job.segments[h->region];
+        k->in_dest = (uint8_t *)(uintptr_t)(s->dst + h->offset);
+        if (s->rows > 1 && s->dst_stride != s->len) { /* rows apart (pull_2d): scattered like DATAV's */
+            if (!k->in_list && !(k->in_list = malloc(KV_MAX_PIECES * sizeof *k->in_list)))
+                return *sig |= fail_conn(n, k, 0), 0;
+            uint64_t row = h->offset / s->len, col = h->offset % s->len, left = h->length;
+            uint32_t np = 0;
+            for (; left; row++, col = 0, np++) { /* (pull_claim: within one READ, at most KV_MAX_PIECES rows) */
+                if (np == KV_MAX_PIECES)
+                    return BAD_FRAME();
+                uint64_t t = s->len - col < left ? s->len - col : left;
+                k->in_list[np].offset = s->dst + row * s->dst_stride + col;
+                k->in_list[np].len = t;
+                left -= t;
+            }
+            k->in_npieces = np;
+            k->in_pi = 0;
+            k->in_poff = 0;
+            k->in_base = 0;
+        }
         k->in_discard = 0;
         k->in_returns_window = 1;
     } else if ((t = incoming_find(l, h->xfer, 1))) { /* our aborted pull: checked, then discarded */
@@ -1432,14 +1509,32 @@ static int on_read(kv_net *n, kv_conn *k, int *sig) {
             return BAD_FRAME();
         return 1;
     }
-    if (h->offset > r->len || h->length > r->len - h->offset)
+    uint64_t row_len = 0, stride = 0;
+    if (h->flags & F_FLAG_ROWS) {
+        /* rows of `pad` bytes, `total` apart, from `offset`; the bytes [offset2, offset2 +
+         * length) of them in row order: rows first..last, at most KV_MAX_PIECES, the last
+         * inside the region (no product computed before it is known to fit) */
+        row_len = h->pad;
+        stride = h->total;
+        if (row_len == 0 || stride < row_len || h->offset2 > UINT64_MAX - h->length)
+            return BAD_FRAME();
+        uint64_t first = h->offset2 / row_len, last = (h->offset2 + h->length - 1) / row_len;
+        if (last - first >= KV_MAX_PIECES || h->offset > r->len || row_len > r->len - h->offset ||
+            last > (r->len - h->offset - row_len) / stride)
+            return BAD_FRAME();
+        if (!out_vec_alloc(k))
+            return *sig |= fail_conn(n, k, 0), 0;
+    } else if (h->offset > r->len || h->length > r->len - h->offset) {
         return BAD_FRAME();
+    }
     kv_serve *s = calloc(1, sizeof *s);
     if (!s)
         return *sig |= fail_conn(n, k, 0), 0;
     s->xfer = h->xfer;
     s->src = r->addr + h->offset;
     s->len = h->length;
+    s->row_len = row_len;
+    s->stride = stride;
     s->total = h->total;
     s->region_id = h->region;
     s->dst_segment = h->region2;
@@ -1509,6 +1604,7 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
         if (h->type != F_HELLO || h->length != KV_TOKEN_BYTES)
             return BAD_FRAME();
         k->peer_datav = (h->flags & F_FLAG_DATAV) != 0; /* old peers send 0: DATA only */
+        k->peer_read2d = (h->flags & F_FLAG_READ2D) != 0;
         k->in_type = F_HELLO;
         k->in_dest = k->hello_token;
         k->in_left = k->in_length = KV_TOKEN_BYTES;
@@ -1521,6 +1617,7 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
         if (h->type != F_HELLO_ACK)
             return BAD_FRAME();
         k->peer_datav = (h->flags & F_FLAG_DATAV) != 0;
+        l->peer_read2d = (h->flags & F_FLAG_READ2D) != 0;
         k->state = C_UP;
         if (lease_request(k, now_ns()) < 0)
             return *sig |= fail_conn(n, k, 0), 0;
@@ -1593,9 +1690,10 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
         k->index = l->nconns;
         l->conns[l->nconns++] = k;
         k->link = l;
+        l->peer_read2d = k->peer_read2d;
         k->state = C_UP;
         n->npending--;
-        kv_frame ack = frame_new(F_HELLO_ACK, F_FLAG_DATAV, 0);
+        kv_frame ack = frame_new(F_HELLO_ACK, F_FLAG_DATAV | F_FLAG_READ2D, 0);
         if (ctrl_push(k, &ack) < 0 || lease_request(k, now_ns()) < 0)
             return *sig |= fail_conn(n, k, 0), 0;
         return 1;
@@ -1835,7 +1933,7 @@ static int run_command(kv_net *n, kv_command *m) {
         k->link = l;
         k->index = l->nconns;
         l->conns[l->nconns++] = k;
-        kv_frame h = frame_new(F_HELLO, F_FLAG_DATAV, 0);
+        kv_frame h = frame_new(F_HELLO, F_FLAG_DATAV | F_FLAG_READ2D, 0);
         h.length = KV_TOKEN_BYTES;
         if (ctrl_push(k, &h) < 0)
             sig |= link_fail(n, l, KV_LLM_LINK_FAILED, 1);
@@ -2516,11 +2614,28 @@ static void tcp_destroy(kv_transport *t) {
     free(n);
 }
 
+/* Does this pull take its 2-D segments as they are (kv_transport_ops.pull_2d)? Each
+ * READ then asks up to `chunk_bytes` of a segment's rows, at most KV_MAX_PIECES of them
+ * (read_unit; F_FLAG_ROWS), which the peer gathers into one RDATA: if the peer serves
+ * such READs (an older one does not: the core then pulls the rows one by one) and the
+ * rows' length fits the frame's field. Caller holds c->lock. */
+static int tcp_pull_2d(kv_transport *t, const kv_segment *rs, size_t nsegs) {
+    kv_net *n = (kv_net *)t;
+    kv_link *l = link_find(n, (uint32_t)rs[0].pid);
+    if (!l || l->dead || !l->peer_read2d)
+        return 0;
+    for (size_t i = 0; i < nsegs; i++)
+        if (rs[i].rows > 1 && rs[i].len > UINT32_MAX)
+            return 0;
+    return 1;
+}
+
 static const kv_transport_ops tcp_ops = {
     .job_size = sizeof(kv_tcp_job),
     .submit = tcp_submit,
     .abort = tcp_abort,
     .stop = tcp_stop,
     .destroy = tcp_destroy,
-    .seg2d = KV_T2D_PUSH, /* pushes: rows gathered into DATAV (or one DATA per row); pulls: expanded */
+    .seg2d = KV_T2D_PUSH, /* pushes: rows gathered into DATAV (or one DATA per row) */
+    .pull_2d = tcp_pull_2d, /* pulls: READs of rows, or expanded into one segment per row */
 };

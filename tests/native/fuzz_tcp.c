@@ -118,6 +118,9 @@ enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_
        F_LEASE_REQ, F_LEASE, F_DATAV, F_LAST = F_DATAV };
 #define F_PULL 1u
 #define F_DATAV_OK 2u /* HELLO, HELLO_ACK flag: this end takes DATAV */
+#define F_READ2D_OK 4u /* HELLO, HELLO_ACK flag: this end serves READs of rows */
+#define F_ROWS 4u      /* READ: rows of `pad` bytes, `total` apart, from `offset`; `offset2` into them */
+#define MAX_ROWS 1024u /* rows one READ of rows may span (kv_tcp.c KV_MAX_PIECES) */
 #define MAX_PIECES 1024u /* pieces of one DATAV */
 typedef struct {
     uint64_t offset, len;
@@ -729,7 +732,7 @@ static int hello_send(pconn *c, const uint8_t *tok, int split) {
     fr h = mkf(F_HELLO, 0, 0);
     h.length = 32;
     if (chance(20)) { /* only type, length and the DATAV flag matter */
-        h.flags = (uint16_t)(rnd() & ~(uint64_t)F_DATAV_OK); /* this peer speaks DATA only */
+        h.flags = (uint16_t)(rnd() & ~(uint64_t)(F_DATAV_OK | F_READ2D_OK)); /* this peer speaks DATA only */
         h.status = (uint32_t)rnd();
         h.xfer = rnd();
         h.offset2 = rnd();
@@ -740,7 +743,7 @@ static int hello_send(pconn *c, const uint8_t *tok, int split) {
 }
 
 static void expect_hello_ack(pconn *c) {
-    fr h, want = mkf(F_HELLO_ACK, F_DATAV_OK, 0);
+    fr h, want = mkf(F_HELLO_ACK, F_DATAV_OK | F_READ2D_OK, 0);
     CHECK_EQ(pc_frame(c, &h), 1);
     if (!fr_eq(&h, &want)) {
         fr_print("got", &h);
@@ -820,6 +823,7 @@ typedef struct {
     fr f;                  /* the RDATA header expected */
     uint8_t *snap;         /* the exported bytes when the READ was processed; NULL: overwritten since */
     const uint8_t *src;    /* where they came from (region memory) */
+    uint64_t span;         /* bytes from src they came from (more than the length for rows) */
     uint64_t abort_seq;    /* an ABORT(pull) sent after the READ may drop it: that ABORT's position */
 } mserve;
 
@@ -928,7 +932,7 @@ static void m_dirty(msess *s, const uint8_t *p, uint64_t n) {
     for (int c = 0; c < s->nk; c++)
         for (size_t i = 0; i < s->k[c].nsv; i++) {
             mserve *v = &s->k[c].sv[i];
-            if (v->snap && p < v->src + v->f.length && v->src < p + n) {
+            if (v->snap && p < v->src + v->span && v->src < p + n) {
                 free(v->snap);
                 v->snap = NULL;
             }
@@ -1099,8 +1103,18 @@ static uint64_t m_header(msess *s, mconn *k, fr *h) {
             m_expect(k, e);
             return 0;
         }
-        if (h->offset > rlen || h->length > rlen - h->offset)
+        uint64_t rl = h->pad, st = h->total, first = 0, last = 0;
+        if (h->flags & F_ROWS) { /* the rows first..last: at most MAX_ROWS, the last inside the region */
+            if (rl == 0 || st < rl || h->offset2 > UINT64_MAX - h->length)
+                return m_bad(s), 0;
+            first = h->offset2 / rl;
+            last = (h->offset2 + h->length - 1) / rl;
+            if (last - first >= MAX_ROWS || h->offset > rlen || rl > rlen - h->offset ||
+                last > (rlen - h->offset - rl) / st)
+                return m_bad(s), 0;
+        } else if (h->offset > rlen || h->length > rlen - h->offset) {
             return m_bad(s), 0;
+        }
         CHECK(k->nsv < SV_MAX);
         mserve *v = &k->sv[k->nsv++];
         v->f = mkf(F_RDATA, 0, h->xfer);
@@ -1109,9 +1123,21 @@ static uint64_t m_header(msess *s, mconn *k, fr *h) {
         v->f.length = h->length;
         v->f.total = h->total;
         v->abort_seq = 0;
-        v->src = base + h->offset;
         v->snap = xmalloc((size_t)h->length);
-        memcpy(v->snap, shadow + h->offset, (size_t)h->length);
+        if (h->flags & F_ROWS) { /* gathered: row r at offset + r * stride */
+            uint64_t col = h->offset2 % rl, got = 0;
+            v->src = base + h->offset + first * st;
+            v->span = (last - first) * st + rl;
+            for (uint64_t r = first; got < h->length; r++, col = 0) {
+                uint64_t t = rl - col < h->length - got ? rl - col : h->length - got;
+                memcpy(v->snap + got, shadow + h->offset + r * st + col, (size_t)t);
+                got += t;
+            }
+        } else {
+            v->src = base + h->offset;
+            v->span = h->length;
+            memcpy(v->snap, shadow + h->offset, (size_t)h->length);
+        }
         return 0;
     }
     default: /* HELLO, HELLO_ACK on an authenticated stream */
@@ -1373,7 +1399,7 @@ static void sess_connect_g(msess *s, int wait_ack, int grant) {
     CHECK(hello_send(&k->pc, s->l->tok, chance(10)));
     s->l->bound = 1;
     s->nconns++;
-    m_expect(k, mkf(F_HELLO_ACK, F_DATAV_OK, 0));
+    m_expect(k, mkf(F_HELLO_ACK, F_DATAV_OK | F_READ2D_OK, 0));
     if (grant)
         CHECK(lease_send(s, k, ns_now()));
     if (wait_ack)
@@ -1486,6 +1512,7 @@ static fr gen_data(msess *s) {
     return f;
 }
 
+/* A READ; `exported` 2: of the exported region, sometimes of rows (F_ROWS). */
 static fr gen_read(int exported) {
     fr f = mkf(F_READ, 0, new_xfer());
     f.length = rnd_len(exported ? 4 * KiB : MAX_FRAME);
@@ -1496,6 +1523,14 @@ static fr gen_read(int exported) {
     f.total = chance(50) ? f.length : rnd();
     f.region2 = (uint32_t)below(4);
     f.offset2 = below(1 << 20);
+    if (exported == 2 && chance(35)) { /* rows: mostly inside the region, some past its end or too many */
+        f.flags = F_ROWS;
+        f.pad = chance(5) ? 0 : (uint32_t)(1 + below(chance(20) ? 4 * KiB : 96));
+        f.total = chance(10) ? below(f.pad + 1) : f.pad + below(chance(20) ? 8 * KiB : 160);
+        f.offset = below(chance(90) ? 4 * KiB : EXP_LEN + 1);
+        f.offset2 = chance(10) ? special64() : below(8 * KiB);
+        f.length = chance(10) ? rnd_len(MAX_FRAME) : 1 + below(chance(80) ? 2 * KiB : 64 * KiB);
+    }
     return f;
 }
 
@@ -1824,7 +1859,7 @@ static void sess_server(void) {
                 mutate(&f, s, k);
             open = send_frame_l(s, k, &f, chance(5), 1, list, np);
         } else if (r < 40) {
-            f = gen_read(1);
+            f = gen_read(2);
             if (chance(15))
                 mutate(&f, s, k);
             open = send_frame(s, k, &f, 0, 1);
@@ -2449,7 +2484,7 @@ static peer *peer_open3(int nc, int small_rcvbuf, int client, uint64_t win, int 
             CHECK_EQ(kv_tcp_conn_add(g_core, cfd, p->l->id), KV_LLM_SUCCESS);
         }
         for (int i = 0; i < nc; i++) {
-            fr h, want = mkf(F_HELLO, F_DATAV_OK, 0);
+            fr h, want = mkf(F_HELLO, F_DATAV_OK | F_READ2D_OK, 0);
             want.length = 32;
             CHECK_EQ(pc_frame(&p->c[i], &h), 1);
             CHECK(fr_eq(&h, &want));

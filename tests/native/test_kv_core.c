@@ -2095,16 +2095,36 @@ static void test_tcp_2d(void) {
     CHECK_EQ(cp.status, KV_LLM_SUCCESS);
     CHECK_EQ(cp.nbytes, total);
     CHECK(memcmp(adst, want, (size_t)N) == 0);
-    /* 2-D pull (expanded into rows at submit) */
+    /* 2-D pulls: READs of rows (tcp_pull_2d), answered gathered (256 KiB chunks): rows apart
+     * at the destination (scattered), back to back there (one run), longer than a chunk;
+     * one-byte rows: READs of 1023 rows (read_unit: the most one RDATA gathers) */
     memset(bdst, 0x5A, (size_t)N);
     memcpy(want, bdst, (size_t)N);
     seg2(w, rr_src, 9, rb_dst, 1, 1000, 300, 1500, 1200);
-    model2(want, asrc, w);
-    CHECK_EQ(submit2(b, 3, w, 1, 0, &done, &nb), KV_LLM_SUCCESS);
+    seg2(w + KV_SEG2_WORDS, rr_src, 600000, rb_dst, 400000, 1024, 700, 2048, 1024);
+    seg2(w + 2 * KV_SEG2_WORDS, rr_src, 2 * MiB + 3, rb_dst, 2 * MiB, 300 * KiB, 4, 310 * KiB, 301 * KiB);
+    total = 0;
+    for (int i = 0; i < 3; i++) {
+        model2(want, asrc, w + i * KV_SEG2_WORDS);
+        total += w[i * KV_SEG2_WORDS + 4] * w[i * KV_SEG2_WORDS + 5];
+    }
+    uint64_t row_reads = stats(b).tcp_row_reads;
+    CHECK_EQ(submit2(b, 3, w, 3, 0, &done, &nb), KV_LLM_SUCCESS);
     cp = wait_one(b, 3);
     CHECK_EQ(cp.status, KV_LLM_SUCCESS);
-    CHECK_EQ(cp.nbytes, 300000);
+    CHECK_EQ(cp.nbytes, total);
     CHECK(memcmp(bdst, want, (size_t)N) == 0);
+    /* one READ per chunk of each segment: 300000, 716800 and 1228800 bytes of rows */
+    CHECK_EQ(stats(b).tcp_row_reads - row_reads, 2 + 3 + 5);
+    seg2(w, rr_src, 5, rb_dst, 6 * MiB, 1, 3000, 3, 2);
+    model2(want, asrc, w);
+    row_reads = stats(b).tcp_row_reads;
+    CHECK_EQ(submit2(b, 5, w, 1, 0, &done, &nb), KV_LLM_SUCCESS);
+    cp = wait_one(b, 5);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, 3000);
+    CHECK(memcmp(bdst, want, (size_t)N) == 0);
+    CHECK_EQ(stats(b).tcp_row_reads - row_reads, 3);
     /* a 2-D push out of a's region is refused at submit, nothing sent */
     seg2(w, rb_src, 0, rr_dst, N - 100, 100, 2, 100, 100);
     CHECK_EQ(submit2(b, 4, w, 1, 0, &done, &nb), KV_LLM_PARAM_INVALID);
