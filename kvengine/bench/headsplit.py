@@ -17,7 +17,9 @@ repetition with the order rotating:
   same blocks) push into a TP=1 cache there, each with its
   ``dst_head_range``, concurrently;
 - contiguous: the same bytes, blocks 0..n-1 -> 0..n-1 of a TP=1 cache there
-  (one segment per tensor).
+  (one segment per tensor);
+- pull: as a decode rank would, the N TP=N caches here pull their heads of a
+  table of the TP=1 cache there (``src_head_range``), concurrently.
 
 Before timing, each rank's blocks are checked byte for byte against numpy
 slicing of the source (``src[t][blocks][:, :, h0:h1]``), and the gathered TP=1
@@ -25,9 +27,9 @@ blocks against the source's. Reported: median GB/s of the table's bytes (1e9
 B/s) and the medians of the per-repetition ratios to contiguous. Goal (issue
 12): head-split >= 0.7x.
 
-Each block's head range is one 2-D segment (rows x stride) that the movers and
-TCP DATAV frames carry natively; TCP pulls and UCX get it expanded into rows by
-the core.
+Each block's head range is one 2-D segment (rows x stride) that the movers,
+TCP DATAV frames and TCP READs of rows carry natively; UCX pulls get it expanded
+into rows by the core.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from .harness import KvSide, footer, gbps, ratio, table, tls_words, ucx_tls_of
 TENSORS, TOKENS, HEADS, DIM = 64, 16, 8, 128
 BLOCK = TOKENS * HEADS * DIM * 2
 TABLES, QUICK_TABLES = [256], [64]
-SPLIT, GATHER, CONTIG = "head-split", "gather", "contiguous"
+SPLIT, GATHER, CONTIG, PULL = "head-split", "gather", "contiguous", "pull"
 VARIANTS = 4
 
 
@@ -86,7 +88,7 @@ async def run(args: argparse.Namespace) -> Report:
         rng = np.random.default_rng(13)
         tabs = {nb: [(rng.permutation(pool)[:nb], rng.permutation(pool)[:nb]) for _ in range(VARIANTS)]
                 for nb in args.tables}
-        verify, gathered = [], []
+        verify, gathered, pulled = [], [], []
         for nb in args.tables:
             sb, db = tabs[nb][0]
             for r, c in enumerate(ranks):
@@ -106,7 +108,17 @@ async def run(args: argparse.Namespace) -> Report:
                             == row_digests([np.ascontiguousarray(t[sb]) for t in src.tensors]))
             if not gathered[-1]:
                 raise RuntimeError(f"kvengine: the gathered blocks of a table of {nb} blocks differ from the source")
-        out["verify"] = {SPLIT: verify, GATHER: gathered}
+            # the TP=N caches here pull their heads of `whole`'s blocks db (the source's sb) back into sb
+            for part in parts:
+                for t in part.tensors:
+                    t[sb] = 0
+            for r, part in enumerate(parts):
+                await e.pull_kv_blocks(kv.BlocksCacheKey(2, whole), part, db, sb, exts[r], timeout=600)
+            pulled.append(all(np.array_equal(t[sb].view(np.uint16), w[sb][:, :, h.start:h.stop].view(np.uint16))
+                              for part, h in zip(parts, heads) for t, w in zip(part.tensors, src.tensors)))
+            if not pulled[-1]:
+                raise RuntimeError(f"kvengine: the pulled heads of a table of {nb} blocks differ from the source")
+        out["verify"] = {SPLIT: verify, GATHER: gathered, PULL: pulled}
 
         async def measure(name: str, nb: int, rep: int) -> float:
             n = max(1, min(8, (128 * MiB) // (TENSORS * nb * BLOCK)))
@@ -116,6 +128,11 @@ async def run(args: argparse.Namespace) -> Report:
                     sb, db = tabs[nb][(rep * n + i) % VARIANTS]
                     ts = [e.submit_push_kv_blocks(src, kv.BlocksCacheKey(2, c), sb, db, exts[r], timeout=600)
                           for r, c in enumerate(ranks)]
+                    sts = await asyncio.gather(*ts)
+                elif name == PULL:
+                    sb, db = tabs[nb][(rep * n + i) % VARIANTS]
+                    ts = [e.submit_pull_kv_blocks(kv.BlocksCacheKey(2, whole), part, db, sb, exts[r], timeout=600)
+                          for r, part in enumerate(parts)]
                     sts = await asyncio.gather(*ts)
                 elif name == GATHER:
                     sb, db = tabs[nb][(rep * n + i) % VARIANTS]
@@ -129,14 +146,14 @@ async def run(args: argparse.Namespace) -> Report:
                     raise RuntimeError(f"{name}: {sts}")
             return (time.perf_counter() - t0) / n
 
-        configs = [SPLIT, GATHER, CONTIG]
+        configs = [SPLIT, GATHER, CONTIG, PULL]
         secs: dict[tuple[int, str], list[float]] = {(nb, c): [] for nb in args.tables for c in configs}
         bar = Progress(args.reps * len(args.tables) * len(configs), f"head-split {T}")
         snap0, t_meas = cpu_snapshot(), time.perf_counter()
         try:
             for rep in range(args.reps):
                 for nb in args.tables:
-                    for name in configs[rep % 3:] + configs[:rep % 3]:
+                    for name in configs[rep % 4:] + configs[:rep % 4]:
                         secs[(nb, name)].append(await measure(name, nb, rep))
                         bar.step(f"rep {rep + 1} {nb} blocks {name}")
         finally:
@@ -147,10 +164,11 @@ async def run(args: argparse.Namespace) -> Report:
             res = {c: {"GBps": nbytes / statistics.median(secs[(nb, c)]) / 1e9,
                        "per_rep_GBps": [nbytes / x / 1e9 for x in secs[(nb, c)]]} for c in configs}
             over = {c: statistics.median(x / s for s, x in zip(secs[(nb, c)], secs[(nb, CONTIG)]))
-                    for c in (SPLIT, GATHER)}
+                    for c in (SPLIT, GATHER, PULL)}
             out["tables"].append({"blocks": nb, "bytes": nbytes, "segments_2d": TENSORS * nb * N,
                                   "rows": TENSORS * nb * N * TOKENS, "results": res,
-                                  "split_over_contiguous": over[SPLIT], "gather_over_contiguous": over[GATHER]})
+                                  "split_over_contiguous": over[SPLIT], "gather_over_contiguous": over[GATHER],
+                                  "pull_over_contiguous": over[PULL]})
         here, there = await kvs.stats()
         out["engine_stats"] = {"prefill": here, "decode": there}
     finally:
@@ -169,14 +187,16 @@ def report(r: Report, reps: int) -> list[str]:
     lines = [f"kvengine bench throughput --layout paged --head-split {N} --transport {T}{tls_words(r)}: push_kv_blocks of random "
              f"tables of a TP=1 vLLM-shaped cache ({TENSORS} tensors x {BLOCK // 1024} KiB blocks of {HEADS} heads) "
              f"into {N} TP={N} ranks' caches in another process, each its {HEADS // N} heads, beside the same bytes "
-             f"contiguous; median GB/s of {reps} interleaved repetitions, ratio: median of the same repetition's",
+             f"contiguous (and pulled back by {N} TP={N} caches here); median GB/s of {reps} interleaved repetitions, "
+             "ratio: median of the same repetition's",
              ""]
     rows = [[f"{t['blocks']} blocks ({t['bytes'] // MiB} MiB)", str(t["segments_2d"]), str(t["rows"]),
              gbps(t["results"][SPLIT]["GBps"]), gbps(t["results"][GATHER]["GBps"]), gbps(t["results"][CONTIG]["GBps"]),
-             ratio(t["split_over_contiguous"]), ratio(t["gather_over_contiguous"])]
+             ratio(t["split_over_contiguous"]), ratio(t["gather_over_contiguous"]),
+             gbps(t["results"][PULL]["GBps"]), ratio(t["pull_over_contiguous"])]
             for t in r["tables"]]
     lines.append(table(rows, ["table", "2-D segments", "rows", SPLIT, GATHER, CONTIG, "split x contiguous",
-                              "gather x contiguous"]))
+                              "gather x contiguous", PULL, "pull x contiguous"]))
     lines.append("")
     paired = r.get("engine_stats", {}).get("prefill", {}).get("native", {}).get("chunks_paired")
     if paired is not None and T == "shm":
@@ -195,15 +215,18 @@ def plot(r: Report, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     tabs = r["tables"]
     x = np.arange(len(tabs))
-    for k, (c, color) in enumerate(((SPLIT, "tab:blue"), (GATHER, "tab:green"), (CONTIG, "black"))):
+    for k, (c, color) in enumerate(((SPLIT, "tab:blue"), (GATHER, "tab:green"), (CONTIG, "black"),
+                                    (PULL, "tab:orange"))):
         style: dict[str, Any] = {"color": color, "alpha": 0.8}
-        ax.bar(x + (k - 1) * 0.27, [t["results"][c]["GBps"] for t in tabs], 0.27, label=c, **style)
+        ax.bar(x + (k - 1.5) * 0.2, [t["results"][c]["GBps"] for t in tabs], 0.2, label=c, **style)
     for i, t in enumerate(tabs):
-        ax.annotate(f"split {t['split_over_contiguous']:.2f}x, gather {t['gather_over_contiguous']:.2f}x",
-                    (i, max(t["results"][c]["GBps"] for c in (SPLIT, GATHER, CONTIG))), ha="center", va="bottom")
+        ax.annotate(f"split {t['split_over_contiguous']:.2f}x, gather {t['gather_over_contiguous']:.2f}x, "
+                    f"pull {t['pull_over_contiguous']:.2f}x",
+                    (i, max(t["results"][c]["GBps"] for c in (SPLIT, GATHER, CONTIG, PULL))), ha="center",
+                    va="bottom")
     ax.set_xticks(x, [f"{t['blocks']} blocks" for t in tabs])
     ax.set_ylabel("GB/s (median)")
-    ax.set_title(f"TP=1 <-> {r['head_split']} x TP={r['head_split']}: head-split and gather pushes, {r['transport']}",
+    ax.set_title(f"TP=1 <-> {r['head_split']} x TP={r['head_split']}: head-split, gather, pull, {r['transport']}",
                  fontsize=10)
     ax.legend()
     fig.tight_layout()
