@@ -103,8 +103,12 @@ void (*kv_test_place_hook)(int stage, const int *refused);
         if (kv_test_place_hook)                                                                      \
             kv_test_place_hook(stage, refused);                                                      \
     } while (0)
+/* tests/native only: engines of this process do not announce READ2D (as an older build) */
+int kv_test_no_read2d;
+#define READ2D_FLAG (kv_test_no_read2d ? 0u : F_FLAG_READ2D)
 #else
 #define PLACE_HOOK(stage, refused) ((void)0)
+#define READ2D_FLAG F_FLAG_READ2D
 #endif
 
 typedef struct {
@@ -1693,7 +1697,7 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
         l->peer_read2d = k->peer_read2d;
         k->state = C_UP;
         n->npending--;
-        kv_frame ack = frame_new(F_HELLO_ACK, F_FLAG_DATAV | F_FLAG_READ2D, 0);
+        kv_frame ack = frame_new(F_HELLO_ACK, F_FLAG_DATAV | READ2D_FLAG, 0);
         if (ctrl_push(k, &ack) < 0 || lease_request(k, now_ns()) < 0)
             return *sig |= fail_conn(n, k, 0), 0;
         return 1;
@@ -1933,7 +1937,7 @@ static int run_command(kv_net *n, kv_command *m) {
         k->link = l;
         k->index = l->nconns;
         l->conns[l->nconns++] = k;
-        kv_frame h = frame_new(F_HELLO, F_FLAG_DATAV | F_FLAG_READ2D, 0);
+        kv_frame h = frame_new(F_HELLO, F_FLAG_DATAV | READ2D_FLAG, 0);
         h.length = KV_TOKEN_BYTES;
         if (ctrl_push(k, &h) < 0)
             sig |= link_fail(n, l, KV_LLM_LINK_FAILED, 1);

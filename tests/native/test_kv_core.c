@@ -2042,6 +2042,8 @@ static void test_large_copy(void) {
 /* Two cores over TCP (loopback): pushes of many small segments (DATAV frames,
  * many pieces a frame), of 2-D segments (native rows), pulls of 2-D segments
  * (expanded into rows by the core): byte-exact, guards untouched. */
+extern int kv_test_no_read2d;
+
 static void test_tcp_2d(void) {
     const uint64_t N = 8 * MiB;
     kv_core *a = mk(1, 256 * KiB), *b = mk(1, 256 * KiB); /* a receives (listens), b pushes */
@@ -2125,18 +2127,42 @@ static void test_tcp_2d(void) {
     CHECK_EQ(cp.nbytes, 3000);
     CHECK(memcmp(bdst, want, (size_t)N) == 0);
     CHECK_EQ(stats(b).tcp_row_reads - row_reads, 3);
+    /* from a peer that does not announce READ2D (an older build): the same pulls, one READ a row */
+    kv_core *c2 = mk(1, 256 * KiB);
+    kv_test_no_read2d = 1;
+    tcp_pair(c2, a, 7, 2, 0, 2000, 50); /* c2 listens: its HELLO_ACK says no READ2D */
+    kv_test_no_read2d = 0;
+    uint8_t *cdst = xmap(N);
+    memset(cdst, 0x5A, (size_t)N);
+    memcpy(want, cdst, (size_t)N);
+    uint32_t rc_src = add_region(c2, KV_REGION_LOCAL, 0, asrc, N, KV_REGION_F_EXPORT);
+    uint32_t ra_cdst = add_local(a, cdst, N), rr2 = 0;
+    CHECK_EQ(kv_region_add(a, KV_REGION_TCP, 7, rc_src, N, 0, &rr2), KV_LLM_SUCCESS);
+    seg2(w, rr2, 9, ra_cdst, 1, 1000, 300, 1500, 1200);
+    seg2(w + KV_SEG2_WORDS, rr2, 600000, ra_cdst, 400000, 1024, 700, 2048, 1024);
+    for (int i = 0; i < 2; i++)
+        model2(want, asrc, w + i * KV_SEG2_WORDS);
+    row_reads = stats(a).tcp_row_reads;
+    CHECK_EQ(submit2(a, 1, w, 2, 0, &done, &nb), KV_LLM_SUCCESS);
+    cp = wait_one(a, 1);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, 300000 + 716800);
+    CHECK(memcmp(cdst, want, (size_t)N) == 0);
+    CHECK_EQ(stats(a).tcp_row_reads, row_reads);
     /* a 2-D push out of a's region is refused at submit, nothing sent */
     seg2(w, rb_src, 0, rr_dst, N - 100, 100, 2, 100, 100);
     CHECK_EQ(submit2(b, 4, w, 1, 0, &done, &nb), KV_LLM_PARAM_INVALID);
     CHECK_EQ(stats(a).tcp_bad_frames, 0);
     CHECK_EQ(stats(b).tcp_links_failed, 0);
     free(w);
+    kv_core_free(c2);
     kv_core_free(b);
     kv_core_free(a);
     xunmap(asrc, N);
     xunmap(adst, N);
     xunmap(bsrc, N);
     xunmap(bdst, N);
+    xunmap(cdst, N);
     xunmap(want, N);
 }
 
