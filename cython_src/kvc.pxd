@@ -79,6 +79,7 @@ cdef extern from "kv_core.h" nogil:
         uint64_t movers_stuck
         uint64_t chunks_paired
         uint64_t tcp_row_reads
+        uint64_t ucx_row_pulls
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)
@@ -117,10 +118,12 @@ cdef extern from "kv_core.h" nogil:
     int kv_ucx_available()
     uint32_t kv_ucx_address(kv_core *core, unsigned char *out, size_t *len)
     int KV_UCX_TOKEN
+    unsigned KV_UCX_PEER_PULL2D
     uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id)
     uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const unsigned char *addr, size_t len,
                              const unsigned char *rx_token, const unsigned char *tx_token,
-                             uint64_t window, uint64_t lease_ns, uint64_t fence_ns, uint64_t margin_ns)
+                             uint64_t window, uint64_t lease_ns, uint64_t fence_ns, uint64_t margin_ns,
+                             unsigned peer_flags)
     uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status)
     int kv_ucx_submit_driven(kv_core *core, uint64_t job_id, const uint64_t *segs, size_t nsegs, uint32_t lease,
                              uint64_t bound_ns, kv_completion *out, uint32_t *status) nogil

@@ -315,9 +315,10 @@ class Acceptor:
                 self._links.release(cid)
                 return reject(S.LLM_LINK_FAILED, "malformed attach: bad 'ucx'" if not st else
                               f"no UCX worker here (status {st:#x})")
-            # the client's worker address and token (what our messages to it carry), for _attach_tcp
-            joining.peer_token = f"{msg['ucx']}:{msg['ucx_token']}"
-            return {"t": "attached", "ucx": address.hex(),
+            # the client's worker address and token (what our messages to it carry), and whether
+            # it answers pulls of rows (engines before it omit "ucx_pull2d"), for _attach_tcp
+            joining.peer_token = f"{msg['ucx']}:{msg['ucx_token']}:{int(msg.get('ucx_pull2d') is True)}"
+            return {"t": "attached", "ucx": address.hex(), "ucx_pull2d": True,
                     "ucx_token": secrets.token_hex(_native.UCX_TOKEN)}, joining
         if transport == "tcp":
             return {"t": "attached", "data_port": self._data_port,
@@ -344,9 +345,9 @@ class Acceptor:
         try:
             link = Link(cid, ch, joining.transport, 0, "", "", incarnation=joining.incarnation)
             if joining.transport == "ucx":
-                address, tx = joining.peer_token.split(":")
+                address, tx, pull2d = joining.peer_token.split(":")
                 self._links.data.add_ucx_link(link, bytes.fromhex(address), bytes.fromhex(attached["ucx_token"]),
-                                              bytes.fromhex(tx))
+                                              bytes.fromhex(tx), pull2d == "1")
             else:
                 self._links.data.add_data_link(link, data_token, streams)
             async with asyncio.timeout(self._options.link_timeout):

@@ -107,17 +107,19 @@ class DataPlane:
         st, address = self._core.ucx_address()
         return st, address
 
-    def add_ucx_link(self, link: Link, peer_address: bytes, rx_token: bytes, tx_token: bytes) -> None:
+    def add_ucx_link(self, link: Link, peer_address: bytes, rx_token: bytes, tx_token: bytes,
+                     peer_pull2d: bool = False) -> None:
         """Declare the link's UCX endpoint to the peer's worker: the peer's messages must
         carry ``rx_token``, ours carry ``tx_token`` (both exchanged on the authenticated
         control channel). Lease, fence and margin as for tcp links (0.4, 0.5, 0.05 of
         heartbeat_timeout): an aborted push whose ABORT_ACK does not come within the
-        fence fails the link, and the peer writes our pushes only under our lease."""
+        fence fails the link, and the peer writes our pushes only under our lease.
+        ``peer_pull2d``: the peer said it answers pulls of rows (PULL_REQ2D)."""
         link.tcp_id = next(self._ids)
         hbt = self._options.heartbeat_timeout
         st = self._core.ucx_link_add(link.tcp_id, peer_address, rx_token, tx_token,
                                      self._options.tcp_window_bytes, fence=0.5 * hbt, lease=0.4 * hbt,
-                                     margin=0.05 * hbt)
+                                     margin=0.05 * hbt, peer_pull2d=peer_pull2d)
         if st:
             raise ProtocolError(f"cannot reach the peer's UCX worker (status {st:#x})")
 

@@ -219,6 +219,7 @@ class Dialer:
                     attach["ucx"] = address.hex()
                     ucx_rx = secrets.token_bytes(_native.UCX_TOKEN)   # what the server's messages carry
                     attach["ucx_token"] = ucx_rx.hex()
+                    attach["ucx_pull2d"] = True   # we answer PULL_REQ2D (pulls of a head range's rows)
                 await tcp.send(attach)
                 a = await _reply(tcp, "attach")
                 if a["t"] != "attached":
@@ -228,8 +229,8 @@ class Dialer:
                         raise ProtocolError("bad attached message")
                     link = Link(cid, tcp, transport, 0, "", info.address, incarnation=str(inc))
                     tcp = None
-                    self._links.data.add_ucx_link(link, bytes.fromhex(a["ucx"]), ucx_rx,
-                                                  bytes.fromhex(a["ucx_token"]))   # before the tables
+                    self._links.data.add_ucx_link(link, bytes.fromhex(a["ucx"]), ucx_rx,   # before the tables
+                                                  bytes.fromhex(a["ucx_token"]), a.get("ucx_pull2d") is True)
                     status = await self._links.establish(link, True)
                 elif transport == "tcp":
                     if not int_in(a.get("data_port"), 1, 65535) or \

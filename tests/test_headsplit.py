@@ -233,9 +233,8 @@ def head_digests(tensors, blocks, heads):
 async def test_split_and_gather_across_processes(transport):
     """Two TP=2 decode ranks' caches in another process receive their heads from a TP=1
     prefill here (split); then two TP=2 prefill caches here fill a TP=1 cache there (gather);
-    then caches here pull heads back (split and gather). Over ucx (kvengine's default
-    UCX_TLS) the core carries a pull's head range as 1-D rows; tcp pulls go as READs of
-    rows (decisions.md #38)."""
+    then caches here pull heads back (split and gather). tcp pulls go as READs of rows,
+    ucx pulls as PULL_REQ2D where the rows are apart at the source (decisions.md #38)."""
     if transport == "ucx" and not _native.UCX:
         pytest.skip("kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild")
     nb = 32
@@ -274,8 +273,9 @@ async def test_split_and_gather_across_processes(transport):
             assert [[rows[t][b] for b in dbl.tolist()] for t in range(4)] == want
             # pulls of head ranges, as a decode rank would: heads 4..7 of the TP=1 cache there
             # (split: rows apart at the source), rank 0's heads into heads 0..3 here (gather:
-            # rows apart at the destination); over tcp as READs of rows, not one per token row
-            reads = e.stats()["native"]["tcp_row_reads"]
+            # rows apart at the destination); over tcp as READs of rows, over ucx as PULL_REQ2D,
+            # not one request per token row
+            reads, ucx_reads = e.stats()["native"]["tcp_row_reads"], e.stats()["native"]["ucx_row_pulls"]
             mine, mtens = tp_cache(e, H // 2, nb, 30)
             assert await e.pull_kv_blocks(kv.BlocksCacheKey(2, tp1), mine, dbl, sbl,
                                           Ext(src_head_range=range(4, 8)), timeout=30) == S.LLM_SUCCESS
@@ -286,6 +286,7 @@ async def test_split_and_gather_across_processes(transport):
                 assert np.array_equal(mtens[t][sbl].view(np.uint16), stens[t][sbl][:, :, 4:8].view(np.uint16))
                 assert np.array_equal(wtens[t][sbl][:, :, 0:4].view(np.uint16), stens[t][sbl][:, :, 0:4].view(np.uint16))
             assert (e.stats()["native"]["tcp_row_reads"] > reads) == (transport == "tcp")
+            assert (e.stats()["native"]["ucx_row_pulls"] > ucx_reads) == (transport == "ucx")
     finally:
         await peer.close()
 

@@ -227,11 +227,14 @@ def test_tcp_frames_sent_in_pieces_land_byte_exact():
 
 
 @pytest.mark.skipif(not _native.UCX, reason="kvengine built without UCX")
-def test_ucx_carries_a_push_of_2d_segments_in_row_messages_and_expands_a_pull(monkeypatch):
+@pytest.mark.parametrize("pull2d", [True, False], ids=["pull-rows", "older-peer"])
+def test_ucx_carries_2d_segments_in_row_messages(monkeypatch, pull2d):
     """UCX takes a push's 2-D segments whole: their rows go packed in PUSH2D messages of at
-    most 256 KiB, which the target lands row by row (ucx_rx_rows counts them); a pull's
-    are expanded into rows at submit. Both land byte for byte, the gaps between rows
-    untouched."""
+    most 256 KiB, which the target lands row by row (ucx_rx_rows counts them). A pull's
+    rows are asked for in PULL_REQ2D messages of at most 256 KiB, which the source
+    answers packed (ucx_row_pulls counts them), where the peer said it serves them;
+    from an older peer (peer_pull2d False) they are expanded into rows at submit. All
+    land byte for byte, the gaps between rows untouched."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     a, b = _native.Core(), _native.Core()
     try:
@@ -239,8 +242,8 @@ def test_ucx_carries_a_push_of_2d_segments_in_row_messages_and_expands_a_pull(mo
         sb, addr_b = b.ucx_address()
         assert sa == sb == S.LLM_SUCCESS
         ta, tb = secrets.token_bytes(_native.UCX_TOKEN), secrets.token_bytes(_native.UCX_TOKEN)
-        assert a.ucx_link_add(1, addr_b, ta, tb, 0, 1.0) == S.LLM_SUCCESS
-        assert b.ucx_link_add(1, addr_a, tb, ta, 0, 1.0) == S.LLM_SUCCESS
+        assert a.ucx_link_add(1, addr_b, ta, tb, 0, 1.0, peer_pull2d=pull2d) == S.LLM_SUCCESS
+        assert b.ucx_link_add(1, addr_a, tb, ta, 0, 1.0, peer_pull2d=pull2d) == S.LLM_SUCCESS
         rng = np.random.default_rng(3)
         src = rng.integers(0, 256, 1 << 18, dtype=np.uint8)
         back = np.full(1 << 18, GUARD, dtype=np.uint8)
@@ -265,11 +268,20 @@ def test_ucx_carries_a_push_of_2d_segments_in_row_messages_and_expands_a_pull(mo
             assert _wait(a, job) == (S.LLM_SUCCESS, 200_000)
             assert np.array_equal(dst, want)
             assert b.stats()["ucx_rx_rows"] == rows2d
-        pull = [(rr, 3, rback, 7, 1000, 200, 1003, 1200)]
-        want_back = _model(back.copy(), dst, [(0, 3, 0, 7, 1000, 200, 1003, 1200)])
-        assert a.submit(2, _segs(pull), 0, words=W)[0] == S.LLM_SUCCESS
-        assert _wait(a, 2) == (S.LLM_SUCCESS, 200_000)
-        assert np.array_equal(back, want_back)
+        # pulls: rows apart at both ends (PULL_REQ2D: one each, the rows <= 256 KiB, also two
+        # rows of nearly 128 KiB); rows back to back at the source (one PULL_REQ, scattered here)
+        dst[:] = rng.integers(0, 256, dst.size, dtype=np.uint8)
+        for job, seg, reqs2d in ((2, (rr, 3, rback, 7, 1000, 200, 1003, 1200), 1),
+                                 (5, (rr, 1, rback, 2, 300, 600, 301, 400), 1),
+                                 (6, (rr, 9, rback, 4, 1000, 200, 1000, 1300), 0),
+                                 (7, (rr, 0, rback, 0, 130_000, 2, 130_001, 130_003), 1)):
+            back[:] = GUARD
+            want_back = _model(back.copy(), dst, [(0,) + seg[1:2] + (0,) + seg[3:]])
+            before = a.stats()["ucx_row_pulls"]
+            assert a.submit(job, _segs([seg]), 0, words=W)[0] == S.LLM_SUCCESS
+            assert _wait(a, job) == (S.LLM_SUCCESS, seg[4] * seg[5])
+            assert np.array_equal(back, want_back)
+            assert a.stats()["ucx_row_pulls"] - before == (reqs2d if pull2d else 0)
     finally:
         a.close()
         b.close()

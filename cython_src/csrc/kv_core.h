@@ -113,6 +113,7 @@ typedef struct {
     uint64_t movers_stuck;      /* now: retired movers whose copy has not returned */
     uint64_t chunks_paired;     /* mover chunks copied as a head-split pair (two jobs, one pass) */
     uint64_t tcp_row_reads;     /* READs of a 2-D pull segment's rows sent (kv_tcp.c tcp_pull_2d) */
+    uint64_t ucx_row_pulls;     /* UCX PULL_REQ2D sent (a 2-D pull segment's rows asked in one message) */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a
@@ -292,6 +293,8 @@ int kv_tcp_submit_driven(kv_core *core, uint64_t job_id, const uint64_t *segs, s
 
 #define KV_UCX_TOKEN 16            /* link token bytes (each direction has its own) */
 #define KV_UCX_MAX_PULL (1ull << 30) /* the most one PULL_REQ may ask for */
+#define KV_UCX_MAX_PULL2D (4ull << 20) /* ...and one PULL_REQ2D (the source packs its rows) */
+#define KV_UCX_PEER_PULL2D 1u       /* kv_ucx_link_add peer_flags: the peer answers PULL_REQ2D */
 
 /* kv_ucx_hdr.type */
 enum {
@@ -305,23 +308,28 @@ enum {
     KV_UCX_LEASE,     /* the grant of LEASE_REQ `tag`: the target may write pushes until (asked + lease) */
     KV_UCX_PUSH2D,    /* PUSH of whole rows (a kv_ucx_hdr2d): len bytes of rows of row_len bytes, packed,
                        * landing dst_stride apart from region/offset (a head range's rows of a block) */
+    KV_UCX_PULL_REQ2D, /* PULL_REQ of whole rows (a kv_ucx_hdr2d): len bytes of rows of row_len bytes,
+                        * dst_stride apart from region/offset in the SOURCE's region, answered by one
+                        * PULL_DATA of the rows packed (len <= KV_UCX_MAX_PULL2D); sent only to a peer
+                        * that announced it (KV_UCX_PEER_PULL2D) */
 };
 
 /* The header of every message, 64 bytes, little-endian (host order: same-arch peers). */
 typedef struct kv_ucx_hdr {
     uint8_t token[KV_UCX_TOKEN]; /* the receiver's token for this link */
     uint32_t type;               /* KV_UCX_* */
-    uint32_t region;             /* PUSH, PULL_REQ: the receiver's region id (as announced); else 0 */
+    uint32_t region;             /* PUSH(2D), PULL_REQ(2D): the receiver's region id (as announced); else 0 */
     uint64_t job;                /* the job id of the side that started the transfer */
-    uint64_t offset;             /* PUSH, PULL_REQ: offset in that region */
+    uint64_t offset;             /* PUSH(2D), PULL_REQ(2D): offset in that region (of the first row) */
     uint64_t len;                /* payload bytes (PUSH, PULL_DATA) or bytes asked for (PULL_REQ) */
     uint64_t total;              /* PUSH: the push's total bytes; else 0 */
     uint64_t tag;                /* PULL_REQ, PULL_DATA: the requester's request tag; LEASE_REQ, LEASE: seq */
 } kv_ucx_hdr;
 
-/* The header of KV_UCX_PUSH2D, 80 bytes: the PUSH header, then the rows' geometry
- * (rows = len / row_len; dst_stride >= row_len). kv_ucx_check gives every PUSH
- * this form: a 1-D one as one row (row_len = dst_stride = len). */
+/* The header of KV_UCX_PUSH2D and KV_UCX_PULL_REQ2D, 80 bytes: the PUSH (PULL_REQ)
+ * header, then the rows' geometry (rows = len / row_len; dst_stride >= row_len: the
+ * rows' stride in the region of the message's receiver). kv_ucx_check gives every
+ * PUSH and PULL_REQ this form: a 1-D one as one row (row_len = dst_stride = len). */
 typedef struct kv_ucx_hdr2d {
     kv_ucx_hdr h;
     uint64_t row_len;
@@ -345,21 +353,23 @@ uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id);
  * before (when it asked for the grant) + `lease_ns`, asking every lease_ns / 4;
  * a push of a failed link that was not fenced completes only at (our last grant
  * to the peer) + lease_ns + `margin_ns`. Both ends should agree on lease_ns.
- * lease_ns, fence_ns: 1 ms .. 1 h. A failure of the link posts
+ * lease_ns, fence_ns: 1 ms .. 1 h. `peer_flags`: what the peer said it serves
+ * (KV_UCX_PEER_PULL2D: this end's pulls then ask for a 2-D segment's rows in
+ * PULL_REQ2D, else the core expands them into rows). A failure of the link posts
  * KV_EVENT_LINK_DOWN|link_id. A peer's regions are KV_REGION_UCX regions
  * (kv_region_add: pid = link id, addr = the peer's region id). */
 uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const uint8_t *addr, size_t len, const uint8_t *rx_token,
                          const uint8_t *tx_token, uint64_t window, uint64_t lease_ns, uint64_t fence_ns,
-                         uint64_t margin_ns);
+                         uint64_t margin_ns, unsigned peer_flags);
 /* Close a link (forced): from now on nothing a peer sends on it is written;
  * its jobs complete with `status`. */
 uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status);
 /* The target's check of one message (pure; caller holds the core's lock):
  * the header's size and type, its lengths against `data_len`, and for PUSH,
- * PUSH2D and PULL_REQ the region (this core's, LOCAL, F_EXPORT, not removed) and
- * every byte written or read inside it (PUSH2D: each row; row_len divides len,
+ * PUSH2D, PULL_REQ and PULL_REQ2D the region (this core's, LOCAL, F_EXPORT, not removed) and
+ * every byte written or read inside it (the 2-D ones: each row; row_len divides len,
  * dst_stride >= row_len), overflow-safe. KV_LLM_SUCCESS with *out (the header;
- * row_len and dst_stride as for one row unless PUSH2D) and *addr (where the bytes
+ * row_len and dst_stride as for one row unless 2-D) and *addr (where the bytes
  * go or come from: the first row), else PARAM_INVALID or KV_CACHE_NOT_EXIST. The
  * token is checked by the caller (it picks the link). */
 uint32_t kv_ucx_check(kv_core *core, const void *hdr, size_t hdr_len, uint64_t data_len, kv_ucx_hdr2d *out,

@@ -22,7 +22,8 @@
  * (ucp_am_recv_data_nbx). A bad header fails the link (ucx_bad_msgs), a
  * header with an unknown token is dropped (ucx_refused); neither writes. The
  * target ACKs a push once all of its bytes landed. A pull is PULL_REQ messages
- * (the source checks them the same way) answered by PULL_DATA, which the
+ * (PULL_REQ2D for whole rows apart at the source, to a peer that serves them;
+ * the source checks them the same way) answered by PULL_DATA, which the
  * requester writes only into the destination of the pull request it has
  * outstanding under that tag (the header picks the request, never an address).
  *
@@ -57,9 +58,10 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, uint64_t data
     if (!hdr || hdr_len < sizeof h)
         return KV_LLM_PARAM_INVALID;
     memcpy(&h, hdr, sizeof h); /* the transport's buffer need not be aligned */
-    if (hdr_len != (h.type == KV_UCX_PUSH2D ? sizeof g : sizeof h))
+    int two = h.type == KV_UCX_PUSH2D || h.type == KV_UCX_PULL_REQ2D;
+    if (hdr_len != (two ? sizeof g : sizeof h))
         return KV_LLM_PARAM_INVALID;
-    if (h.type == KV_UCX_PUSH2D) {
+    if (two) {
         memcpy(&g, hdr, sizeof g);
     } else {
         g.h = h;
@@ -74,16 +76,15 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, uint64_t data
             return KV_LLM_PARAM_INVALID;
         break;
     case KV_UCX_PUSH2D:
-        if (h.len == 0 || h.len != data_len || h.total < h.len || g.row_len == 0 || h.len % g.row_len != 0 ||
-            g.dst_stride < g.row_len)
+        if (h.len == 0 || h.len != data_len || h.total < h.len)
             return KV_LLM_PARAM_INVALID;
-        /* the last row's end: (rows - 1) * dst_stride + row_len, or more than any region */
-        if ((h.len / g.row_len - 1) > (UINT64_MAX - g.row_len) / g.dst_stride)
-            return KV_LLM_PARAM_INVALID;
-        extent = (h.len / g.row_len - 1) * g.dst_stride + g.row_len;
         break;
     case KV_UCX_PULL_REQ:
         if (h.len == 0 || data_len != 0 || h.len > KV_UCX_MAX_PULL)
+            return KV_LLM_PARAM_INVALID;
+        break;
+    case KV_UCX_PULL_REQ2D:
+        if (h.len == 0 || data_len != 0 || h.len > KV_UCX_MAX_PULL2D)
             return KV_LLM_PARAM_INVALID;
         break;
     case KV_UCX_PULL_DATA:
@@ -97,7 +98,13 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, uint64_t data
     default:
         return KV_LLM_PARAM_INVALID;
     }
-    /* PUSH, PUSH2D, PULL_REQ: one of our own exported regions, every byte inside it */
+    if (two) { /* whole rows; the last one ends at (rows - 1) * dst_stride + row_len, or past any region */
+        if (g.row_len == 0 || h.len % g.row_len != 0 || g.dst_stride < g.row_len ||
+            (h.len / g.row_len - 1) > (UINT64_MAX - g.row_len) / g.dst_stride)
+            return KV_LLM_PARAM_INVALID;
+        extent = (h.len / g.row_len - 1) * g.dst_stride + g.row_len;
+    }
+    /* PUSH, PUSH2D, PULL_REQ, PULL_REQ2D: one of our own exported regions, every byte inside it */
     kv_region *rg = kv__region_get(c, h.region);
     if (!rg || rg->removed || rg->kind != KV_REGION_LOCAL || !(rg->flags & KV_REGION_F_EXPORT))
         return KV_LLM_KV_CACHE_NOT_EXIST;
@@ -121,9 +128,9 @@ uint32_t kv_ucx_mem_map(kv_core *c, uint32_t region_id) {
 }
 uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size_t len, const uint8_t *rx_token,
                          const uint8_t *tx_token, uint64_t window, uint64_t lease_ns, uint64_t fence_ns,
-                         uint64_t margin_ns) {
+                         uint64_t margin_ns, unsigned peer_flags) {
     (void)c, (void)link_id, (void)addr, (void)len, (void)rx_token, (void)tx_token, (void)window, (void)fence_ns;
-    (void)lease_ns, (void)margin_ns;
+    (void)lease_ns, (void)margin_ns, (void)peer_flags;
     return KV_LLM_FEATURE_NOT_ENABLED;
 }
 uint32_t kv_ucx_link_close(kv_core *c, uint32_t link_id, uint32_t status) {
@@ -263,6 +270,7 @@ typedef struct ucx_pull {
     uint64_t tag;
     ucx_job *job;        /* NULL once dropped (its job aborted or failed): the answer is discarded */
     uint64_t dst, len;
+    uint64_t row, stride; /* the answer's rows of `row` bytes land `stride` apart from dst (1-D: both len) */
     uint32_t region;     /* our destination region (its memh) */
     int receiving;       /* a rendezvous receive into dst is in progress */
     struct ucx_pull *next;
@@ -287,6 +295,7 @@ struct ucx_link {
     int peer_errors;      /* UCP_ERR_HANDLING_MODE_PEER (a forced close is allowed) */
     int shm_am;           /* the endpoint has a shared-memory transport (its AM lane) */
     int shm_zc;           /* ...and a zero-copy one for rendezvous (cma, knem, xpmem): UCX_SHM_ZC_EAGER_MAX */
+    int peer_pull2d;      /* the peer answers PULL_REQ2D (KV_UCX_PEER_PULL2D): ucx_pull_2d */
     ucp_ep_h ep;
     uint64_t peer_uid;    /* the peer's worker (its address's uid): an endpoint parked for it is reused */
     uint8_t rx_token[KV_UCX_TOKEN]; /* what the peer's headers must carry */
@@ -358,6 +367,7 @@ typedef struct ucx_cmd {
     size_t len, len2;
     uint8_t rx_token[KV_UCX_TOKEN], tx_token[KV_UCX_TOKEN];
     uint64_t window, lease_ns, fence_ns, margin_ns;
+    unsigned peer_flags;
     kv_event *down_event;
     struct ucx_cmd *next;
 } ucx_cmd;
@@ -787,16 +797,18 @@ static void ctl_done(void *request, ucs_status_t status, void *user_data) {
     ucp_request_free(request);
 }
 
-/* Send a message without payload (ACK, ABORT, ABORT_ACK, PULL_REQ) on `l`.
- * Caller holds c->lock; ucp_am_send_nbx calls nothing back here. Returns 0, or -1
- * if it could not be sent (the link is failing). */
-static int send_ctl(ucx_link *l, uint32_t type, uint64_t job, uint32_t region, uint64_t offset, uint64_t len,
-                    uint64_t tag) {
+/* Send a message without payload (ACK, ABORT, ABORT_ACK, PULL_REQ, PULL_REQ2D) on
+ * `l`: a PULL_REQ2D's rows of `row_len` bytes, `stride` apart at the source (else
+ * both 0). Caller holds c->lock; ucp_am_send_nbx calls nothing back here. Returns 0,
+ * or -1 if it could not be sent (the link is failing). */
+static int send_ctl2d(ucx_link *l, uint32_t type, uint64_t job, uint32_t region, uint64_t offset, uint64_t len,
+                      uint64_t tag, uint64_t row_len, uint64_t stride) {
     if (l->dead || !l->ep)
         return -1;
-    kv_ucx_hdr *h = calloc(1, sizeof *h);
-    if (!h)
+    kv_ucx_hdr2d *g = calloc(1, sizeof *g);
+    if (!g)
         return -1;
+    kv_ucx_hdr *h = &g->h;
     memcpy(h->token, l->tx_token, KV_UCX_TOKEN);
     h->type = type;
     h->region = region;
@@ -804,19 +816,28 @@ static int send_ctl(ucx_link *l, uint32_t type, uint64_t job, uint32_t region, u
     h->offset = offset;
     h->len = len;
     h->tag = tag;
+    g->row_len = row_len;
+    g->dst_stride = stride;
     ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                              UCP_OP_ATTR_FIELD_FLAGS,
-                             .cb.send = ctl_done, .user_data = h, .flags = UCP_AM_SEND_FLAG_EAGER};
-    ucs_status_ptr_t r = ucp_am_send_nbx(l->ep, UCX_AM_ID, h, sizeof *h, NULL, 0, &p);
+                             .cb.send = ctl_done, .user_data = g, .flags = UCP_AM_SEND_FLAG_EAGER};
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(l->ep, UCX_AM_ID, g, type == KV_UCX_PULL_REQ2D ? sizeof *g : sizeof *h, NULL, 0, &p);
     if (r == NULL) {
-        free(h);
+        free(g);
         return 0;
     }
     if (UCS_PTR_IS_ERR(r)) {
-        free(h);
+        free(g);
         return -1;
     }
     return 0;
+}
+
+/* The same, one of the 64-byte header's messages. */
+static int send_ctl(ucx_link *l, uint32_t type, uint64_t job, uint32_t region, uint64_t offset, uint64_t len,
+                    uint64_t tag) {
+    return send_ctl2d(l, type, job, region, offset, len, tag, 0, 0);
 }
 
 /* A push's data send completed (rendezvous: the target has received it, or
@@ -1642,6 +1663,18 @@ static void land_join(kv_ucx *u) {
     u->land_started = 0;
 }
 
+/* A pull's answer (q->len bytes, its rows packed) into place: each row where its
+ * request said (ucx_pull row, stride), or in one copy where they are one run. */
+static void pull_land(const ucx_pull *q, const uint8_t *data) {
+    uint8_t *d = (uint8_t *)(uintptr_t)q->dst;
+    if (q->stride == q->row) {
+        memcpy(d, data, q->len);
+        return;
+    }
+    for (uint64_t off = 0; off < q->len; off += q->row, d += q->stride)
+        memcpy(d, data + off, q->row);
+}
+
 /* A rendezvous receive into staging ended (push data or a pull's answer): a
  * push's payload is queued for the landing thread, a pull's answer lands now. */
 static void recv_done(void *request, ucs_status_t status, size_t length, void *user_data) {
@@ -1708,7 +1741,7 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
         if (q->job) {
             q->job->ops_pending--;
             if (status == UCS_OK) {
-                memcpy((void *)(uintptr_t)q->dst, stage_at(op->stage), q->len);
+                pull_land(q, stage_at(op->stage));
                 q->job->job.bytes_done += q->len;
             } else if (q->job->job.record.status == KV_LLM_SUCCESS) {
                 q->job->job.record.status = KV_LLM_LINK_FAILED;
@@ -1812,14 +1845,15 @@ static ucs_status_t land(kv_ucx *u, ucx_link *l, void *data, uint64_t len, const
     return UCS_INPROGRESS;
 }
 
-/* PULL_DATA's send from our region completed: the region ref is dropped. */
+/* PULL_DATA's send completed: the region ref (a send from the region) is dropped. */
 static void pull_data_sent(void *request, ucs_status_t status, void *user_data) {
     (void)status; /* the requester sees a failed answer as its link failing */
     ucx_op *op = user_data;
     kv_ucx *u = op->u;
     int own = cb_lock(u);
     op->link->rx_ops--;
-    kv__region_unref(u->core, op->region);
+    if (op->region)
+        kv__region_unref(u->core, op->region);
     cb_unlock(u, own, 0);
     free(op);
     ucp_request_free(request);
@@ -1955,38 +1989,50 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         }
         break;
     }
-    case KV_UCX_PULL_REQ: {
-        /* answer from our region (checked): the peer's tag and job name its request */
-        ucx_op *op = calloc(1, sizeof *op);
+    case KV_UCX_PULL_REQ:
+    case KV_UCX_PULL_REQ2D: {
+        /* answer from our region (checked): the peer's tag and job name its request. Rows
+         * apart (PULL_REQ2D; at most KV_UCX_MAX_PULL2D) are packed after the op first,
+         * else the answer goes from the region, which stays referenced until it is sent */
+        int pack = g.dst_stride != g.row_len;
+        ucx_op *op = calloc(1, sizeof *op + (pack ? h.len : 0));
         if (!op) {
             ret = bad(u, l);
             break;
         }
         op->u = u;
         op->link = l;
-        op->region = h.region;
         memcpy(op->hdr.token, l->tx_token, KV_UCX_TOKEN);
         op->hdr.type = KV_UCX_PULL_DATA;
         op->hdr.job = h.job;
         op->hdr.tag = h.tag;
         op->hdr.len = h.len;
-        kv__region_ref(c, h.region);
+        void *payload = (void *)(uintptr_t)addr;
+        if (pack) {
+            uint8_t *pk = (uint8_t *)(op + 1);
+            for (uint64_t off = 0, a = addr; off < h.len; off += g.row_len, a += g.dst_stride)
+                memcpy(pk + off, (const void *)(uintptr_t)a, g.row_len);
+            payload = pk;
+        } else {
+            op->region = h.region;
+            kv__region_ref(c, h.region);
+        }
         l->rx_ops++;
         ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                                  UCP_OP_ATTR_FIELD_FLAGS,
                                  .cb.send = pull_data_sent, .user_data = op,
                                  .flags = h.len >= UCX_RNDV_MIN ? UCP_AM_SEND_FLAG_RNDV : 0};
-        ucp_mem_h mh = memh_of(u, h.region);
+        ucp_mem_h mh = pack ? NULL : memh_of(u, h.region);
         if (mh) {
             p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
             p.memh = mh;
         }
         c->stats.ucx_bytes_sent += h.len;
-        ucs_status_ptr_t r = ucp_am_send_nbx(l->ep, UCX_AM_ID, &op->hdr, sizeof op->hdr,
-                                             (void *)(uintptr_t)addr, h.len, &p);
+        ucs_status_ptr_t r = ucp_am_send_nbx(l->ep, UCX_AM_ID, &op->hdr, sizeof op->hdr, payload, h.len, &p);
         if (r == NULL || UCS_PTR_IS_ERR(r)) {
             l->rx_ops--;
-            kv__region_unref(c, h.region);
+            if (op->region)
+                kv__region_unref(c, op->region);
             free(op);
         }
         break;
@@ -2016,7 +2062,7 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
             ret = land(u, l, data, h.len, param, q->dst, h.len, h.len, q->region, NULL, q);
             break;
         }
-        memcpy((void *)(uintptr_t)q->dst, data, h.len);
+        pull_land(q, data);
         for (ucx_pull **p = &l->pulls; *p; p = &(*p)->next)
             if (*p == q) {
                 *p = q->next;
@@ -2104,6 +2150,7 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
         l->fence_ns = m->fence_ns;
         l->lease_ns = m->lease_ns;
         l->margin_ns = m->margin_ns;
+        l->peer_pull2d = !!(m->peer_flags & KV_UCX_PEER_PULL2D);
         l->next_tag = 1;
         l->down_event = m->down_event;
         m->down_event = NULL;
@@ -2185,8 +2232,10 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
         uint64_t off = j->job.claim_offset, src_run, dst_run, mm = msg_max(u, l);
         uint64_t n = kv_seg_run(s, off, mm, &src_run, &dst_run); /* within one row */
         uint64_t rows = 1, cap = mm < UCX_SEND2D_MAX ? mm : UCX_SEND2D_MAX;
-        if (!j->is_pull && s->rows > 1 && n == s->len && s->len <= cap / 2) {
-            /* a push's whole rows of a 2-D segment go as one PUSH2D (packed here) */
+        if (s->rows > 1 && n == s->len && s->len <= cap / 2) {
+            /* whole rows of a 2-D segment: a push's go as one PUSH2D (packed here), a pull
+             * asks for them in one PULL_REQ2D (a pull has 2-D segments only where the peer
+             * answers those: ucx_pull_2d) */
             uint64_t k = cap / s->len, left = s->rows - off / s->len;
             rows = k < left ? k : left;
             n = rows * s->len;
@@ -2205,8 +2254,16 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
             q->job = j;
             q->dst = local;
             q->len = n;
+            q->row = q->stride = n;
+            if (rows > 1) { /* the answer's rows land dst_stride apart */
+                q->row = s->len;
+                q->stride = s->dst_stride;
+            }
             q->region = local_region;
-            if (send_ctl(l, KV_UCX_PULL_REQ, j->job.record.id, s->remote_region, roff, n, q->tag) != 0) {
+            int two = rows > 1 && s->src_stride != s->len; /* rows apart at the source */
+            c->stats.ucx_row_pulls += (uint64_t)two;
+            if (send_ctl2d(l, two ? KV_UCX_PULL_REQ2D : KV_UCX_PULL_REQ, j->job.record.id, s->remote_region, roff,
+                           n, q->tag, two ? s->len : 0, two ? s->src_stride : 0) != 0) {
                 free(q);
                 failed = 1;
             } else {
@@ -2648,7 +2705,7 @@ uint32_t kv_ucx_mem_map(kv_core *c, uint32_t region_id) {
 
 uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size_t len, const uint8_t *rx_token,
                          const uint8_t *tx_token, uint64_t window, uint64_t lease_ns, uint64_t fence_ns,
-                         uint64_t margin_ns) {
+                         uint64_t margin_ns, unsigned peer_flags) {
     const uint64_t lo = 1000000ull, hi = 3600000000000ull;
     if (link_id == 0 || link_id > INT32_MAX || len == 0 || len > KV_UCX_MAX_BLOB || fence_ns < lo || fence_ns > hi ||
         lease_ns < lo || lease_ns > hi || margin_ns > hi || !rx_token || !tx_token)
@@ -2665,7 +2722,8 @@ uint32_t kv_ucx_link_add(kv_core *c, uint32_t link_id, const uint8_t *addr, size
     }
     memcpy(copy, addr, len);
     ucx_cmd m = {.type = CMD_LINK_ADD, .link_id = link_id, .buf = copy, .len = len, .window = window,
-                 .lease_ns = lease_ns, .fence_ns = fence_ns, .margin_ns = margin_ns, .down_event = d};
+                 .lease_ns = lease_ns, .fence_ns = fence_ns, .margin_ns = margin_ns, .peer_flags = peer_flags,
+                 .down_event = d};
     memcpy(m.rx_token, rx_token, KV_UCX_TOKEN);
     memcpy(m.tx_token, tx_token, KV_UCX_TOKEN);
     uint32_t st = post_cmd(c, &m);
@@ -2969,9 +3027,21 @@ static void ucx_destroy(kv_transport *t) {
     free(u);
 }
 
+/* Does this pull take its 2-D segments as they are (kv_transport_ops.pull_2d)? Its
+ * whole rows are then asked for in PULL_REQ2D messages of at most UCX_SEND2D_MAX,
+ * which the peer answers with the rows packed: if the peer said it serves them
+ * (KV_UCX_PEER_PULL2D; an older one does not, and the core pulls the rows one by
+ * one). Caller holds c->lock. */
+static int ucx_pull_2d(kv_transport *t, const kv_segment *rs, size_t nsegs) {
+    (void)nsegs;
+    ucx_link *l = link_find((kv_ucx *)t, (uint32_t)rs[0].pid);
+    return l && !l->dead && l->peer_pull2d;
+}
+
 static const kv_transport_ops ucx_ops = {
     .job_size = sizeof(ucx_job),
-    .seg2d = KV_T2D_PUSH, /* pushes: a 2-D segment's rows in PUSH2D messages; pulls: expanded into rows */
+    .seg2d = KV_T2D_PUSH, /* pushes: a 2-D segment's rows in PUSH2D messages */
+    .pull_2d = ucx_pull_2d, /* pulls: PULL_REQ2D, or expanded into one segment per row */
     .submit = ucx_submit,
     .abort = ucx_abort,
     .stop = ucx_stop,

@@ -125,6 +125,37 @@ static void test_check(void) {
             FAILED_AT("hostile PUSH2D header %zu accepted", i);
         CHECK(st != KV_LLM_SUCCESS);
     }
+    /* pulls of rows (PULL_REQ2D): rows as PUSH2D's, in the source's region; no payload */
+    struct {
+        uint64_t off, rows, row, stride, dl;
+        size_t hl;
+        int ok;
+    } pr[] = {
+        {N - (3 * 64 + 16), 4, 16, 64, 0, 80, 1},     /* the last row ends at the region's end */
+        {N - (3 * 64 + 16) + 1, 4, 16, 64, 0, 80, 0}, /* one byte past */
+        {0, 4, 16, 64, 64, 80, 0},                    /* with a payload */
+        {0, 4, 16, 8, 0, 80, 0},                      /* rows overlapping */
+        {0, 4, 16, 64, 0, 64, 0},                     /* a PULL_REQ's header size */
+        {0, 3, 16, UINT64_MAX / 2, 0, 80, 0},         /* (rows - 1) * stride overflows */
+        {0, (KV_UCX_MAX_PULL2D + 16) / 16, 16, 16, 0, 80, 0}, /* more than a PULL_REQ2D may ask */
+    };
+    for (size_t i = 0; i < sizeof pr / sizeof pr[0]; i++) {
+        kv_ucx_hdr2d q = mk2d(rd, pr[i].off, pr[i].rows, pr[i].row, pr[i].stride);
+        q.h.type = KV_UCX_PULL_REQ2D;
+        q.h.total = 0;
+        uint32_t st = check(c, &q, pr[i].hl, pr[i].dl, &addr);
+        if ((st == KV_LLM_SUCCESS) != pr[i].ok)
+            FAILED_AT("PULL_REQ2D case %zu: status %#x", i, st);
+        CHECK((st == KV_LLM_SUCCESS) == pr[i].ok);
+        if (pr[i].ok)
+            CHECK_EQ(addr, base + pr[i].off);
+    }
+    {
+        kv_ucx_hdr2d q = mk2d(rplain, 0, 4, 16, 64); /* not exported */
+        q.h.type = KV_UCX_PULL_REQ2D;
+        q.h.total = 0;
+        CHECK(check(c, &q, sizeof q, 0, &addr) != KV_LLM_SUCCESS);
+    }
     {
         kv_ucx_hdr2d g2 = mk2d(rd, 0, 4, 16, 64);
         g2.h.len = 60; /* not whole rows */
@@ -183,6 +214,10 @@ static void test_check(void) {
             uint64_t row = 1 + rnd() % 32, rows = 1 + rnd() % 8;
             kv_ucx_hdr2d v = mk2d(rd, rnd() % N, rows, row, row + rnd() % 64);
             v.h.total = v.h.len + rnd() % 4;
+            if (rnd() % 2) { /* a pull of rows */
+                v.h.type = KV_UCX_PULL_REQ2D;
+                v.h.total = 0;
+            }
             memcpy(buf, &v, sizeof v);
         } else {
             kv_ucx_hdr v = mk(KV_UCX_PUSH, rd, rnd() % N, 1 + rnd() % 64, 0);
@@ -194,7 +229,7 @@ static void test_check(void) {
             for (size_t k = 0; k < sizeof buf; k++)
                 buf[k] = (uint8_t)rnd();
             if (rnd() % 2)
-                memcpy(buf + 16, &(uint32_t){1 + (uint32_t)(rnd() % 9)}, 4);
+                memcpy(buf + 16, &(uint32_t){1 + (uint32_t)(rnd() % 10)}, 4);
             if (rnd() % 2)
                 memcpy(buf + 20, &rd, 4);
         } else if (mode == 1) {
@@ -204,14 +239,16 @@ static void test_check(void) {
         size_t hl = rnd() % 8 == 0 ? (size_t)(rnd() % 96) : two ? sizeof(kv_ucx_hdr2d) : sizeof(kv_ucx_hdr);
         kv_ucx_hdr2d got;
         memcpy(&got, buf, sizeof got);
-        uint64_t dl = rnd() % 4 == 0 ? rnd() : got.h.len;
+        int asks = got.h.type == KV_UCX_PULL_REQ || got.h.type == KV_UCX_PULL_REQ2D; /* no payload */
+        uint64_t dl = rnd() % 4 == 0 ? rnd() : asks ? 0 : got.h.len;
         uint32_t st = check(c, buf, hl, dl, &addr);
         uint32_t t = got.h.type;
-        if (st == KV_LLM_SUCCESS && (t == KV_UCX_PUSH || t == KV_UCX_PUSH2D || t == KV_UCX_PULL_REQ)) {
+        int t2 = t == KV_UCX_PUSH2D || t == KV_UCX_PULL_REQ2D;
+        if (st == KV_LLM_SUCCESS && (t == KV_UCX_PUSH || t2 || t == KV_UCX_PULL_REQ)) {
             accepted++;
-            CHECK(hl == (t == KV_UCX_PUSH2D ? sizeof(kv_ucx_hdr2d) : sizeof(kv_ucx_hdr)) && got.h.region == rd);
+            CHECK(hl == (t2 ? sizeof(kv_ucx_hdr2d) : sizeof(kv_ucx_hdr)) && got.h.region == rd);
             CHECK(got.h.len > 0 && addr >= base && addr - base == got.h.offset);
-            if (t != KV_UCX_PUSH2D) {
+            if (!t2) {
                 CHECK(got.h.offset <= N && got.h.len <= N - got.h.offset);
                 memset((void *)(uintptr_t)addr, 0x5A, (size_t)got.h.len); /* ASan: inside `arena` */
             } else {
@@ -275,15 +312,12 @@ static uint8_t src[N], back[N], canary[N];
 #define BIG (512u << 10)
 static uint8_t src2[BIG], big2[3 * BIG]; /* guard | b's second region | guard */
 
-/* A push of one 2-D segment from src2 into b's second region (rows of `row` bytes, the
- * strides given): landed byte for byte, the gaps between rows and the guards untouched.
- * Eager up to 64 KiB, rendezvous above (UCX_TLS=tcp); packed where the source rows are
- * apart, PUSH2D where the target's are. */
-static void push_rows(kv_core *a, uint64_t job, uint32_t rs2, uint32_t rr2, uint64_t rows, uint64_t row,
-                      uint64_t sstride, uint64_t dstride) {
-    memset(big2, 0xAB, sizeof big2);
-    memset(big2 + BIG, 0, BIG);
-    uint64_t seg[8] = {rs2, 7, rr2, 3, row, rows, sstride, dstride};
+/* Submit the 2-D segment `seg` (kv_core_submit_job's 8 words) on `a` and check it:
+ * its rows from `src` (the source region's memory) landed in the middle third of
+ * `guarded` (the destination region's, guards 0xAB around it, zeroed by the caller)
+ * byte for byte, the gaps between rows and the guards untouched. */
+static void move_rows(kv_core *a, uint64_t job, const uint64_t *seg, const uint8_t *src, const uint8_t *guarded) {
+    uint64_t soff = seg[1], doff = seg[3], row = seg[4], rows = seg[5], sstride = seg[6], dstride = seg[7];
     int done;
     uint64_t nb;
     CHECK_EQ(kv_core_submit_job(a, job, seg, 1, KV_SEG2_WORDS, 0, 0, 0, &done, &nb), 0);
@@ -294,10 +328,38 @@ static void push_rows(kv_core *a, uint64_t job, uint32_t rs2, uint32_t rr2, uint
     static uint8_t want[BIG];
     memset(want, 0, sizeof want);
     for (uint64_t r = 0; r < rows; r++)
-        memcpy(want + 3 + r * dstride, src2 + 7 + r * sstride, row);
-    CHECK(memcmp(big2 + BIG, want, BIG) == 0);
+        memcpy(want + doff + r * dstride, src + soff + r * sstride, row);
+    CHECK(memcmp(guarded + BIG, want, BIG) == 0);
     for (unsigned k = 0; k < BIG; k++)
-        CHECK(big2[k] == 0xAB && big2[2 * BIG + k] == 0xAB);
+        CHECK(guarded[k] == 0xAB && guarded[2 * BIG + k] == 0xAB);
+}
+
+/* A push of one 2-D segment from src2 into b's second region (rows of `row` bytes, the
+ * strides given). Eager up to 64 KiB, rendezvous above (UCX_TLS=tcp); packed where the
+ * source rows are apart, PUSH2D where the target's are. */
+static void push_rows(kv_core *a, uint64_t job, uint32_t rs2, uint32_t rr2, uint64_t rows, uint64_t row,
+                      uint64_t sstride, uint64_t dstride) {
+    memset(big2, 0xAB, sizeof big2);
+    memset(big2 + BIG, 0, BIG);
+    uint64_t seg[8] = {rs2, 7, rr2, 3, row, rows, sstride, dstride};
+    move_rows(a, job, seg, src2, big2);
+}
+
+static uint8_t back2[3 * BIG]; /* guard | a's pull destination | guard */
+
+/* A pull of one 2-D segment of b's second region (rows of `row` bytes, the strides
+ * given) into a's back2; `reqs` PULL_REQ2D asked (rows apart at the source), none
+ * where they are one run there. */
+static void pull_rows(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rback2, uint64_t rows, uint64_t row,
+                      uint64_t sstride, uint64_t dstride, uint64_t reqs) {
+    for (unsigned k = 0; k < BIG; k++)
+        big2[BIG + k] = (uint8_t)(k * 29 + 3);
+    memset(back2, 0xAB, sizeof back2);
+    memset(back2 + BIG, 0, BIG);
+    uint64_t seg[8] = {rr2, 5, rback2, 9, row, rows, sstride, dstride};
+    uint64_t before = stat_of(a, offsetof(kv_stats, ucx_row_pulls));
+    move_rows(a, job, seg, big2 + BIG, back2);
+    CHECK_EQ(stat_of(a, offsetof(kv_stats, ucx_row_pulls)) - before, reqs);
 }
 
 static void pair(kv_core **a, kv_core **b, uint8_t *ta, uint8_t *tb) {
@@ -311,8 +373,10 @@ static void pair(kv_core **a, kv_core **b, uint8_t *ta, uint8_t *tb) {
         ta[i] = (uint8_t)rnd();
         tb[i] = (uint8_t)rnd();
     }
-    CHECK_EQ(kv_ucx_link_add(*a, 1, addr_b, lb, ta, tb, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
-    CHECK_EQ(kv_ucx_link_add(*b, 1, addr_a, la, tb, ta, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
+    CHECK_EQ(kv_ucx_link_add(*a, 1, addr_b, lb, ta, tb, 0, 1000000000ull, 1000000000ull, 50000000ull,
+                             KV_UCX_PEER_PULL2D), 0);
+    CHECK_EQ(kv_ucx_link_add(*b, 1, addr_a, la, tb, ta, 0, 1000000000ull, 1000000000ull, 50000000ull,
+                             KV_UCX_PEER_PULL2D), 0);
 }
 
 static void test_loopback(void) {
@@ -369,6 +433,16 @@ static void test_loopback(void) {
     push_rows(a, 24, rs2, rr2, 100, 1000, 1300, 1000); /* packed, one run at the target: a PUSH */
     push_rows(a, 25, rs2, rr2, 2, 140000, 140001, 140003); /* rows over 128 KiB: a PUSH each */
     CHECK_EQ(stat_of(b, offsetof(kv_stats, ucx_rx_rows)) - rows_before, 3);
+    /* and pulled back (the peer serves PULL_REQ2D: pair()): eager and rendezvous answers,
+     * packed by the source or one run there */
+    uint32_t rback2;
+    CHECK_EQ(kv_region_add(a, KV_REGION_LOCAL, 0, (uint64_t)(uintptr_t)(back2 + BIG), BIG, KV_REGION_F_EXPORT,
+                           &rback2), 0);
+    CHECK_EQ(kv_ucx_mem_map(a, rback2), 0);
+    pull_rows(a, 31, rr2, rback2, 40, 1000, 1100, 1003, 1);  /* 40 KB: eager */
+    pull_rows(a, 32, rr2, rback2, 400, 600, 1000, 1100, 1);  /* 240 KB: rendezvous */
+    pull_rows(a, 33, rr2, rback2, 200, 1000, 1000, 1300, 0); /* one run at the source: a PULL_REQ */
+    pull_rows(a, 34, rr2, rback2, 200, 1000, 1001, 1000, 1); /* one run here */
     /* a stranger's token: dropped, the link stays */
     kv_ucx_hdr h = mk(KV_UCX_PUSH, rd, 0, 8, 8);
     memset(h.token, 0x42, KV_UCX_TOKEN);
@@ -432,8 +506,10 @@ static void test_park(void) {
         tc[i] = (uint8_t)rnd();
         td[i] = (uint8_t)rnd();
     }
-    CHECK_EQ(kv_ucx_link_add(a, 2, addr_c, lc, tc, td, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
-    CHECK_EQ(kv_ucx_link_add(c, 2, addr_a, la, td, tc, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
+    CHECK_EQ(kv_ucx_link_add(a, 2, addr_c, lc, tc, td, 0, 1000000000ull, 1000000000ull, 50000000ull,
+                             KV_UCX_PEER_PULL2D), 0);
+    CHECK_EQ(kv_ucx_link_add(c, 2, addr_a, la, td, tc, 0, 1000000000ull, 1000000000ull, 50000000ull,
+                             KV_UCX_PEER_PULL2D), 0);
     for (unsigned k = 0; k < N; k++)
         src[k] = (uint8_t)(k * 11 + 3);
     memset(arena, 0, sizeof arena);
@@ -463,8 +539,10 @@ static void test_park(void) {
         tc[i] = (uint8_t)rnd();
         td[i] = (uint8_t)rnd();
     }
-    CHECK_EQ(kv_ucx_link_add(a, 3, addr_c, lc, tc, td, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
-    CHECK_EQ(kv_ucx_link_add(c, 3, addr_a, la, td, tc, 0, 1000000000ull, 1000000000ull, 50000000ull), 0);
+    CHECK_EQ(kv_ucx_link_add(a, 3, addr_c, lc, tc, td, 0, 1000000000ull, 1000000000ull, 50000000ull,
+                             KV_UCX_PEER_PULL2D), 0);
+    CHECK_EQ(kv_ucx_link_add(c, 3, addr_a, la, td, tc, 0, 1000000000ull, 1000000000ull, 50000000ull,
+                             KV_UCX_PEER_PULL2D), 0);
     CHECK_EQ(stat_of(a, parked), 0);
     uint32_t rrc3;
     CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 3, rdc, N, 0, &rrc3), 0);
