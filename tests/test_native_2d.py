@@ -4,7 +4,7 @@ A 2-D segment is (src_region, src_offset, dst_region, dst_offset, row_bytes, row
 src_stride, dst_stride). These tests drive kvengine._native.Core directly (no engine):
 the rules checked at submit (nothing moves on a refusal), local copies inline and by the
 movers, and two cores linked over TCP on 127.0.0.1 (pushes carried natively as DATAV
-frames, pulls expanded into rows), each checked byte for byte against a numpy model,
+frames, pulls as READs of rows), each checked byte for byte against a numpy model,
 guard bytes included. The C-level checks (overflow, CMA, abort) are in
 tests/native/test_kv_core.c.
 """
@@ -174,7 +174,7 @@ def test_tcp_2d_push_and_pull_land_byte_exact():
         assert _wait(b, 2) == (S.LLM_SUCCESS, 512 * 4096)
         assert np.array_equal(adst, want)
 
-        # 2-D pull (expanded into rows by the core)
+        # 2-D pull (READs of rows: the peer announced READ2D)
         pull = [(peer_src, 9, rb_dst, 1, 1000, 300, 1500, 1200)]
         want = _model(bdst.copy(), asrc, [(0, 9, 0, 1, 1000, 300, 1500, 1200)])
         assert b.submit(3, _segs(pull), 0, words=W)[0] == S.LLM_SUCCESS

@@ -28,8 +28,8 @@ B/s) and the medians of the per-repetition ratios to contiguous. Goal (issue
 12): head-split >= 0.7x.
 
 Each block's head range is one 2-D segment (rows x stride) that the movers,
-TCP DATAV frames and TCP READs of rows carry natively; UCX pulls get it expanded
-into rows by the core.
+TCP DATAV frames and READs of rows, and UCX PUSH2D and PULL_REQ2D messages carry
+natively (decisions.md #38).
 """
 
 from __future__ import annotations

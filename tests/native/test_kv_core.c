@@ -2041,7 +2041,7 @@ static void test_large_copy(void) {
 
 /* Two cores over TCP (loopback): pushes of many small segments (DATAV frames,
  * many pieces a frame), of 2-D segments (native rows), pulls of 2-D segments
- * (expanded into rows by the core): byte-exact, guards untouched. */
+ * (READs of rows, or one row a READ from a peer without READ2D): byte-exact, guards untouched. */
 extern int kv_test_no_read2d;
 
 static void test_tcp_2d(void) {
