@@ -349,7 +349,7 @@ cdef class Core:
             "ucx_drive_handed": s.ucx_drive_handed,
             "tcp_driven": s.tcp_driven, "tcp_drive_handed": s.tcp_drive_handed,
             "jobs_abandoned": s.jobs_abandoned, "movers_stuck": s.movers_stuck,
-            "chunks_paired": s.chunks_paired, "tcp_row_reads": s.tcp_row_reads, "ucx_row_pulls": s.ucx_row_pulls,
+            "chunks_paired": s.chunks_paired, "tcp_row_reads": s.tcp_row_reads, "tcp_readv": s.tcp_readv, "ucx_row_pulls": s.ucx_row_pulls,
         }
 
 

@@ -79,6 +79,7 @@ cdef extern from "kv_core.h" nogil:
         uint64_t movers_stuck
         uint64_t chunks_paired
         uint64_t tcp_row_reads
+        uint64_t tcp_readv
         uint64_t ucx_row_pulls
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)

@@ -52,6 +52,23 @@ def test_bench_throughput_reports_ratios_json_and_plot(transport, tmp_path):
     check_png(prefix, out)
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_bench_paged_throughput_pushes_and_pulls_tables(transport, tmp_path):
+    """--layout paged: random tables pushed, the same bytes contiguous, and the tables
+    pulled back (as a decode engine pulls), each checked byte for byte first; the pull
+    is reported against the contiguous push, in the table, the JSON and the plot."""
+    prefix = tmp_path / f"paged-{transport}"
+    out = bench("throughput", "--layout", "paged", "--transport", transport, "--tables", "16", "--reps", "2",
+                "--peers", "none", "--out", str(prefix))
+    assert "kvengine paged pull" in out and "pull x contiguous" in out
+    r = json.loads((tmp_path / f"paged-{transport}.json").read_text())
+    assert r["verify"]["kvengine paged"] == r["verify"]["kvengine paged pull"] == [True]
+    (t,) = r["tables"]
+    assert t["blocks"] == 16 and t["results"]["kvengine paged pull"]["GBps"] > 0
+    assert t["pull_over_contiguous"] > 0 and "kvengine paged pull" not in t["paged_over"]
+    check_png(prefix, out)
+
+
 def test_bench_latency_reports_percentiles(tmp_path):
     prefix = tmp_path / "latency-tcp"
     out = bench("latency", "--transport", "tcp", "--quick", "--n", "300", "--peers", "none", "--out", str(prefix))

@@ -176,7 +176,7 @@ async def test_invalid_tables_move_no_byte():
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-async def test_paged_push_byte_exact_across_processes(transport):
+async def test_paged_push_and_pull_byte_exact_across_processes(transport):
     pool, blk, tensors = 96, (16, 2, 32), 8       # 2 KiB blocks
     desc = CacheDesc(tensors, (pool, *blk), np.float16)
     peer = await PeerProcess.start(cluster_id=2, secret=SECRET, transport=transport)
@@ -205,6 +205,16 @@ async def test_paged_push_byte_exact_across_processes(transport):
                     for s, d in zip(np.asarray(sb).tolist(), np.asarray(db).tolist()):
                         want[t][d] = srows[t][s]
             assert (await peer.call("digest", cache_id=dst))["rows"] == want
+            # and pulled back, as a decode engine pulls a prefill's blocks: a random table
+            # into a cache here; over tcp its blocks go as READVs of many blocks each
+            back = e.allocate_cache(desc)
+            readvs = e.stats()["native"]["tcp_readv"]
+            assert await e.pull_kv_blocks(kv.BlocksCacheKey(2, dst), back, db1, sb1, timeout=30) == S.LLM_SUCCESS
+            brows = row_digests(back.tensors)
+            assert [[brows[t][s] for s in sb1.tolist()] for t in range(tensors)] == \
+                [[srows[t][s] for s in sb1.tolist()] for t in range(tensors)]
+            assert all(not back.tensors[t][np.setdiff1d(np.arange(pool), sb1)].any() for t in range(tensors))
+            assert (e.stats()["native"]["tcp_readv"] > readvs) == (transport == "tcp")
     finally:
         await peer.close()
 

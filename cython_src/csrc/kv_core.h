@@ -113,6 +113,7 @@ typedef struct {
     uint64_t movers_stuck;      /* now: retired movers whose copy has not returned */
     uint64_t chunks_paired;     /* mover chunks copied as a head-split pair (two jobs, one pass) */
     uint64_t tcp_row_reads;     /* READs of a 2-D pull segment's rows sent (kv_tcp.c tcp_pull_2d) */
+    uint64_t tcp_readv;         /* READVs sent (kv_tcp.c readv_claim: a pull's segments in one READ) */
     uint64_t ucx_row_pulls;     /* UCX PULL_REQ2D sent (a 2-D pull segment's rows asked in one message) */
 } kv_stats;
 

@@ -38,12 +38,14 @@
 
 #define KV_MAGIC 0x3145564Bu /* "KVE1" */
 enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_RDATA, F_RERR, F_CREDIT,
-       F_LEASE_REQ, F_LEASE, F_DATAV, F_LAST = F_DATAV };
+       F_LEASE_REQ, F_LEASE, F_DATAV, F_READV, F_LAST = F_READV };
 #define F_FLAG_PULL 1u
 #define F_FLAG_DATAV 2u /* HELLO, HELLO_ACK: this end takes DATAV frames */
 #define F_FLAG_READ2D 4u /* HELLO, HELLO_ACK: this end serves READs of rows (F_FLAG_ROWS) */
 #define F_FLAG_ROWS 4u   /* READ: rows of `pad` bytes, `total` apart, from `offset`; `offset2` bytes
                           * into them (row order) start the `length` asked */
+#define F_FLAG_READV 8u  /* HELLO, HELLO_ACK: this end serves READV frames */
+#define F_FLAG_PIECES 8u /* RDATA: the answer to a READV (its pieces' bytes, in order) */
 
 /* DATAV: one payload scattered over a list of pieces of one region */
 #define KV_MAX_PIECES 1024u /* pieces of one DATAV frame */
@@ -105,10 +107,10 @@ void (*kv_test_place_hook)(int stage, const int *refused);
     } while (0)
 /* tests/native only: engines of this process do not announce READ2D (as an older build) */
 int kv_test_no_read2d;
-#define READ2D_FLAG (kv_test_no_read2d ? 0u : F_FLAG_READ2D)
+#define READ2D_FLAG (kv_test_no_read2d ? 0u : F_FLAG_READ2D | F_FLAG_READV)
 #else
 #define PLACE_HOOK(stage, refused) ((void)0)
-#define READ2D_FLAG F_FLAG_READ2D
+#define READ2D_FLAG (F_FLAG_READ2D | F_FLAG_READV)
 #endif
 
 typedef struct {
@@ -141,6 +143,8 @@ typedef struct kv_pull_tracking {
     uint64_t *unit;        /* nsegments: the bytes of each READ of the segment (read_unit) */
     uint64_t *first_chunk; /* chunks before each segment (nsegments + 1) */
     uint32_t *answered;    /* per chunk: bytes answered (RDATA header accepted) or given up */
+    uint16_t *vcount;      /* per chunk asked by a READV: the first one's, the chunks it asked; the
+                              others' UINT16_MAX; 0 for a chunk asked by a READ */
     uint8_t *stream;       /* per chunk: the stream (index in the link) its READ went out on */
 } kv_pull_tracking;
 
@@ -167,7 +171,10 @@ typedef struct kv_serve {
     uint64_t xfer, src, len, total, dst_offset;
     uint64_t row_len, stride; /* F_FLAG_ROWS (row_len > 0): src is row 0, dst_offset where it starts */
     uint32_t region_id, dst_segment; /* dst_*: where the requester wants it, echoed in RDATA */
+    uint32_t npieces, weight;        /* READV: its pieces (below; src is the region's base); its
+                                        weight in the connection's serve_count */
     struct kv_serve *next;
+    kv_piece pieces[];
 } kv_serve;
 
 /* A transfer arriving on a link: a push we receive, or the tombstone of a pull
@@ -226,6 +233,7 @@ typedef struct kv_conn {
     uint8_t hello_token[KV_TOKEN_BYTES];
     int peer_datav;           /* the peer takes DATAV (F_FLAG_DATAV in its HELLO or HELLO_ACK) */
     int peer_read2d;          /* its HELLO had F_FLAG_READ2D (the link's, once it joins one) */
+    int peer_readv;           /* ...and F_FLAG_READV */
     /* a DATAV frame going out (out_vn > 0): header, piece list, payload runs;
      * sent iovecs are consumed in place */
     struct iovec *out_vec;    /* KV_MAX_PIECES + 2, allocated at the first DATAV */
@@ -245,6 +253,7 @@ typedef struct kv_link {
     uint8_t token[KV_TOKEN_BYTES];
     int nstreams, nstreams_up, dead;
     int peer_read2d;               /* the peer serves F_FLAG_ROWS READs (its HELLO or HELLO_ACK) */
+    int peer_readv;                /* the peer serves READV (its HELLO or HELLO_ACK) */
     int refused; /* atomic: kv_tcp_link_close was called: nothing of it is received into place any more */
     kv_conn *conns[KV_MAX_STREAMS];
     int nconns;
@@ -536,9 +545,9 @@ static kv_pull_tracking *pull_tracking_new(const kv_tcp_job *j, uint64_t chunk) 
         nch += (kv_seg_bytes(&j->job.segments[i]) + u - 1) / u;
     }
     size_t ns = j->job.nsegments;
-    if (nch > (SIZE_MAX / 2 - 8 * (3 * ns + 1) - sizeof(kv_pull_tracking)) / 5)
+    if (nch > (SIZE_MAX / 2 - 8 * (3 * ns + 1) - sizeof(kv_pull_tracking)) / 7)
         return NULL;
-    size_t sz = sizeof(kv_pull_tracking) + 8 * (3 * ns + 1) + 4 * (size_t)nch + (size_t)nch;
+    size_t sz = sizeof(kv_pull_tracking) + 8 * (3 * ns + 1) + 7 * (size_t)nch;
     kv_pull_tracking *tracking = calloc(1, sz);
     if (!tracking)
         return NULL;
@@ -549,7 +558,8 @@ static kv_pull_tracking *pull_tracking_new(const kv_tcp_job *j, uint64_t chunk) 
     tracking->unit = tracking->segment_len + ns;
     tracking->first_chunk = tracking->unit + ns;
     tracking->answered = (uint32_t *)(tracking->first_chunk + ns + 1);
-    tracking->stream = (uint8_t *)(tracking->answered + nch);
+    tracking->vcount = (uint16_t *)(tracking->answered + nch);
+    tracking->stream = (uint8_t *)(tracking->vcount + nch);
     tracking->first_chunk[0] = 0;
     for (size_t i = 0; i < ns; i++) {
         tracking->segment_len[i] = kv_seg_bytes(&j->job.segments[i]); /* rows in row order (tcp_pull_2d) */
@@ -566,11 +576,36 @@ static kv_pull_tracking *pull_tracking_new(const kv_tcp_job *j, uint64_t chunk) 
  * misrouted answer is a protocol violation (else a peer could complete a pull
  * with bytes unwritten; and a READ's window returns exactly once). */
 static int64_t pull_claim(kv_pull_tracking *tracking, const kv_frame *h, int idx) {
+    if (h->flags & F_FLAG_PIECES) {
+        /* a READV's answer: `region` its first segment, `region2` its segments (one
+         * chunk each), their bytes in all `length`; the READV that asked exactly
+         * those went out on this stream, and none of them is answered yet */
+        size_t i0 = h->region, m = h->region2;
+        if (i0 >= tracking->nsegments || h->offset || m < 2 || m > tracking->nsegments - i0)
+            return -1;
+        uint64_t k0 = tracking->first_chunk[i0], sum = 0;
+        if (k0 >= tracking->reads_sent || tracking->vcount[k0] != m)
+            return -1;
+        for (size_t i = i0; i < i0 + m; i++) { /* (readv_claim: consecutive chunks, one a segment) */
+            uint64_t q = tracking->first_chunk[i];
+            if (q != k0 + (i - i0) || tracking->stream[q] != idx || tracking->answered[q] ||
+                tracking->vcount[q] != (i == i0 ? m : UINT16_MAX))
+                return -1;
+            sum += tracking->segment_len[i];
+        }
+        if (sum != h->length)
+            return -1;
+        for (size_t i = i0; i < i0 + m; i++)
+            tracking->answered[k0 + (i - i0)] = (uint32_t)tracking->segment_len[i];
+        return (int64_t)k0;
+    }
     if (h->region >= tracking->nsegments || h->offset > tracking->segment_len[h->region] ||
         h->length > tracking->segment_len[h->region] - h->offset)
         return -1;
     uint64_t u = tracking->unit[h->region];
     uint64_t k = tracking->first_chunk[h->region] + h->offset / u, at = h->offset % u;
+    if (k < tracking->reads_sent && tracking->vcount[k])
+        return -1; /* asked by a READV: only its RDATA of pieces answers it */
     uint64_t clen = tracking->segment_len[h->region] - (h->offset - at);
     if (clen > u)
         clen = u;
@@ -920,6 +955,59 @@ static int datav_claim(kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_t most) {
     return 1;
 }
 
+/* The next READ of pull `j` for a peer that serves READV: whole 1-D segments from
+ * the claim point (each one chunk: at most `chunk` bytes), while they name one
+ * region of the peer, up to `chunk` bytes and KV_MAX_PIECES of them, as one READV
+ * (their offsets and lengths there in its piece list), which the peer answers with
+ * one RDATA of pieces, scattered into those segments (on_rdata). Returns 0 (nothing
+ * claimed) unless two segments or more qualify: the caller sends a READ as before;
+ * or if out of memory (the same). Caller holds c->lock. */
+static int readv_claim(kv_net *n, kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_t chunk) {
+    const kv_segment *segs = j->job.segments;
+    size_t i0 = j->job.claim_segment, i = i0;
+    kv_pull_tracking *t = j->pull;
+    if (j->job.claim_offset || i0 > UINT32_MAX || t->first_chunk[i0] != j->frames || !out_vec_alloc(k))
+        return 0;
+    uint64_t bytes = 0;
+    uint32_t region = segs[i0].remote_region;
+    while (i < j->job.nsegments && i - i0 < KV_MAX_PIECES && segs[i].rows <= 1 && segs[i].remote_region == region &&
+           segs[i].len <= chunk - bytes) {
+        k->out_list[i - i0].offset = segs[i].src;
+        k->out_list[i - i0].len = segs[i].len;
+        bytes += segs[i].len;
+        i++;
+    }
+    size_t m = i - i0;
+    if (m < 2)
+        return 0;
+    uint64_t k0 = j->frames; /* READ k is chunk k: here one chunk a segment */
+    for (size_t q = 0; q < m; q++) {
+        t->stream[k0 + q] = (uint8_t)k->index;
+        t->vcount[k0 + q] = q ? UINT16_MAX : (uint16_t)m;
+        claim_advance(l, j, segs[i0 + q].len);
+    }
+    t->reads_sent = k0 + m;
+    j->frames += m;
+    k->out = frame_new(F_READV, 0, j->job.record.id);
+    k->out.region = region;
+    k->out.length = bytes;
+    k->out.total = j->job.total_bytes;
+    k->out.region2 = (uint32_t)m;
+    k->out.offset2 = i0;
+    k->out_vec[0].iov_base = &k->out;
+    k->out_vec[0].iov_len = sizeof k->out;
+    k->out_vec[1].iov_base = k->out_list;
+    k->out_vec[1].iov_len = m * sizeof *k->out_list;
+    k->out_vn = 2;
+    k->out_vi = 0;
+    k->out_vhead = sizeof k->out + m * sizeof *k->out_list;
+    k->out_payload = NULL;
+    k->out_payload_len = 0;
+    k->read_bytes_out += bytes;
+    n->core->stats.tcp_readv++;
+    return 1;
+}
+
 /* Pick the next frame for `k`. Caller holds c->lock. */
 static int next_frame(kv_net *n, kv_conn *k) {
     if (k->ctrl_count) {
@@ -937,7 +1025,7 @@ static int next_frame(kv_net *n, kv_conn *k) {
         k->serve_head = s->next;
         if (!k->serve_head)
             k->serve_tail = NULL;
-        k->serve_count--;
+        k->serve_count -= s->weight;
         k->out = frame_new(F_RDATA, 0, s->xfer);
         k->out.region = s->dst_segment;
         k->out.offset = s->dst_offset;
@@ -958,6 +1046,20 @@ static int next_frame(kv_net *n, kv_conn *k) {
                 left -= t;
             }
             k->out_vn = nv;
+            k->out_vi = 0;
+            k->out_vhead = sizeof k->out;
+            k->out_payload = NULL;
+            k->out_payload_len = 0;
+        } else if (s->npieces) { /* a READV's pieces (on_readv_list checked them, allocated out_vec) */
+            k->out.flags = F_FLAG_PIECES;
+            k->out.region2 = s->npieces;
+            k->out_vec[0].iov_base = &k->out;
+            k->out_vec[0].iov_len = sizeof k->out;
+            for (uint32_t i = 0; i < s->npieces; i++) {
+                k->out_vec[1 + i].iov_base = (void *)(uintptr_t)(s->src + s->pieces[i].offset);
+                k->out_vec[1 + i].iov_len = (size_t)s->pieces[i].len;
+            }
+            k->out_vn = 1 + (size_t)s->npieces;
             k->out_vi = 0;
             k->out_vhead = sizeof k->out;
             k->out_payload = NULL;
@@ -987,6 +1089,8 @@ static int next_frame(kv_net *n, kv_conn *k) {
             j->frames++;
             goto start;
         }
+        if (j->is_pull && l->peer_readv && readv_claim(n, k, l, j, chunk))
+            goto start;
         const kv_segment *s = &j->job.segments[j->job.claim_segment];
         uint64_t off = j->job.claim_offset, src, dst, len = kv_seg_run(s, off, most, &src, &dst); /* one row at most */
         size_t seg = j->job.claim_segment;
@@ -1327,18 +1431,36 @@ static int on_data(kv_net *n, kv_conn *k, int *sig) {
     return data_accept(n, k, r, sig);
 }
 
+/* A DATAV's or READV's header was checked: its piece list (`region2` pieces) is read next. */
+static int list_next(kv_net *n, kv_conn *k, int *sig) {
+    if (!k->in_list && !(k->in_list = malloc(KV_MAX_PIECES * sizeof *k->in_list)))
+        return *sig |= fail_conn(n, k, 0), 0;
+    k->in_npieces = k->in_header.region2;
+    k->in_list_got = 0;
+    k->in_state = IN_LIST;
+    return 1;
+}
+
+/* Do the `np` pieces of k's list lie inside `r`, none empty, adding up to exactly
+ * `length` (overflow-safe: each at most what is left)? */
+static int pieces_fit(const kv_conn *k, uint32_t np, const kv_region *r, uint64_t length) {
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < np; i++) {
+        const kv_piece *p = &k->in_list[i];
+        if (p->len == 0 || p->offset > r->len || p->len > r->len - p->offset || p->len > length - sum)
+            return 0;
+        sum += p->len;
+    }
+    return sum == length;
+}
+
 /* A DATAV header: its piece list is read next, then checked whole (on_datav_list). */
 static int on_datav(kv_net *n, kv_conn *k, int *sig) {
     kv_frame *h = &k->in_header;
     if (h->length == 0 || h->length > KV_MAX_FRAME || h->total > KV_MAX_TOTAL || h->length > h->total ||
         h->region2 == 0 || h->region2 > KV_MAX_PIECES || h->region2 > h->length || h->offset || h->offset2)
         return BAD_FRAME();
-    if (!k->in_list && !(k->in_list = malloc(KV_MAX_PIECES * sizeof *k->in_list)))
-        return *sig |= fail_conn(n, k, 0), 0;
-    k->in_npieces = h->region2;
-    k->in_list_got = 0;
-    k->in_state = IN_LIST;
-    return 1;
+    return list_next(n, k, sig);
 }
 
 /* A DATAV's piece list is in: every piece inside the exported region, none
@@ -1347,16 +1469,7 @@ static int on_datav(kv_net *n, kv_conn *k, int *sig) {
 static int on_datav_list(kv_net *n, kv_conn *k, int *sig) {
     kv_frame *h = &k->in_header;
     kv_region *r = exported(n->core, h->region);
-    if (!r)
-        return BAD_FRAME();
-    uint64_t sum = 0;
-    for (uint32_t i = 0; i < k->in_npieces; i++) {
-        const kv_piece *p = &k->in_list[i];
-        if (p->len == 0 || p->offset > r->len || p->len > r->len - p->offset || p->len > h->length - sum)
-            return BAD_FRAME();
-        sum += p->len;
-    }
-    if (sum != h->length)
+    if (!r || !pieces_fit(k, k->in_npieces, r, h->length))
         return BAD_FRAME();
     if (!data_accept(n, k, r, sig)) /* in_dest: the region's base (offset 0) */
         return 0;
@@ -1380,7 +1493,18 @@ static int on_rdata(kv_net *n, kv_conn *k, int *sig) {
             return BAD_FRAME();
         const kv_segment *s = &j->job.segments[h->region];
         k->in_dest = (uint8_t *)(uintptr_t)(s->dst + h->offset);
-        if (s->rows > 1 && s->dst_stride != s->len) { /* rows apart (pull_2d): scattered like DATAV's */
+        if (h->flags & F_FLAG_PIECES) { /* a READV's answer: into its segments, in order */
+            if (!k->in_list && !(k->in_list = malloc(KV_MAX_PIECES * sizeof *k->in_list)))
+                return *sig |= fail_conn(n, k, 0), 0;
+            for (uint32_t i = 0; i < h->region2; i++) { /* (pull_claim: at most KV_MAX_PIECES) */
+                k->in_list[i].offset = s[i].dst;
+                k->in_list[i].len = s[i].len;
+            }
+            k->in_npieces = h->region2;
+            k->in_pi = 0;
+            k->in_poff = 0;
+            k->in_base = 0;
+        } else if (s->rows > 1 && s->dst_stride != s->len) { /* rows apart (pull_2d): scattered like DATAV's */
             if (!k->in_list && !(k->in_list = malloc(KV_MAX_PIECES * sizeof *k->in_list)))
                 return *sig |= fail_conn(n, k, 0), 0;
             uint64_t row = h->offset / s->len, col = h->offset % s->len, left = h->length;
@@ -1447,8 +1571,8 @@ static int on_abort(kv_net *n, kv_conn *k, int *sig) {
                 *p = s->next;
                 ack.length += s->len;
                 kv__region_unref(n->core, s->region_id);
+                k->serve_count -= s->weight;
                 free(s);
-                k->serve_count--;
             } else {
                 k->serve_tail = s;
                 p = &s->next;
@@ -1499,20 +1623,50 @@ static int on_abort_ack(kv_net *n, kv_conn *k, int *sig) {
     return 1;
 }
 
+/* A READ's or READV's answer queued on `k` (`np` pieces: a READV's, copied in by
+ * the caller), holding a ref on the frame's region: xfer, length and total from the
+ * frame; the rest is the caller's. NULL if out of memory. Caller holds c->lock. */
+static kv_serve *serve_new(kv_net *n, kv_conn *k, uint32_t np) {
+    kv_frame *h = &k->in_header;
+    kv_serve *s = calloc(1, sizeof *s + np * sizeof(kv_piece));
+    if (!s)
+        return NULL;
+    s->xfer = h->xfer;
+    s->len = h->length;
+    s->total = h->total;
+    s->region_id = h->region;
+    s->npieces = np;
+    s->weight = 1 + np / 16; /* a READV's list counts: at most ~64K pieces queued per connection */
+    kv__region_ref(n->core, h->region);
+    if (k->serve_tail)
+        k->serve_tail->next = s;
+    else
+        k->serve_head = s;
+    k->serve_tail = s;
+    k->serve_count += s->weight;
+    return s;
+}
+
+/* A READ(V) named a region not (or no longer) exported: the requester gets a status
+ * (RERR), the link lives. Returns 1, or 0 (BAD_FRAME) if the control ring is full. */
+static int read_refused(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->in_header;
+    kv_frame e = frame_new(F_RERR, 0, h->xfer);
+    e.status = KV_LLM_KV_CACHE_NOT_EXIST;
+    e.length = h->length;
+    if (ctrl_push(k, &e) < 0)
+        return BAD_FRAME();
+    return 1;
+}
+
 static int on_read(kv_net *n, kv_conn *k, int *sig) {
     kv_frame *h = &k->in_header;
     kv_core *c = n->core;
     if (h->length == 0 || h->length > KV_MAX_FRAME || k->serve_count >= KV_MAX_SERVE)
         return BAD_FRAME();
     kv_region *r = exported(c, h->region);
-    if (!r) { /* unregistered meanwhile: the requester gets a status, the link lives */
-        kv_frame e = frame_new(F_RERR, 0, h->xfer);
-        e.status = KV_LLM_KV_CACHE_NOT_EXIST;
-        e.length = h->length;
-        if (ctrl_push(k, &e) < 0)
-            return BAD_FRAME();
-        return 1;
-    }
+    if (!r) /* unregistered meanwhile: the requester gets a status, the link lives */
+        return read_refused(n, k, sig);
     uint64_t row_len = 0, stride = 0;
     if (h->flags & F_FLAG_ROWS) {
         /* rows of `pad` bytes, `total` apart, from `offset`; the bytes [offset2, offset2 +
@@ -1531,25 +1685,47 @@ static int on_read(kv_net *n, kv_conn *k, int *sig) {
     } else if (h->offset > r->len || h->length > r->len - h->offset) {
         return BAD_FRAME();
     }
-    kv_serve *s = calloc(1, sizeof *s);
+    kv_serve *s = serve_new(n, k, 0);
     if (!s)
         return *sig |= fail_conn(n, k, 0), 0;
-    s->xfer = h->xfer;
     s->src = r->addr + h->offset;
-    s->len = h->length;
     s->row_len = row_len;
     s->stride = stride;
-    s->total = h->total;
-    s->region_id = h->region;
     s->dst_segment = h->region2;
     s->dst_offset = h->offset2;
-    kv__region_ref(c, h->region);
-    if (k->serve_tail)
-        k->serve_tail->next = s;
-    else
-        k->serve_head = s;
-    k->serve_tail = s;
-    k->serve_count++;
+    return 1;
+}
+
+/* A READV header: its piece list is read next, then checked whole (on_readv_list). */
+static int on_readv(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->in_header;
+    if (h->length == 0 || h->length > KV_MAX_FRAME || h->region2 < 2 || h->region2 > KV_MAX_PIECES ||
+        h->region2 > h->length || h->offset || h->offset2 > UINT32_MAX || h->pad ||
+        k->serve_count >= KV_MAX_SERVE)
+        return BAD_FRAME();
+    return list_next(n, k, sig);
+}
+
+/* A READV's piece list is in. Its region no longer exported: RERR, as for a READ.
+ * Else every piece inside it, none empty, their lengths adding up to `length`
+ * (overflow-safe), or the link fails; then it is queued, to be answered by one
+ * RDATA (F_FLAG_PIECES) gathered from the pieces in order. Caller holds c->lock. */
+static int on_readv_list(kv_net *n, kv_conn *k, int *sig) {
+    kv_frame *h = &k->in_header;
+    uint32_t np = k->in_npieces;
+    k->in_npieces = 0; /* no payload follows: the next frame's header */
+    k->in_state = IN_HEADER;
+    kv_region *r = exported(n->core, h->region);
+    if (!r)
+        return read_refused(n, k, sig);
+    if (!pieces_fit(k, np, r, h->length))
+        return BAD_FRAME();
+    kv_serve *s;
+    if (!out_vec_alloc(k) || !(s = serve_new(n, k, np)))
+        return *sig |= fail_conn(n, k, 0), 0;
+    s->src = r->addr;
+    s->dst_segment = (uint32_t)h->offset2;
+    memcpy(s->pieces, k->in_list, np * sizeof *k->in_list);
     return 1;
 }
 
@@ -1609,6 +1785,7 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
             return BAD_FRAME();
         k->peer_datav = (h->flags & F_FLAG_DATAV) != 0; /* old peers send 0: DATA only */
         k->peer_read2d = (h->flags & F_FLAG_READ2D) != 0;
+        k->peer_readv = (h->flags & F_FLAG_READV) != 0;
         k->in_type = F_HELLO;
         k->in_dest = k->hello_token;
         k->in_left = k->in_length = KV_TOKEN_BYTES;
@@ -1622,6 +1799,7 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
             return BAD_FRAME();
         k->peer_datav = (h->flags & F_FLAG_DATAV) != 0;
         l->peer_read2d = (h->flags & F_FLAG_READ2D) != 0;
+        l->peer_readv = (h->flags & F_FLAG_READV) != 0;
         k->state = C_UP;
         if (lease_request(k, now_ns()) < 0)
             return *sig |= fail_conn(n, k, 0), 0;
@@ -1648,6 +1826,8 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
         return on_abort_ack(n, k, sig);
     case F_READ:
         return on_read(n, k, sig);
+    case F_READV:
+        return on_readv(n, k, sig);
     case F_RERR:
         return on_rerr(n, k, sig);
     case F_CREDIT: /* the receiver consumed one of our DATA frames: the window moves */
@@ -1695,6 +1875,7 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
         l->conns[l->nconns++] = k;
         k->link = l;
         l->peer_read2d = k->peer_read2d;
+        l->peer_readv = k->peer_readv;
         k->state = C_UP;
         n->npending--;
         kv_frame ack = frame_new(F_HELLO_ACK, F_FLAG_DATAV | READ2D_FLAG, 0);
@@ -1835,7 +2016,7 @@ static int conn_recv(kv_net *n, kv_conn *k) {
             if (k->in_list_got < k->in_npieces * sizeof(kv_piece))
                 continue;
             pthread_mutex_lock(&c->lock);
-            int ok = on_datav_list(n, k, &sig);
+            int ok = k->in_header.type == F_READV ? on_readv_list(n, k, &sig) : on_datav_list(n, k, &sig);
             pthread_mutex_unlock(&c->lock);
             if (!ok)
                 break;

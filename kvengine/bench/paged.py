@@ -14,6 +14,9 @@ same run, interleaved repetition by repetition with the order rotating:
   different one for each transfer of a burst;
 - kvengine, contiguous: the same bytes, blocks 0..n-1 -> 0..n-1 (one segment
   per tensor, or one for the whole cache when it is all of the pool);
+- kvengine, paged pull: as a decode engine pulls a prefill's blocks, the same
+  random tables pulled back from there into a cache here (``pull_kv_blocks``;
+  over tcp READVs of many blocks each), reported against the contiguous push;
 - NIXL and Mooncake (when installed), paged: the same tables as one
   descriptor list each, the very segments kvengine's planner makes (runs of
   consecutive blocks merged), in one buffer per side laid out like the cache
@@ -22,7 +25,7 @@ same run, interleaved repetition by repetition with the order rotating:
 Every engine's push of one table is checked byte for byte before it is timed,
 and each configuration moves each of its tables once, untimed (a warm-up).
 Reported: median GB/s (1e9 B/s), and per repetition ratios: paged / contiguous,
-kvengine paged / each peer. Goals (issue 12): paged >= 0.9x contiguous at 256
+kvengine paged / each peer, paged pull / contiguous. Goals (issue 12): paged >= 0.9x contiguous at 256
 blocks, 1024 no worse per byte; >= 1.5x NIXL same host, >= 1.0x NIXL over tcp.
 """
 
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
 TENSORS, BLOCK_SHAPE = 64, (16, 8, 128)          # 32 layers x (K, V); tokens, KV heads, head dim
 BLOCK = 16 * 8 * 128 * 2                         # bytes per block per tensor (fp16): 32 KiB
 TABLES, QUICK_TABLES = [16, 256, 1024], [16, 256]
-PAGED, CONTIG = "kvengine paged", "kvengine contiguous"
+PAGED, CONTIG, PULL = "kvengine paged", "kvengine contiguous", "kvengine paged pull"
 GOALS = {"shm": {P.NIXL: 1.5}, "tcp": {P.NIXL: 1.0}}
 VARIANTS = 4                                     # random tables per size, cycled
 
@@ -88,6 +91,7 @@ async def run(args: argparse.Namespace) -> Report:
         src = await e.allocate_cache_async(desc)
         for i, t in enumerate(src.tensors):
             fill_pattern(t, 41, i)
+        back = await e.allocate_cache_async(desc)   # where the paged pulls land
         dst_id = (await peer.call("alloc", n=TENSORS, shape=[pool, *BLOCK_SHAPE], dtype="float16",
                                   timeout=600))["cache_id"]
         await e.wait_remote_cache(2, dst_id, timeout=60)
@@ -111,21 +115,30 @@ async def run(args: argparse.Namespace) -> Report:
             verify.setdefault(PAGED, []).append(ok)
             if not ok:
                 raise RuntimeError(f"kvengine: a pushed table of {nb} blocks differs from the source")
+            await e.pull_kv_blocks(key, back, db, sb, timeout=600)   # and back: blocks sb here again
+            brows = row_digests(back.tensors)
+            ok = all(brows[t][s] == srows[t][s] for t in range(TENSORS) for s in sb.tolist())
+            verify.setdefault(PULL, []).append(ok)
+            if not ok:
+                raise RuntimeError(f"kvengine: a pulled table of {nb} blocks differs from the source")
             segs = segments(sb, db, pool)
             src_ranges, dst_ranges = [[s, n] for s, _, n in segs], [[d, n] for _, d, n in segs]
             await P.check_peers(pairs, lambda pair: pair.verify_ranges(f"p{nb}-0", src_ranges, dst_ranges),
                                 f"a table of {nb} blocks", out, verify, say)
         out["verify"] = verify
-        configs = [PAGED, CONTIG] + list(pairs)
+        configs = [PAGED, CONTIG, PULL] + list(pairs)
 
         async def measure(name: str, nb: int, rep: int) -> float:
             n = burst(TENSORS * nb * BLOCK)
-            if name in (PAGED, CONTIG):
-                push, clock = e.push_kv_blocks, time.perf_counter
+            if name in (PAGED, CONTIG, PULL):
+                push, pull, clock = e.push_kv_blocks, e.pull_kv_blocks, time.perf_counter
                 t0 = clock()
                 for i in range(n):
-                    sb, db = tabs[nb][(rep * n + i) % VARIANTS] if name == PAGED else contig[nb]
-                    await push(src, key, sb, db, timeout=600)
+                    sb, db = tabs[nb][(rep * n + i) % VARIANTS] if name != CONTIG else contig[nb]
+                    if name == PULL:
+                        await pull(key, back, db, sb, timeout=600)
+                    else:
+                        await push(src, key, sb, db, timeout=600)
                 return (clock() - t0) / n
             keys = [f"p{nb}-{(rep * n + i) % VARIANTS}" for i in range(n)]
             return await asyncio.to_thread(pairs[name].run, keys, n, True) / n
@@ -161,9 +174,11 @@ async def run(args: argparse.Namespace) -> Report:
                              "per_rep_GBps": g}
             kv_s = secs[(nb, PAGED)]
             over = {name: statistics.median(b / a for a, b in zip(kv_s, secs[(nb, name)]))
-                    for name in configs if name != PAGED}
+                    for name in configs if name not in (PAGED, PULL)}
+            pull_over = statistics.median(c / p for p, c in zip(secs[(nb, PULL)], secs[(nb, CONTIG)]))
             out["tables"].append({"blocks": nb, "bytes": nbytes, "segments": TENSORS * nb,
-                                  "transfers_per_measurement": burst(nbytes), "results": res, "paged_over": over})
+                                  "transfers_per_measurement": burst(nbytes), "results": res, "paged_over": over,
+                                  "pull_over_contiguous": pull_over})
         here, there = await kvs.stats()
         out["engine_stats"] = {"prefill": here, "decode": there}
     finally:
@@ -192,14 +207,15 @@ def goals(r: Report) -> list[Report]:
 
 def report(r: Report, reps: int) -> list[str]:
     T, cols = r["transport"], r["columns"]
-    others = [c for c in cols if c != PAGED]
+    others = [c for c in cols if c not in (PAGED, PULL)]
     lines = [f"kvengine bench throughput --layout paged --transport {T}{tls_words(r)}: push_kv_blocks of random tables of a "
              f"vLLM-shaped cache ({TENSORS} tensors x {BLOCK // KiB} KiB blocks, pool {r['pool_blocks']}) into "
-             f"another process, median GB/s of {reps} interleaved repetitions; 'x col' = kvengine paged / that "
-             f"column, median of the same repetition's ratio", ""]
-    head = ["table", "segments", PAGED] + others + [f"x {c}" for c in others]
+             f"another process (and pull_kv_blocks of them back), median GB/s of {reps} interleaved repetitions; "
+             f"'x col' = kvengine paged / that column, median of the same repetition's ratio", ""]
+    head = ["table", "segments", PAGED] + others + [f"x {c}" for c in others] + [PULL, "pull x contiguous"]
     rows = [[f"{t['blocks']} blocks ({t['bytes'] // MiB} MiB)", str(t["segments"]), gbps(t["results"][PAGED]["GBps"])]
             + [gbps(t["results"][c]["GBps"]) for c in others] + [ratio(t["paged_over"][c]) for c in others]
+            + [gbps(t["results"][PULL]["GBps"]), ratio(t["pull_over_contiguous"])]
             for t in r["tables"]]
     lines.append(table(rows, head))
     lines.append("")
@@ -221,6 +237,7 @@ def plot(r: Report, path: str) -> None:
     x = [t["blocks"] for t in tabs]
     style: dict[str, dict[str, Any]] = {PAGED: dict(color="tab:blue", lw=2.4, marker="o"),
                                         CONTIG: dict(color="black", ls=":", marker="s"),
+                                        PULL: dict(color="tab:purple", ls="--", marker="^"),
                                         P.NIXL: dict(color="tab:green", marker="D"),
                                         P.MOONCAKE: dict(color="tab:orange", marker="v")}
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
@@ -229,14 +246,15 @@ def plot(r: Report, path: str) -> None:
         a.fill_between(x, [t["results"][c]["min_GBps"] for t in tabs], [t["results"][c]["max_GBps"] for t in tabs],
                        color=style.get(c, {}).get("color"), alpha=0.12)
     for c in cols:
-        if c != PAGED:
+        if c not in (PAGED, PULL):
             b.plot(x, [t["paged_over"][c] for t in tabs], label=f"paged / {c}", **style.get(c, {}))
+    b.plot(x, [t["pull_over_contiguous"] for t in tabs], label=f"{PULL} / {CONTIG}", **style[PULL])
     b.axhline(1.0, color="k", lw=0.8)
     b.axhline(0.9, color="tab:blue", lw=0.8, ls="--")
     b.set_yscale("log")
     b.yaxis.set_major_formatter(mt.FuncFormatter(lambda v, _: f"{v:g}x"))
     b.yaxis.set_minor_formatter(mt.FuncFormatter(lambda v, _: f"{v:g}x" if str(v)[0] in "25" else ""))
-    for ax, yl, title in ((a, "GB/s (median; band: min..max)", f"push_kv_blocks into another process, {T}"),
+    for ax, yl, title in ((a, "GB/s (median; band: min..max)", f"push_kv_blocks into another process (and pull_kv_blocks back), {T}"),
                           (b, "ratio (same repetition, median)", "kvengine paged / column (> 1: paged faster)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(x, [f"{n} blocks\n{n * TENSORS * BLOCK // MiB} MiB" for n in x], fontsize=8)

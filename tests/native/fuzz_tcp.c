@@ -115,11 +115,13 @@
 
 #define MAGIC 0x3145564Bu
 enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_RDATA, F_RERR, F_CREDIT,
-       F_LEASE_REQ, F_LEASE, F_DATAV, F_LAST = F_DATAV };
+       F_LEASE_REQ, F_LEASE, F_DATAV, F_READV, F_LAST = F_READV };
 #define F_PULL 1u
 #define F_DATAV_OK 2u /* HELLO, HELLO_ACK flag: this end takes DATAV */
 #define F_READ2D_OK 4u /* HELLO, HELLO_ACK flag: this end serves READs of rows */
 #define F_ROWS 4u      /* READ: rows of `pad` bytes, `total` apart, from `offset`; `offset2` into them */
+#define F_READV_OK 8u  /* HELLO, HELLO_ACK flag: this end serves READV */
+#define F_PIECES 8u    /* RDATA: the answer to a READV */
 #define MAX_ROWS 1024u /* rows one READ of rows may span (kv_tcp.c KV_MAX_PIECES) */
 #define MAX_PIECES 1024u /* pieces of one DATAV */
 typedef struct {
@@ -732,7 +734,7 @@ static int hello_send(pconn *c, const uint8_t *tok, int split) {
     fr h = mkf(F_HELLO, 0, 0);
     h.length = 32;
     if (chance(20)) { /* only type, length and the DATAV flag matter */
-        h.flags = (uint16_t)(rnd() & ~(uint64_t)(F_DATAV_OK | F_READ2D_OK)); /* this peer speaks DATA only */
+        h.flags = (uint16_t)(rnd() & ~(uint64_t)(F_DATAV_OK | F_READ2D_OK | F_READV_OK)); /* DATA, READ only */
         h.status = (uint32_t)rnd();
         h.xfer = rnd();
         h.offset2 = rnd();
@@ -743,7 +745,7 @@ static int hello_send(pconn *c, const uint8_t *tok, int split) {
 }
 
 static void expect_hello_ack(pconn *c) {
-    fr h, want = mkf(F_HELLO_ACK, F_DATAV_OK | F_READ2D_OK, 0);
+    fr h, want = mkf(F_HELLO_ACK, F_DATAV_OK | F_READ2D_OK | F_READV_OK, 0);
     CHECK_EQ(pc_frame(c, &h), 1);
     if (!fr_eq(&h, &want)) {
         fr_print("got", &h);
@@ -992,24 +994,57 @@ static uint64_t m_data_accept(msess *s, mconn *k, const fr *h, uint8_t *base, ui
     return h->length;
 }
 
-/* on_datav_list: the list is in. Returns the data bytes the core now reads (0: bad). */
+static uint64_t m_readv_done(msess *s, mconn *k, uint8_t *base, uint8_t *shadow, uint64_t rlen);
+
+/* read_refused: a READ(V) of a region not exported is answered RERR; nothing more read. */
+static uint64_t m_read_refused(mconn *k, const fr *h) {
+    fr e = mkf(F_RERR, 0, h->xfer);
+    e.status = KV_LLM_KV_CACHE_NOT_EXIST;
+    e.length = h->length;
+    m_expect(k, e);
+    return 0;
+}
+
+/* pieces_fit: the list's pieces inside a region of rlen bytes, none empty, adding up to
+ * exactly the frame's length (overflow-safe). */
+static int m_pieces_fit(const mconn *k, uint64_t rlen) {
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < k->vh.region2; i++) {
+        const piece *p = &k->list[i];
+        if (p->len == 0 || p->offset > rlen || p->len > rlen - p->offset || p->len > k->vh.length - sum)
+            return 0;
+        sum += p->len;
+    }
+    return sum == k->vh.length;
+}
+
+/* on_datav_list / on_readv_list: the list is in. Returns the data bytes the core now
+ * reads (0: bad, or a READV's, which has none). */
 static uint64_t m_list_done(msess *s, mconn *k) {
     const fr *h = &k->vh;
     uint8_t *base = NULL, *shadow = NULL;
-    uint64_t rlen = m_exported(s, h->region, &base, &shadow), sum = 0;
+    uint64_t rlen = m_exported(s, h->region, &base, &shadow);
     k->in_pay = 0;
     k->pay_list = 0;
-    if (!rlen)
-        return m_bad(s), 0;
-    for (uint32_t i = 0; i < h->region2; i++) {
-        const piece *p = &k->list[i];
-        if (p->len == 0 || p->offset > rlen || p->len > rlen - p->offset || p->len > h->length - sum)
-            return m_bad(s), 0;
-        sum += p->len;
-    }
-    if (sum != h->length)
+    if (h->type == F_READV)
+        return m_readv_done(s, k, base, shadow, rlen);
+    if (!rlen || !m_pieces_fit(k, rlen))
         return m_bad(s), 0;
     return m_data_accept(s, k, h, base, shadow, h->region2);
+}
+
+/* list_next: a DATAV's or READV's piece list is read next (as a payload, discarded). */
+static uint64_t m_list_next(mconn *k, const fr *h) {
+    k->vh = *h;
+    k->in_pay = 1;
+    k->pay_list = 1;
+    k->pay_discard = 1;
+    k->pay_log = 0;
+    k->pay_np = 0;
+    k->pay_len = (uint64_t)h->region2 * sizeof(piece);
+    k->pay_done = 0;
+    k->pay_xfer = h->xfer;
+    return k->pay_len;
 }
 
 /* on_header, for a stream in C_UP. Returns the payload bytes the core now reads. */
@@ -1033,16 +1068,12 @@ static uint64_t m_header(msess *s, mconn *k, fr *h) {
         if (h->length == 0 || h->length > MAX_FRAME || h->total > MAX_TOTAL || h->length > h->total ||
             h->region2 == 0 || h->region2 > MAX_PIECES || h->region2 > h->length || h->offset || h->offset2)
             return m_bad(s), 0;
-        k->vh = *h;
-        k->in_pay = 1;
-        k->pay_list = 1;
-        k->pay_discard = 1;
-        k->pay_log = 0;
-        k->pay_np = 0;
-        k->pay_len = (uint64_t)h->region2 * sizeof(piece);
-        k->pay_done = 0;
-        k->pay_xfer = h->xfer;
-        return k->pay_len;
+        return m_list_next(k, h);
+    case F_READV: /* on_readv: the list is read whole, then checked (m_readv_done) */
+        if (h->length == 0 || h->length > MAX_FRAME || h->region2 < 2 || h->region2 > MAX_PIECES ||
+            h->region2 > h->length || h->offset || h->offset2 > UINT32_MAX || h->pad)
+            return m_bad(s), 0;
+        return m_list_next(k, h);
     case F_RDATA:
     case F_ACK:
     case F_ABORT_ACK:
@@ -1096,13 +1127,8 @@ static uint64_t m_header(msess *s, mconn *k, fr *h) {
             return m_bad(s), 0;
         uint8_t *base = NULL, *shadow = NULL;
         uint64_t rlen = m_exported(s, h->region, &base, &shadow);
-        if (!rlen) {
-            fr e = mkf(F_RERR, 0, h->xfer);
-            e.status = KV_LLM_KV_CACHE_NOT_EXIST;
-            e.length = h->length;
-            m_expect(k, e);
-            return 0;
-        }
+        if (!rlen)
+            return m_read_refused(k, h);
         uint64_t rl = h->pad, st = h->total, first = 0, last = 0;
         if (h->flags & F_ROWS) { /* the rows first..last: at most MAX_ROWS, the last inside the region */
             if (rl == 0 || st < rl || h->offset2 > UINT64_MAX - h->length)
@@ -1211,6 +1237,38 @@ static uint64_t m_payload(msess *s, mconn *k, const uint8_t *p, uint64_t n) {
             m_expect(k, mkf(F_ACK, 0, k->pay_xfer));
             m_rx_del(s, x);
         }
+    }
+    return 0;
+}
+
+/* on_readv_list: RERR if the region is not exported; else the pieces checked as a
+ * DATAV's, and one RDATA of them (F_PIECES) expected, gathered in order. */
+static uint64_t m_readv_done(msess *s, mconn *k, uint8_t *base, uint8_t *shadow, uint64_t rlen) {
+    const fr *h = &k->vh;
+    if (!rlen)
+        return m_read_refused(k, h);
+    if (!m_pieces_fit(k, rlen))
+        return m_bad(s), 0;
+    uint64_t sum = 0, lo = UINT64_MAX, hi = 0;
+    for (uint32_t i = 0; i < h->region2; i++) {
+        lo = k->list[i].offset < lo ? k->list[i].offset : lo;
+        hi = k->list[i].offset + k->list[i].len > hi ? k->list[i].offset + k->list[i].len : hi;
+    }
+    CHECK(k->nsv < SV_MAX);
+    mserve *v = &k->sv[k->nsv++];
+    v->f = mkf(F_RDATA, F_PIECES, h->xfer);
+    v->f.region = (uint32_t)h->offset2;
+    v->f.length = h->length;
+    v->f.total = h->total;
+    v->f.region2 = h->region2;
+    v->abort_seq = 0;
+    v->src = base + lo;
+    v->span = hi - lo;
+    v->snap = xmalloc((size_t)h->length);
+    sum = 0;
+    for (uint32_t i = 0; i < h->region2; i++) {
+        memcpy(v->snap + sum, shadow + k->list[i].offset, (size_t)k->list[i].len);
+        sum += k->list[i].len;
     }
     return 0;
 }
@@ -1399,7 +1457,7 @@ static void sess_connect_g(msess *s, int wait_ack, int grant) {
     CHECK(hello_send(&k->pc, s->l->tok, chance(10)));
     s->l->bound = 1;
     s->nconns++;
-    m_expect(k, mkf(F_HELLO_ACK, F_DATAV_OK | F_READ2D_OK, 0));
+    m_expect(k, mkf(F_HELLO_ACK, F_DATAV_OK | F_READ2D_OK | F_READV_OK, 0));
     if (grant)
         CHECK(lease_send(s, k, ns_now()));
     if (wait_ack)
@@ -1798,6 +1856,32 @@ static int send_frame(msess *s, mconn *k, fr *f, int split, int may_cut) {
     return send_frame_l(s, k, f, split, may_cut, NULL, 0);
 }
 
+/* n pieces of the exported region, of at most `most` bytes each, adding up to len (>= n). */
+static void gen_pieces(piece *list, uint64_t n, uint64_t len, uint64_t most) {
+    uint64_t left = len;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t room = left - (n - i - 1), l = i + 1 == n ? left : 1 + below(room < most ? room : most);
+        list[i].len = l;
+        list[i].offset = chance(10) ? EXP_LEN - l : below(EXP_LEN - l + 1);
+        left -= l;
+    }
+}
+
+/* A mutation of a piece list's frame, 0..8: 0-3 make one piece bad here (empty, past
+ * the region's end, an offset or a length that overflows); 4-8 are the caller's. */
+static unsigned bad_piece(piece *list, uint64_t n) {
+    unsigned which = (unsigned)below(9);
+    piece *p = &list[below(n)];
+    switch (which) {
+    case 0: p->len = 0; break;
+    case 1: p->offset = EXP_LEN - p->len + 1 + below(4); break;
+    case 2: p->offset = UINT64_MAX - below(p->len + 2); break;
+    case 3: p->len = UINT64_MAX - below(4); break;
+    default: break;
+    }
+    return which;
+}
+
 /* A DATAV that passes the checks (into *list, *np pieces over the exported
  * region) unless mutated: malformed lists, pieces out of range or empty,
  * offsets that overflow, lengths that do not add up, zero or huge counts. */
@@ -1805,29 +1889,50 @@ static fr gen_datav(msess *s, piece *list, size_t *np) {
     fr f = gen_data(s);
     f.type = F_DATAV;
     f.offset = 0;
-    uint64_t len = f.length, n = 1 + below(len < 8 ? len : 8), left = len;
-    for (uint64_t i = 0; i < n; i++) {
-        uint64_t l = i + 1 == n ? left : 1 + below(left - (n - i - 1));
-        list[i].len = l;
-        list[i].offset = chance(10) ? EXP_LEN - l : below(EXP_LEN - l + 1);
-        left -= l;
-    }
+    uint64_t len = f.length, n = 1 + below(len < 8 ? len : 8);
+    gen_pieces(list, n, len, len);
     f.region2 = (uint32_t)n;
     *np = (size_t)n;
     if (chance(25)) {
-        piece *p = &list[below(n)];
-        switch (below(9)) {
-        case 0: p->len = 0; break;
-        case 1: p->offset = EXP_LEN - p->len + 1 + below(4); break;
-        case 2: p->offset = UINT64_MAX - below(p->len + 2); break;
-        case 3: p->len = UINT64_MAX - below(4); break;
+        switch (bad_piece(list, n)) {
         case 4: f.length += chance(50) ? 1 : (uint64_t)-1; break;
         case 5: f.region2 = chance(50) ? 0 : (chance(50) ? MAX_PIECES + 1 + (uint32_t)below(8) : UINT32_MAX - (uint32_t)below(2)); break;
         case 6: f.region2 = (uint32_t)(n + 1 + below(3)); break; /* more than we send: the next bytes are read as pieces */
         case 7: f.offset = 1 + below(EXP_LEN); break;
-        default: f.region = special_rid(); break;
+        case 8: f.region = special_rid(); break;
+        default: break; /* a piece (bad_piece) */
         }
     }
+    return f;
+}
+
+/* A READV that passes the checks (into *list, *np pieces of the exported region)
+ * unless mutated: pieces out of range, empty or overflowing, lengths that do not
+ * add up, too few or too many pieces, a field that must be 0, an unknown region. */
+static fr gen_readv(msess *s, piece *list, size_t *np) {
+    fr f = gen_read(1);
+    f.type = F_READV;
+    f.flags = 0;
+    f.offset = 0;
+    f.pad = 0;
+    f.total = rnd();
+    f.offset2 = below((uint64_t)UINT32_MAX + 1);
+    uint64_t n = 2 + below(7), len = n + below(3 * 4096);
+    gen_pieces(list, n, len, 4096);
+    f.length = len;
+    f.region2 = (uint32_t)n;
+    *np = (size_t)n;
+    if (chance(25)) {
+        switch (bad_piece(list, n)) {
+        case 4: f.length += chance(50) ? 1 : (uint64_t)-1; break;
+        case 5: f.region2 = chance(50) ? (uint32_t)below(2) : MAX_PIECES + 1 + (uint32_t)below(8); break;
+        case 6: f.offset2 = (uint64_t)UINT32_MAX + 1 + below(4); break;
+        case 7: if (chance(50)) f.offset = 1 + below(EXP_LEN); else f.pad = 1 + (uint32_t)below(9); break;
+        case 8: f.region = special_rid(); break;
+        default: break; /* a piece (bad_piece) */
+        }
+    }
+    (void)s;
     return f;
 }
 
@@ -1851,10 +1956,10 @@ static void sess_server(void) {
             if (chance(12))
                 mutate(&f, s, k);
             open = send_frame(s, k, &f, chance(5), 1);
-        } else if (r < 32) {
+        } else if (r < 32 || (r < 40 && chance(30))) { /* a DATAV, or a READV */
             static piece list[8];
             size_t np = 0;
-            f = gen_datav(s, list, &np);
+            f = r < 32 ? gen_datav(s, list, &np) : gen_readv(s, list, &np);
             if (chance(8))
                 mutate(&f, s, k);
             open = send_frame_l(s, k, &f, chance(5), 1, list, np);
@@ -2484,7 +2589,7 @@ static peer *peer_open3(int nc, int small_rcvbuf, int client, uint64_t win, int 
             CHECK_EQ(kv_tcp_conn_add(g_core, cfd, p->l->id), KV_LLM_SUCCESS);
         }
         for (int i = 0; i < nc; i++) {
-            fr h, want = mkf(F_HELLO, F_DATAV_OK | F_READ2D_OK, 0);
+            fr h, want = mkf(F_HELLO, F_DATAV_OK | F_READ2D_OK | F_READV_OK, 0);
             want.length = 32;
             CHECK_EQ(pc_frame(&p->c[i], &h), 1);
             CHECK(fr_eq(&h, &want));

@@ -2041,8 +2041,67 @@ static void test_large_copy(void) {
 
 /* Two cores over TCP (loopback): pushes of many small segments (DATAV frames,
  * many pieces a frame), of 2-D segments (native rows), pulls of 2-D segments
- * (READs of rows, or one row a READ from a peer without READ2D): byte-exact, guards untouched. */
+ * (READs of rows, or one row a READ from a peer without READ2D), pulls of many small
+ * segments (READVs, or one READ a segment from a peer without them): byte-exact,
+ * guards untouched. */
 extern int kv_test_no_read2d;
+
+/* The READVs a pull of these 1-D segments (KV_SEG_WORDS each) sends (kv_tcp.c
+ * readv_claim): from each segment start, the segments of one peer region that fit
+ * in `chunk` bytes together, at most 1024, when there are two or more. */
+static uint64_t readvs_of(const uint64_t *w, size_t n, uint64_t chunk) {
+    uint64_t readvs = 0;
+    for (size_t i = 0; i < n;) {
+        size_t j = i;
+        uint64_t bytes = 0;
+        while (j < n && j - i < 1024 && w[j * KV_SEG_WORDS] == w[i * KV_SEG_WORDS] &&
+               w[j * KV_SEG_WORDS + 4] <= chunk - bytes)
+            bytes += w[j++ * KV_SEG_WORDS + 4];
+        if (j - i >= 2) {
+            readvs++;
+            i = j;
+        } else {
+            i++;
+        }
+    }
+    return readvs;
+}
+
+/* b pulls n (<= 2048) random segments (1 KiB..3 KiB, some back to back, one longer than a chunk, one
+ * of another region of the peer) of `src` (its regions rr_src and rr_other, at `other`)
+ * into `dst` (its region rb_dst): byte-exact; returns the READVs it sent. */
+static uint64_t pull_pieces(kv_core *b, uint64_t job, uint32_t rr_src, uint32_t rr_other, uint32_t rb_dst,
+                            const uint8_t *src, const uint8_t *other, uint8_t *dst, uint8_t *want, uint64_t N,
+                            uint64_t *w, size_t n) {
+    memset(dst, 0x5A, (size_t)N);
+    memcpy(want, dst, (size_t)N);
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t len = 1024 + (i * 53 % 2048), so = (i * 7919) % (N / 2), dof = i * 3200 + (i % 7);
+        uint32_t reg = rr_src;
+        if (i % 5 == 2) { /* back to back with the previous one at the source */
+            so = w[(i - 1) * KV_SEG_WORDS + 1] + w[(i - 1) * KV_SEG_WORDS + 4];
+        }
+        if (i == n / 2) { /* longer than a chunk: READs */
+            len = 600 * KiB;
+            dof = 7 * MiB;
+        }
+        if (i == n / 3) /* another region of the peer: the READV before it ends there */
+            reg = rr_other;
+        seg(w + i * KV_SEG_WORDS, reg, so, rb_dst, dof, len);
+        memcpy(want + dof, (reg == rr_src ? src : other) + so, (size_t)len);
+        total += len;
+    }
+    uint64_t before = stats(b).tcp_readv;
+    int done;
+    uint64_t nb;
+    CHECK_EQ(kv_core_submit(b, job, w, n, 0, &done, &nb), KV_LLM_SUCCESS);
+    kv_completion cp = wait_one(b, job);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, total);
+    CHECK(memcmp(dst, want, (size_t)N) == 0);
+    return stats(b).tcp_readv - before;
+}
 
 static void test_tcp_2d(void) {
     const uint64_t N = 8 * MiB;
@@ -2127,6 +2186,10 @@ static void test_tcp_2d(void) {
     CHECK_EQ(cp.nbytes, 3000);
     CHECK(memcmp(bdst, want, (size_t)N) == 0);
     CHECK_EQ(stats(b).tcp_row_reads - row_reads, 3);
+    /* 1-D pulls of 2048 small segments: READVs of up to a chunk (256 KiB) of them */
+    uint64_t rv = pull_pieces(b, 6, rr_src, rr_dst, rb_dst, asrc, adst, bdst, want, N, w, NB);
+    CHECK_EQ(rv, readvs_of(w, NB, 256 * KiB));
+    CHECK(rv >= 10);
     /* from a peer that does not announce READ2D (an older build): the same pulls, one READ a row */
     kv_core *c2 = mk(1, 256 * KiB);
     kv_test_no_read2d = 1;
@@ -2149,6 +2212,10 @@ static void test_tcp_2d(void) {
     CHECK_EQ(cp.nbytes, 300000 + 716800);
     CHECK(memcmp(cdst, want, (size_t)N) == 0);
     CHECK_EQ(stats(a).tcp_row_reads, row_reads);
+    /* ...and small segments one READ each (no READV to it) */
+    uint32_t rc_other = add_region(c2, KV_REGION_LOCAL, 0, adst, N, KV_REGION_F_EXPORT), rr3 = 0;
+    CHECK_EQ(kv_region_add(a, KV_REGION_TCP, 7, rc_other, N, 0, &rr3), KV_LLM_SUCCESS);
+    CHECK_EQ(pull_pieces(a, 2, rr2, rr3, ra_cdst, asrc, adst, cdst, want, N, w, NB), 0);
     /* a 2-D push out of a's region is refused at submit, nothing sent */
     seg2(w, rb_src, 0, rr_dst, N - 100, 100, 2, 100, 100);
     CHECK_EQ(submit2(b, 4, w, 1, 0, &done, &nb), KV_LLM_PARAM_INVALID);
