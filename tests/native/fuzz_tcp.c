@@ -1832,6 +1832,12 @@ static int send_frame_l(msess *s, mconn *k, fr *f, int split, int may_cut, const
         CHECK(s->dead); /* only a bad frame makes the core close */
         return 0;
     }
+    if (s->dead && list && list_n) {
+        /* a bad DATAV or READV header: its list follows anyway, so that a core that took
+         * the header would read it and act (answer a READV: "RDATA for no READ") */
+        (void)pc_send(&k->pc, list, list_n * sizeof *list);
+        return 1;
+    }
     int first = 1;
     while (pl) { /* the payload; a DATAV: its list (ours, if given), then its data */
         uint8_t *p = gen_payload(pl);
@@ -1922,7 +1928,7 @@ static fr gen_readv(msess *s, piece *list, size_t *np) {
     f.length = len;
     f.region2 = (uint32_t)n;
     *np = (size_t)n;
-    if (chance(25)) {
+    if (chance(40)) {
         switch (bad_piece(list, n)) {
         case 4: f.length += chance(50) ? 1 : (uint64_t)-1; break;
         case 5: f.region2 = chance(50) ? (uint32_t)below(2) : MAX_PIECES + 1 + (uint32_t)below(8); break;
@@ -1956,7 +1962,7 @@ static void sess_server(void) {
             if (chance(12))
                 mutate(&f, s, k);
             open = send_frame(s, k, &f, chance(5), 1);
-        } else if (r < 32 || (r < 40 && chance(30))) { /* a DATAV, or a READV */
+        } else if (r < 32 || (r < 40 && chance(40))) { /* a DATAV, or a READV */
             static piece list[8];
             size_t np = 0;
             f = r < 32 ? gen_datav(s, list, &np) : gen_readv(s, list, &np);
