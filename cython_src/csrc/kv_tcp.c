@@ -105,12 +105,12 @@ void (*kv_test_place_hook)(int stage, const int *refused);
         if (kv_test_place_hook)                                                                      \
             kv_test_place_hook(stage, refused);                                                      \
     } while (0)
-/* tests/native only: engines of this process do not announce READ2D (as an older build) */
+/* tests/native only: engines of this process announce neither READ2D nor READV (as an older build) */
 int kv_test_no_read2d;
-#define READ2D_FLAG (kv_test_no_read2d ? 0u : F_FLAG_READ2D | F_FLAG_READV)
+#define READ_FLAGS (kv_test_no_read2d ? 0u : F_FLAG_READ2D | F_FLAG_READV)
 #else
 #define PLACE_HOOK(stage, refused) ((void)0)
-#define READ2D_FLAG (F_FLAG_READ2D | F_FLAG_READV)
+#define READ_FLAGS (F_FLAG_READ2D | F_FLAG_READV) /* HELLO, HELLO_ACK: the READs this end serves */
 #endif
 
 typedef struct {
@@ -1034,32 +1034,29 @@ static int next_frame(kv_net *n, kv_conn *k) {
         k->out_payload = (const uint8_t *)(uintptr_t)s->src;
         k->out_payload_len = s->len;
         k->out_region_ref = s->region_id; /* the ref moves from the task to the frame */
-        if (s->row_len) { /* rows (on_read checked them, and allocated out_vec): gathered by sendmsg */
-            uint64_t row = s->dst_offset / s->row_len, col = s->dst_offset % s->row_len, left = s->len;
+        if (s->row_len || s->npieces) {
+            /* rows (on_read checked them) or a READV's pieces (on_readv_list checked them),
+             * gathered by sendmsg; both allocated out_vec */
             size_t nv = 1;
             k->out_vec[0].iov_base = &k->out;
             k->out_vec[0].iov_len = sizeof k->out;
-            for (; left; row++, col = 0) {
-                uint64_t t = s->row_len - col < left ? s->row_len - col : left;
-                k->out_vec[nv].iov_base = (void *)(uintptr_t)(s->src + row * s->stride + col);
-                k->out_vec[nv++].iov_len = (size_t)t;
-                left -= t;
+            if (s->row_len) {
+                uint64_t row = s->dst_offset / s->row_len, col = s->dst_offset % s->row_len, left = s->len;
+                for (; left; row++, col = 0) {
+                    uint64_t t = s->row_len - col < left ? s->row_len - col : left;
+                    k->out_vec[nv].iov_base = (void *)(uintptr_t)(s->src + row * s->stride + col);
+                    k->out_vec[nv++].iov_len = (size_t)t;
+                    left -= t;
+                }
+            } else {
+                k->out.flags = F_FLAG_PIECES;
+                k->out.region2 = s->npieces;
+                for (uint32_t i = 0; i < s->npieces; i++) {
+                    k->out_vec[nv].iov_base = (void *)(uintptr_t)(s->src + s->pieces[i].offset);
+                    k->out_vec[nv++].iov_len = (size_t)s->pieces[i].len;
+                }
             }
             k->out_vn = nv;
-            k->out_vi = 0;
-            k->out_vhead = sizeof k->out;
-            k->out_payload = NULL;
-            k->out_payload_len = 0;
-        } else if (s->npieces) { /* a READV's pieces (on_readv_list checked them, allocated out_vec) */
-            k->out.flags = F_FLAG_PIECES;
-            k->out.region2 = s->npieces;
-            k->out_vec[0].iov_base = &k->out;
-            k->out_vec[0].iov_len = sizeof k->out;
-            for (uint32_t i = 0; i < s->npieces; i++) {
-                k->out_vec[1 + i].iov_base = (void *)(uintptr_t)(s->src + s->pieces[i].offset);
-                k->out_vec[1 + i].iov_len = (size_t)s->pieces[i].len;
-            }
-            k->out_vn = 1 + (size_t)s->npieces;
             k->out_vi = 0;
             k->out_vhead = sizeof k->out;
             k->out_payload = NULL;
@@ -1431,9 +1428,15 @@ static int on_data(kv_net *n, kv_conn *k, int *sig) {
     return data_accept(n, k, r, sig);
 }
 
+/* k's incoming piece list (DATAV, READV; a scattered RDATA's pieces), allocated at the
+ * first: 0 if out of memory. */
+static int in_list_alloc(kv_conn *k) {
+    return k->in_list || (k->in_list = malloc(KV_MAX_PIECES * sizeof *k->in_list)) != NULL;
+}
+
 /* A DATAV's or READV's header was checked: its piece list (`region2` pieces) is read next. */
 static int list_next(kv_net *n, kv_conn *k, int *sig) {
-    if (!k->in_list && !(k->in_list = malloc(KV_MAX_PIECES * sizeof *k->in_list)))
+    if (!in_list_alloc(k))
         return *sig |= fail_conn(n, k, 0), 0;
     k->in_npieces = k->in_header.region2;
     k->in_list_got = 0;
@@ -1493,29 +1496,26 @@ static int on_rdata(kv_net *n, kv_conn *k, int *sig) {
             return BAD_FRAME();
         const kv_segment *s = &j->job.segments[h->region];
         k->in_dest = (uint8_t *)(uintptr_t)(s->dst + h->offset);
-        if (h->flags & F_FLAG_PIECES) { /* a READV's answer: into its segments, in order */
-            if (!k->in_list && !(k->in_list = malloc(KV_MAX_PIECES * sizeof *k->in_list)))
+        int pieces = (h->flags & F_FLAG_PIECES) != 0; /* a READV's answer: into its segments, in order */
+        if (pieces || (s->rows > 1 && s->dst_stride != s->len)) { /* or rows apart (pull_2d): scattered like DATAV's */
+            if (!in_list_alloc(k))
                 return *sig |= fail_conn(n, k, 0), 0;
-            for (uint32_t i = 0; i < h->region2; i++) { /* (pull_claim: at most KV_MAX_PIECES) */
-                k->in_list[i].offset = s[i].dst;
-                k->in_list[i].len = s[i].len;
-            }
-            k->in_npieces = h->region2;
-            k->in_pi = 0;
-            k->in_poff = 0;
-            k->in_base = 0;
-        } else if (s->rows > 1 && s->dst_stride != s->len) { /* rows apart (pull_2d): scattered like DATAV's */
-            if (!k->in_list && !(k->in_list = malloc(KV_MAX_PIECES * sizeof *k->in_list)))
-                return *sig |= fail_conn(n, k, 0), 0;
-            uint64_t row = h->offset / s->len, col = h->offset % s->len, left = h->length;
             uint32_t np = 0;
-            for (; left; row++, col = 0, np++) { /* (pull_claim: within one READ, at most KV_MAX_PIECES rows) */
-                if (np == KV_MAX_PIECES)
-                    return BAD_FRAME();
-                uint64_t t = s->len - col < left ? s->len - col : left;
-                k->in_list[np].offset = s->dst + row * s->dst_stride + col;
-                k->in_list[np].len = t;
-                left -= t;
+            if (pieces) {
+                for (; np < h->region2; np++) { /* (pull_claim: at most KV_MAX_PIECES) */
+                    k->in_list[np].offset = s[np].dst;
+                    k->in_list[np].len = s[np].len;
+                }
+            } else {
+                uint64_t row = h->offset / s->len, col = h->offset % s->len, left = h->length;
+                for (; left; row++, col = 0, np++) { /* (pull_claim: within one READ, at most KV_MAX_PIECES rows) */
+                    if (np == KV_MAX_PIECES)
+                        return BAD_FRAME();
+                    uint64_t t = s->len - col < left ? s->len - col : left;
+                    k->in_list[np].offset = s->dst + row * s->dst_stride + col;
+                    k->in_list[np].len = t;
+                    left -= t;
+                }
             }
             k->in_npieces = np;
             k->in_pi = 0;
@@ -1878,7 +1878,7 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
         l->peer_readv = k->peer_readv;
         k->state = C_UP;
         n->npending--;
-        kv_frame ack = frame_new(F_HELLO_ACK, F_FLAG_DATAV | READ2D_FLAG, 0);
+        kv_frame ack = frame_new(F_HELLO_ACK, F_FLAG_DATAV | READ_FLAGS, 0);
         if (ctrl_push(k, &ack) < 0 || lease_request(k, now_ns()) < 0)
             return *sig |= fail_conn(n, k, 0), 0;
         return 1;
@@ -2118,7 +2118,7 @@ static int run_command(kv_net *n, kv_command *m) {
         k->link = l;
         k->index = l->nconns;
         l->conns[l->nconns++] = k;
-        kv_frame h = frame_new(F_HELLO, F_FLAG_DATAV | READ2D_FLAG, 0);
+        kv_frame h = frame_new(F_HELLO, F_FLAG_DATAV | READ_FLAGS, 0);
         h.length = KV_TOKEN_BYTES;
         if (ctrl_push(k, &h) < 0)
             sig |= link_fail(n, l, KV_LLM_LINK_FAILED, 1);

@@ -1663,6 +1663,15 @@ static void land_join(kv_ucx *u) {
     u->land_started = 0;
 }
 
+/* `len` bytes of rows of `row` bytes, `stride` apart from `src`, packed into `out`
+ * (a push's rows apart at the source, a PULL_REQ2D's answer); returns `out`. */
+static void *pack_rows(void *out, uint64_t src, uint64_t len, uint64_t row, uint64_t stride) {
+    uint8_t *pk = out;
+    for (uint64_t off = 0; off < len; off += row, src += stride)
+        memcpy(pk + off, (const void *)(uintptr_t)src, row);
+    return out;
+}
+
 /* A pull's answer (q->len bytes, its rows packed) into place: each row where its
  * request said (ucx_pull row, stride), or in one copy where they are one run. */
 static void pull_land(const ucx_pull *q, const uint8_t *data) {
@@ -2009,10 +2018,7 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         op->hdr.len = h.len;
         void *payload = (void *)(uintptr_t)addr;
         if (pack) {
-            uint8_t *pk = (uint8_t *)(op + 1);
-            for (uint64_t off = 0, a = addr; off < h.len; off += g.row_len, a += g.dst_stride)
-                memcpy(pk + off, (const void *)(uintptr_t)a, g.row_len);
-            payload = pk;
+            payload = pack_rows(op + 1, addr, h.len, g.row_len, g.dst_stride);
         } else {
             op->region = h.region;
             kv__region_ref(c, h.region);
@@ -2290,12 +2296,8 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
             op->hdr.total = j->job.total_bytes;
             size_t hlen = sizeof op->hdr;
             void *payload = (void *)(uintptr_t)local;
-            if (pack) { /* the rows, packed after the op (it lives until UCX is done with the send) */
-                uint8_t *pk = (uint8_t *)(op + 1);
-                for (uint64_t r = 0; r < rows; r++)
-                    memcpy(pk + r * s->len, (const void *)(uintptr_t)(local + r * s->src_stride), s->len);
-                payload = pk;
-            }
+            if (pack) /* the rows, packed after the op (it lives until UCX is done with the send) */
+                payload = pack_rows(op + 1, local, n, s->len, s->src_stride);
             if (rows > 1 && s->dst_stride != s->len) { /* rows apart at the target (else one run: a PUSH) */
                 op->hdr.type = KV_UCX_PUSH2D;
                 op->hdr2.row_len = s->len;
