@@ -46,6 +46,9 @@ enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_
                           * into them (row order) start the `length` asked */
 #define F_FLAG_READV 8u  /* HELLO, HELLO_ACK: this end serves READV frames */
 #define F_FLAG_PIECES 8u /* RDATA: the answer to a READV (its pieces' bytes, in order) */
+#define F_FLAG_READVR 16u /* HELLO, HELLO_ACK: this end serves READVs of rows (READV + F_FLAG_ROWS:
+                           * each piece rows of `pad` bytes, `total` apart) */
+#define F_READ_KINDS (F_FLAG_READ2D | F_FLAG_READV | F_FLAG_READVR)
 
 /* DATAV: one payload scattered over a list of pieces of one region */
 #define KV_MAX_PIECES 1024u /* pieces of one DATAV frame */
@@ -105,12 +108,13 @@ void (*kv_test_place_hook)(int stage, const int *refused);
         if (kv_test_place_hook)                                                                      \
             kv_test_place_hook(stage, refused);                                                      \
     } while (0)
-/* tests/native only: engines of this process announce neither READ2D nor READV (as an older build) */
+/* tests/native only: engines of this process announce, as an older build, no READ2D, READV
+ * nor READVR (1), or no READVR (2) */
 int kv_test_no_read2d;
-#define READ_FLAGS (kv_test_no_read2d ? 0u : F_FLAG_READ2D | F_FLAG_READV)
+#define READ_FLAGS (kv_test_no_read2d == 1 ? 0u : kv_test_no_read2d == 2 ? F_READ_KINDS & ~F_FLAG_READVR : F_READ_KINDS)
 #else
 #define PLACE_HOOK(stage, refused) ((void)0)
-#define READ_FLAGS (F_FLAG_READ2D | F_FLAG_READV) /* HELLO, HELLO_ACK: the READs this end serves */
+#define READ_FLAGS F_READ_KINDS /* HELLO, HELLO_ACK: the READs this end serves */
 #endif
 
 typedef struct {
@@ -232,8 +236,7 @@ typedef struct kv_conn {
     uint32_t in_region_ref;   /* region ref held while a DATA payload is written into place */
     uint8_t hello_token[KV_TOKEN_BYTES];
     int peer_datav;           /* the peer takes DATAV (F_FLAG_DATAV in its HELLO or HELLO_ACK) */
-    int peer_read2d;          /* its HELLO had F_FLAG_READ2D (the link's, once it joins one) */
-    int peer_readv;           /* ...and F_FLAG_READV */
+    unsigned peer_reads;      /* its HELLO's READ_FLAGS (the link's, once it joins one) */
     /* a DATAV frame going out (out_vn > 0): header, piece list, payload runs;
      * sent iovecs are consumed in place */
     struct iovec *out_vec;    /* KV_MAX_PIECES + 2, allocated at the first DATAV */
@@ -252,8 +255,7 @@ typedef struct kv_link {
     uint32_t id;
     uint8_t token[KV_TOKEN_BYTES];
     int nstreams, nstreams_up, dead;
-    int peer_read2d;               /* the peer serves F_FLAG_ROWS READs (its HELLO or HELLO_ACK) */
-    int peer_readv;                /* the peer serves READV (its HELLO or HELLO_ACK) */
+    unsigned peer_reads;           /* the READs the peer serves: READ_FLAGS of its HELLO or HELLO_ACK */
     int refused; /* atomic: kv_tcp_link_close was called: nothing of it is received into place any more */
     kv_conn *conns[KV_MAX_STREAMS];
     int nconns;
@@ -955,26 +957,36 @@ static int datav_claim(kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_t most) {
     return 1;
 }
 
-/* The next READ of pull `j` for a peer that serves READV: whole 1-D segments from
- * the claim point (each one chunk: at most `chunk` bytes), while they name one
- * region of the peer, up to `chunk` bytes and KV_MAX_PIECES of them, as one READV
- * (their offsets and lengths there in its piece list), which the peer answers with
- * one RDATA of pieces, scattered into those segments (on_rdata). Returns 0 (nothing
- * claimed) unless two segments or more qualify: the caller sends a READ as before;
- * or if out of memory (the same). Caller holds c->lock. */
+/* The next READ of pull `j` for a peer that serves READV: whole segments from the
+ * claim point (each one chunk: at most `chunk` bytes), while they name one region of
+ * the peer, up to `chunk` bytes and KV_MAX_PIECES of them, as one READV (their offsets
+ * and lengths there in its piece list), which the peer answers with one RDATA of
+ * pieces, scattered into those segments (on_rdata). The segments are 1-D, or, for a
+ * peer that serves READVs of rows, 2-D with the first one's row length and stride
+ * there (F_FLAG_ROWS: each piece its segment's rows there, at most KV_MAX_PIECES rows
+ * in all, which the peer gathers). Returns 0 (nothing claimed) unless two segments or
+ * more qualify: the caller sends a READ as before; or if out of memory (the same).
+ * Caller holds c->lock. */
 static int readv_claim(kv_net *n, kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_t chunk) {
-    const kv_segment *segs = j->job.segments;
+    const kv_segment *segs = j->job.segments, *s0 = &segs[j->job.claim_segment];
     size_t i0 = j->job.claim_segment, i = i0;
     kv_pull_tracking *t = j->pull;
-    if (j->job.claim_offset || i0 > UINT32_MAX || t->first_chunk[i0] != j->frames || !out_vec_alloc(k))
+    int rows = s0->rows > 1;
+    if (j->job.claim_offset || i0 > UINT32_MAX || t->first_chunk[i0] != j->frames ||
+        (rows && !(l->peer_reads & F_FLAG_READVR)) || !out_vec_alloc(k))
         return 0;
-    uint64_t bytes = 0;
-    uint32_t region = segs[i0].remote_region;
-    while (i < j->job.nsegments && i - i0 < KV_MAX_PIECES && segs[i].rows <= 1 && segs[i].remote_region == region &&
-           segs[i].len <= chunk - bytes) {
-        k->out_list[i - i0].offset = segs[i].src;
-        k->out_list[i - i0].len = segs[i].len;
-        bytes += segs[i].len;
+    uint64_t bytes = 0, nrows = 0;
+    while (i < j->job.nsegments && i - i0 < KV_MAX_PIECES && segs[i].remote_region == s0->remote_region &&
+           kv_seg_bytes(&segs[i]) <= chunk - bytes) {
+        const kv_segment *s = &segs[i];
+        if (rows ? s->rows < 2 || s->len != s0->len || s->src_stride != s0->src_stride ||
+                       s->rows > KV_MAX_PIECES - nrows || t->first_chunk[i + 1] != t->first_chunk[i] + 1
+                 : s->rows > 1)
+            break;
+        k->out_list[i - i0].offset = s->src;
+        k->out_list[i - i0].len = kv_seg_bytes(s);
+        bytes += kv_seg_bytes(s);
+        nrows += s->rows;
         i++;
     }
     size_t m = i - i0;
@@ -984,14 +996,15 @@ static int readv_claim(kv_net *n, kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_
     for (size_t q = 0; q < m; q++) {
         t->stream[k0 + q] = (uint8_t)k->index;
         t->vcount[k0 + q] = q ? UINT16_MAX : (uint16_t)m;
-        claim_advance(l, j, segs[i0 + q].len);
+        claim_advance(l, j, kv_seg_bytes(&segs[i0 + q]));
     }
     t->reads_sent = k0 + m;
     j->frames += m;
-    k->out = frame_new(F_READV, 0, j->job.record.id);
-    k->out.region = region;
+    k->out = frame_new(F_READV, rows ? F_FLAG_ROWS : 0, j->job.record.id);
+    k->out.region = s0->remote_region;
     k->out.length = bytes;
-    k->out.total = j->job.total_bytes;
+    k->out.total = rows ? s0->src_stride : j->job.total_bytes;
+    k->out.pad = rows ? (uint32_t)s0->len : 0; /* (tcp_pull_2d: a row fits) */
     k->out.region2 = (uint32_t)m;
     k->out.offset2 = i0;
     k->out_vec[0].iov_base = &k->out;
@@ -1005,7 +1018,22 @@ static int readv_claim(kv_net *n, kv_conn *k, kv_link *l, kv_tcp_job *j, uint64_
     k->out_payload_len = 0;
     k->read_bytes_out += bytes;
     n->core->stats.tcp_readv++;
+    n->core->stats.tcp_row_reads += (uint64_t)rows;
     return 1;
+}
+
+/* Iovecs from v[nv] on for the bytes [at, at + len) in row order of rows of `row_len`
+ * bytes, `stride` apart from `base` (checked by the caller: on_read, on_readv_list);
+ * returns the index after the last. */
+static size_t rows_iov(struct iovec *v, size_t nv, uint64_t base, uint64_t at, uint64_t len, uint64_t row_len,
+                       uint64_t stride) {
+    for (uint64_t row = at / row_len, col = at % row_len; len; row++, col = 0) {
+        uint64_t t = row_len - col < len ? row_len - col : len;
+        v[nv].iov_base = (void *)(uintptr_t)(base + row * stride + col);
+        v[nv++].iov_len = (size_t)t;
+        len -= t;
+    }
+    return nv;
 }
 
 /* Pick the next frame for `k`. Caller holds c->lock. */
@@ -1040,21 +1068,16 @@ static int next_frame(kv_net *n, kv_conn *k) {
             size_t nv = 1;
             k->out_vec[0].iov_base = &k->out;
             k->out_vec[0].iov_len = sizeof k->out;
-            if (s->row_len) {
-                uint64_t row = s->dst_offset / s->row_len, col = s->dst_offset % s->row_len, left = s->len;
-                for (; left; row++, col = 0) {
-                    uint64_t t = s->row_len - col < left ? s->row_len - col : left;
-                    k->out_vec[nv].iov_base = (void *)(uintptr_t)(s->src + row * s->stride + col);
-                    k->out_vec[nv++].iov_len = (size_t)t;
-                    left -= t;
-                }
-            } else {
+            if (s->npieces) { /* each piece one run, or whole rows (a READV of rows) */
                 k->out.flags = F_FLAG_PIECES;
                 k->out.region2 = s->npieces;
                 for (uint32_t i = 0; i < s->npieces; i++) {
-                    k->out_vec[nv].iov_base = (void *)(uintptr_t)(s->src + s->pieces[i].offset);
-                    k->out_vec[nv++].iov_len = (size_t)s->pieces[i].len;
+                    uint64_t rl = s->row_len ? s->row_len : s->pieces[i].len;
+                    nv = rows_iov(k->out_vec, nv, s->src + s->pieces[i].offset, 0, s->pieces[i].len, rl,
+                                  s->row_len ? s->stride : rl);
                 }
+            } else {
+                nv = rows_iov(k->out_vec, nv, s->src, s->dst_offset, s->len, s->row_len, s->stride);
             }
             k->out_vn = nv;
             k->out_vi = 0;
@@ -1086,7 +1109,7 @@ static int next_frame(kv_net *n, kv_conn *k) {
             j->frames++;
             goto start;
         }
-        if (j->is_pull && l->peer_readv && readv_claim(n, k, l, j, chunk))
+        if (j->is_pull && (l->peer_reads & F_FLAG_READV) && readv_claim(n, k, l, j, chunk))
             goto start;
         const kv_segment *s = &j->job.segments[j->job.claim_segment];
         uint64_t off = j->job.claim_offset, src, dst, len = kv_seg_run(s, off, most, &src, &dst); /* one row at most */
@@ -1501,10 +1524,15 @@ static int on_rdata(kv_net *n, kv_conn *k, int *sig) {
             if (!in_list_alloc(k))
                 return *sig |= fail_conn(n, k, 0), 0;
             uint32_t np = 0;
-            if (pieces) {
-                for (; np < h->region2; np++) { /* (pull_claim: at most KV_MAX_PIECES) */
-                    k->in_list[np].offset = s[np].dst;
-                    k->in_list[np].len = s[np].len;
+            if (pieces) { /* each segment's rows here (readv_claim: at most KV_MAX_PIECES in all) */
+                for (uint32_t i = 0; i < h->region2; i++) {
+                    int apart = s[i].rows > 1 && s[i].dst_stride != s[i].len;
+                    for (uint64_t r = 0; r < (apart ? s[i].rows : 1); r++, np++) {
+                        if (np == KV_MAX_PIECES)
+                            return BAD_FRAME();
+                        k->in_list[np].offset = s[i].dst + r * s[i].dst_stride;
+                        k->in_list[np].len = apart ? s[i].len : kv_seg_bytes(&s[i]);
+                    }
                 }
             } else {
                 uint64_t row = h->offset / s->len, col = h->offset % s->len, left = h->length;
@@ -1696,14 +1724,35 @@ static int on_read(kv_net *n, kv_conn *k, int *sig) {
     return 1;
 }
 
-/* A READV header: its piece list is read next, then checked whole (on_readv_list). */
+/* A READV header: its piece list is read next, then checked whole (on_readv_list).
+ * Of rows (F_FLAG_ROWS): rows of `pad` bytes, `total` apart, each piece whole rows. */
 static int on_readv(kv_net *n, kv_conn *k, int *sig) {
     kv_frame *h = &k->in_header;
+    int rows = (h->flags & F_FLAG_ROWS) != 0;
     if (h->length == 0 || h->length > KV_MAX_FRAME || h->region2 < 2 || h->region2 > KV_MAX_PIECES ||
-        h->region2 > h->length || h->offset || h->offset2 > UINT32_MAX || h->pad ||
+        h->region2 > h->length || h->offset || h->offset2 > UINT32_MAX || (rows ? h->pad == 0 || h->total < h->pad : h->pad != 0) ||
         k->serve_count >= KV_MAX_SERVE)
         return BAD_FRAME();
     return list_next(n, k, sig);
+}
+
+/* Are the `np` pieces of k's list whole rows of `row_len` bytes, `stride` apart, in
+ * `r`: none empty, the last row of each inside it (no product computed before it is
+ * known to fit), at most KV_MAX_PIECES rows in all, their bytes adding up to exactly
+ * `length` (overflow-safe)? */
+static int rows_fit(const kv_conn *k, uint32_t np, const kv_region *r, uint64_t length, uint64_t row_len,
+                    uint64_t stride) {
+    uint64_t sum = 0, nrows = 0;
+    for (uint32_t i = 0; i < np; i++) {
+        const kv_piece *p = &k->in_list[i];
+        uint64_t m = p->len / row_len;
+        if (p->len == 0 || p->len % row_len || m > KV_MAX_PIECES - nrows || p->len > length - sum ||
+            p->offset > r->len || row_len > r->len - p->offset || m - 1 > (r->len - p->offset - row_len) / stride)
+            return 0;
+        sum += p->len;
+        nrows += m;
+    }
+    return sum == length;
 }
 
 /* A READV's piece list is in. Its region no longer exported: RERR, as for a READ.
@@ -1718,12 +1767,15 @@ static int on_readv_list(kv_net *n, kv_conn *k, int *sig) {
     kv_region *r = exported(n->core, h->region);
     if (!r)
         return read_refused(n, k, sig);
-    if (!pieces_fit(k, np, r, h->length))
+    int rows = (h->flags & F_FLAG_ROWS) != 0;
+    if (rows ? !rows_fit(k, np, r, h->length, h->pad, h->total) : !pieces_fit(k, np, r, h->length))
         return BAD_FRAME();
     kv_serve *s;
     if (!out_vec_alloc(k) || !(s = serve_new(n, k, np)))
         return *sig |= fail_conn(n, k, 0), 0;
     s->src = r->addr;
+    s->row_len = rows ? h->pad : 0;
+    s->stride = rows ? h->total : 0;
     s->dst_segment = (uint32_t)h->offset2;
     memcpy(s->pieces, k->in_list, np * sizeof *k->in_list);
     return 1;
@@ -1784,8 +1836,7 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
         if (h->type != F_HELLO || h->length != KV_TOKEN_BYTES)
             return BAD_FRAME();
         k->peer_datav = (h->flags & F_FLAG_DATAV) != 0; /* old peers send 0: DATA only */
-        k->peer_read2d = (h->flags & F_FLAG_READ2D) != 0;
-        k->peer_readv = (h->flags & F_FLAG_READV) != 0;
+        k->peer_reads = h->flags & F_READ_KINDS;
         k->in_type = F_HELLO;
         k->in_dest = k->hello_token;
         k->in_left = k->in_length = KV_TOKEN_BYTES;
@@ -1798,8 +1849,7 @@ static int on_header(kv_net *n, kv_conn *k, int *sig) {
         if (h->type != F_HELLO_ACK)
             return BAD_FRAME();
         k->peer_datav = (h->flags & F_FLAG_DATAV) != 0;
-        l->peer_read2d = (h->flags & F_FLAG_READ2D) != 0;
-        l->peer_readv = (h->flags & F_FLAG_READV) != 0;
+        l->peer_reads = h->flags & F_READ_KINDS;
         k->state = C_UP;
         if (lease_request(k, now_ns()) < 0)
             return *sig |= fail_conn(n, k, 0), 0;
@@ -1874,8 +1924,7 @@ static int on_payload(kv_net *n, kv_conn *k, int *sig) {
         k->index = l->nconns;
         l->conns[l->nconns++] = k;
         k->link = l;
-        l->peer_read2d = k->peer_read2d;
-        l->peer_readv = k->peer_readv;
+        l->peer_reads = k->peer_reads;
         k->state = C_UP;
         n->npending--;
         kv_frame ack = frame_new(F_HELLO_ACK, F_FLAG_DATAV | READ_FLAGS, 0);
@@ -2807,7 +2856,7 @@ static void tcp_destroy(kv_transport *t) {
 static int tcp_pull_2d(kv_transport *t, const kv_segment *rs, size_t nsegs) {
     kv_net *n = (kv_net *)t;
     kv_link *l = link_find(n, (uint32_t)rs[0].pid);
-    if (!l || l->dead || !l->peer_read2d)
+    if (!l || l->dead || !(l->peer_reads & F_FLAG_READ2D))
         return 0;
     for (size_t i = 0; i < nsegs; i++)
         if (rs[i].rows > 1 && rs[i].len > UINT32_MAX)

@@ -28,7 +28,7 @@ B/s) and the medians of the per-repetition ratios to contiguous. Goal (issue
 12): head-split >= 0.7x.
 
 Each block's head range is one 2-D segment (rows x stride) that the movers,
-TCP DATAV frames and READs of rows, and UCX PUSH2D and PULL_REQ2D messages carry
+TCP DATAV frames and READ(V)s of rows, and UCX PUSH2D and PULL_REQ2D messages carry
 natively (decisions.md #38).
 """
 

@@ -122,6 +122,8 @@ enum { F_HELLO = 1, F_HELLO_ACK, F_DATA, F_ACK, F_ABORT, F_ABORT_ACK, F_READ, F_
 #define F_ROWS 4u      /* READ: rows of `pad` bytes, `total` apart, from `offset`; `offset2` into them */
 #define F_READV_OK 8u  /* HELLO, HELLO_ACK flag: this end serves READV */
 #define F_PIECES 8u    /* RDATA: the answer to a READV */
+#define F_READVR_OK 16u /* HELLO, HELLO_ACK flag: this end serves READVs of rows (READV + F_ROWS) */
+#define F_READS_OK (F_READ2D_OK | F_READV_OK | F_READVR_OK)
 #define MAX_ROWS 1024u /* rows one READ of rows may span (kv_tcp.c KV_MAX_PIECES) */
 #define MAX_PIECES 1024u /* pieces of one DATAV */
 typedef struct {
@@ -734,7 +736,7 @@ static int hello_send(pconn *c, const uint8_t *tok, int split) {
     fr h = mkf(F_HELLO, 0, 0);
     h.length = 32;
     if (chance(20)) { /* only type, length and the DATAV flag matter */
-        h.flags = (uint16_t)(rnd() & ~(uint64_t)(F_DATAV_OK | F_READ2D_OK | F_READV_OK)); /* DATA, READ only */
+        h.flags = (uint16_t)(rnd() & ~(uint64_t)(F_DATAV_OK | F_READS_OK)); /* DATA, READ only */
         h.status = (uint32_t)rnd();
         h.xfer = rnd();
         h.offset2 = rnd();
@@ -745,7 +747,7 @@ static int hello_send(pconn *c, const uint8_t *tok, int split) {
 }
 
 static void expect_hello_ack(pconn *c) {
-    fr h, want = mkf(F_HELLO_ACK, F_DATAV_OK | F_READ2D_OK | F_READV_OK, 0);
+    fr h, want = mkf(F_HELLO_ACK, F_DATAV_OK | F_READS_OK, 0);
     CHECK_EQ(pc_frame(c, &h), 1);
     if (!fr_eq(&h, &want)) {
         fr_print("got", &h);
@@ -1069,9 +1071,11 @@ static uint64_t m_header(msess *s, mconn *k, fr *h) {
             h->region2 == 0 || h->region2 > MAX_PIECES || h->region2 > h->length || h->offset || h->offset2)
             return m_bad(s), 0;
         return m_list_next(k, h);
-    case F_READV: /* on_readv: the list is read whole, then checked (m_readv_done) */
+    case F_READV: /* on_readv: the list is read whole, then checked (m_readv_done); of rows
+                   * (F_ROWS): rows of `pad` bytes, `total` apart */
         if (h->length == 0 || h->length > MAX_FRAME || h->region2 < 2 || h->region2 > MAX_PIECES ||
-            h->region2 > h->length || h->offset || h->offset2 > UINT32_MAX || h->pad)
+            h->region2 > h->length || h->offset || h->offset2 > UINT32_MAX ||
+            ((h->flags & F_ROWS) ? h->pad == 0 || h->total < h->pad : h->pad != 0))
             return m_bad(s), 0;
         return m_list_next(k, h);
     case F_RDATA:
@@ -1241,18 +1245,41 @@ static uint64_t m_payload(msess *s, mconn *k, const uint8_t *p, uint64_t n) {
     return 0;
 }
 
+/* rows_fit: every piece whole rows of `rl` bytes, `st` apart, the last row of each
+ * inside a region of rlen bytes, at most MAX_ROWS rows in all, adding up to exactly
+ * the frame's length; computed here in 128 bits (no overflow to guard against). */
+static int m_rows_fit(const mconn *k, uint64_t rlen, uint64_t rl, uint64_t st) {
+    unsigned __int128 sum = 0, rows = 0;
+    for (uint32_t i = 0; i < k->vh.region2; i++) {
+        const piece *p = &k->list[i];
+        if (p->len == 0 || p->len % rl)
+            return 0;
+        uint64_t m = p->len / rl;
+        if ((unsigned __int128)p->offset + (unsigned __int128)(m - 1) * st + rl > rlen)
+            return 0;
+        sum += p->len;
+        rows += m;
+    }
+    return rows <= MAX_ROWS && sum == k->vh.length;
+}
+
 /* on_readv_list: RERR if the region is not exported; else the pieces checked as a
- * DATAV's, and one RDATA of them (F_PIECES) expected, gathered in order. */
+ * DATAV's (or as rows: m_rows_fit), and one RDATA of them (F_PIECES) expected,
+ * gathered in order. */
 static uint64_t m_readv_done(msess *s, mconn *k, uint8_t *base, uint8_t *shadow, uint64_t rlen) {
     const fr *h = &k->vh;
+    int rows = (h->flags & F_ROWS) != 0;
+    uint64_t rl = h->pad, st = h->total;
     if (!rlen)
         return m_read_refused(k, h);
-    if (!m_pieces_fit(k, rlen))
+    if (rows ? !m_rows_fit(k, rlen, rl, st) : !m_pieces_fit(k, rlen))
         return m_bad(s), 0;
     uint64_t sum = 0, lo = UINT64_MAX, hi = 0;
     for (uint32_t i = 0; i < h->region2; i++) {
-        lo = k->list[i].offset < lo ? k->list[i].offset : lo;
-        hi = k->list[i].offset + k->list[i].len > hi ? k->list[i].offset + k->list[i].len : hi;
+        const piece *p = &k->list[i];
+        uint64_t end = rows ? p->offset + (p->len / rl - 1) * st + rl : p->offset + p->len;
+        lo = p->offset < lo ? p->offset : lo;
+        hi = end > hi ? end : hi;
     }
     CHECK(k->nsv < SV_MAX);
     mserve *v = &k->sv[k->nsv++];
@@ -1267,8 +1294,11 @@ static uint64_t m_readv_done(msess *s, mconn *k, uint8_t *base, uint8_t *shadow,
     v->snap = xmalloc((size_t)h->length);
     sum = 0;
     for (uint32_t i = 0; i < h->region2; i++) {
-        memcpy(v->snap + sum, shadow + k->list[i].offset, (size_t)k->list[i].len);
-        sum += k->list[i].len;
+        const piece *p = &k->list[i];
+        for (uint64_t r = 0, m = rows ? p->len / rl : 1; r < m; r++) {
+            memcpy(v->snap + sum, shadow + p->offset + r * st, (size_t)(rows ? rl : p->len));
+            sum += rows ? rl : p->len;
+        }
     }
     return 0;
 }
@@ -1457,7 +1487,7 @@ static void sess_connect_g(msess *s, int wait_ack, int grant) {
     CHECK(hello_send(&k->pc, s->l->tok, chance(10)));
     s->l->bound = 1;
     s->nconns++;
-    m_expect(k, mkf(F_HELLO_ACK, F_DATAV_OK | F_READ2D_OK | F_READV_OK, 0));
+    m_expect(k, mkf(F_HELLO_ACK, F_DATAV_OK | F_READS_OK, 0));
     if (grant)
         CHECK(lease_send(s, k, ns_now()));
     if (wait_ack)
@@ -1925,6 +1955,33 @@ static fr gen_readv(msess *s, piece *list, size_t *np) {
     f.offset2 = below((uint64_t)UINT32_MAX + 1);
     uint64_t n = 2 + below(7), len = n + below(3 * 4096);
     gen_pieces(list, n, len, 4096);
+    if (chance(40)) { /* of rows: 1..96 bytes, up to 160 more apart, 1..200 rows a piece */
+        uint64_t rl = 1 + below(96), st = rl + below(160);
+        f.flags = F_ROWS;
+        f.pad = (uint32_t)rl;
+        f.total = st;
+        len = 0;
+        for (uint64_t i = 0; i < n; i++) {
+            uint64_t m = 1 + below(200), span = (m - 1) * st + rl;
+            list[i].len = m * rl;
+            list[i].offset = chance(10) ? EXP_LEN - span : below(EXP_LEN - span + 1);
+            len += list[i].len;
+        }
+        if (chance(30)) {
+            piece *p = &list[below(n)];
+            switch (below(6)) {
+            case 0: p->len += 1 + below(rl > 1 ? rl - 1 : 1); len = 0; break; /* not whole rows */
+            case 1: p->offset += 1 + below(st); break;                       /* the last row past the end */
+            case 2: f.pad = 0; break;
+            case 3: f.total = below(rl); break;                               /* stride < row */
+            case 4: p->len = rl * (1025 + below(4)); p->offset = 0; f.total = rl; break; /* > 1024 rows */
+            default: f.total = UINT64_MAX - below(4); break;                  /* huge stride */
+            }
+            if (!len)
+                for (uint64_t i = 0; i < n; i++)
+                    len += list[i].len;
+        }
+    }
     f.length = len;
     f.region2 = (uint32_t)n;
     *np = (size_t)n;
@@ -2595,7 +2652,7 @@ static peer *peer_open3(int nc, int small_rcvbuf, int client, uint64_t win, int 
             CHECK_EQ(kv_tcp_conn_add(g_core, cfd, p->l->id), KV_LLM_SUCCESS);
         }
         for (int i = 0; i < nc; i++) {
-            fr h, want = mkf(F_HELLO, F_DATAV_OK | F_READ2D_OK | F_READV_OK, 0);
+            fr h, want = mkf(F_HELLO, F_DATAV_OK | F_READS_OK, 0);
             want.length = 32;
             CHECK_EQ(pc_frame(&p->c[i], &h), 1);
             CHECK(fr_eq(&h, &want));

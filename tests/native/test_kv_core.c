@@ -2067,6 +2067,19 @@ static uint64_t readvs_of(const uint64_t *w, size_t n, uint64_t chunk) {
     return readvs;
 }
 
+/* b runs pull `job` of the n segments `w` (`words` each): it succeeds with `total` bytes,
+ * and `dst` (N bytes) is then `want`. */
+static void pull_exact(kv_core *b, uint64_t job, const uint64_t *w, size_t n, size_t words, uint64_t total,
+                       const uint8_t *dst, const uint8_t *want, uint64_t N) {
+    int done;
+    uint64_t nb;
+    CHECK_EQ(kv_core_submit_job(b, job, w, n, words, 0, 0, 0, &done, &nb), KV_LLM_SUCCESS);
+    kv_completion cp = wait_one(b, job);
+    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
+    CHECK_EQ(cp.nbytes, total);
+    CHECK(memcmp(dst, want, (size_t)N) == 0);
+}
+
 /* b pulls n (<= 2048) random segments (1 KiB..3 KiB, some back to back, one longer than a chunk, one
  * of another region of the peer) of `src` (its regions rr_src and rr_other, at `other`)
  * into `dst` (its region rb_dst): byte-exact; returns the READVs it sent. */
@@ -2093,14 +2106,95 @@ static uint64_t pull_pieces(kv_core *b, uint64_t job, uint32_t rr_src, uint32_t 
         total += len;
     }
     uint64_t before = stats(b).tcp_readv;
-    int done;
-    uint64_t nb;
-    CHECK_EQ(kv_core_submit(b, job, w, n, 0, &done, &nb), KV_LLM_SUCCESS);
-    kv_completion cp = wait_one(b, job);
-    CHECK_EQ(cp.status, KV_LLM_SUCCESS);
-    CHECK_EQ(cp.nbytes, total);
-    CHECK(memcmp(dst, want, (size_t)N) == 0);
+    pull_exact(b, job, w, n, KV_SEG_WORDS, total, dst, want, N);
     return stats(b).tcp_readv - before;
+}
+
+/* The READVs (and, in *row_reads, the READs of rows) a pull of the n 2-D segments `w`
+ * sends, chunk `chunk`, to a peer that serves (`kinds`) READ2D, READV and READVs of rows
+ * (2), all but READVs of rows (1) or none of them (0: rows one by one): as readv_claim
+ * groups them. */
+static uint64_t readv_rows_of(const uint64_t *w, size_t n, uint64_t chunk, int kinds, uint64_t *row_reads) {
+    uint64_t readvs = 0;
+    int vr = kinds == 2;
+    *row_reads = 0;
+    if (kinds == 0)
+        return 0;
+    for (size_t i = 0; i < n;) {
+        const uint64_t *s0 = w + i * KV_SEG2_WORDS;
+        int rows = s0[5] > 1;
+        size_t j = i;
+        uint64_t bytes = 0, nrows = 0;
+        while ((vr || !rows) && j < n && j - i < 1024) {
+            const uint64_t *s = w + j * KV_SEG2_WORDS;
+            if (s[0] != s0[0] || s[4] * s[5] > chunk - bytes)
+                break;
+            if (rows ? s[5] < 2 || s[4] != s0[4] || s[6] != s0[6] || s[5] > 1024 - nrows || s[5] > 1023 : s[5] > 1)
+                break;
+            bytes += s[4] * s[5];
+            nrows += s[5];
+            j++;
+        }
+        if (j - i >= 2) {
+            readvs++;
+            *row_reads += (uint64_t)rows;
+            i = j;
+        } else {
+            if (rows) { /* READs of rows: read_unit bytes each */
+                uint64_t u = s0[4] * 1023 < chunk ? s0[4] * 1023 : chunk;
+                *row_reads += (s0[4] * s0[5] + u - 1) / u;
+            }
+            i++;
+        }
+    }
+    return readvs;
+}
+
+/* b pulls n (<= 180) 2-D segments of `src` (its regions rr_src and rr_other, at `other`)
+ * into `dst` (its region rb_dst) from a peer serving `kinds` (readv_rows_of), head-split shaped (16 rows of 1000 bytes, 2000 apart
+ * there; back to back or 24 bytes apart here), with segments of another row length,
+ * of another stride, 1-D, of many one-byte rows (up to KV_MAX_PIECES rows a READV),
+ * longer than a chunk and of another region among them: byte-exact, the READVs and
+ * READs of rows as readv_rows_of counts them (chunk 256 KiB); returns the READVs. */
+static uint64_t pull_row_pieces(kv_core *b, uint64_t job, uint32_t rr_src, uint32_t rr_other, uint32_t rb_dst,
+                                const uint8_t *src, const uint8_t *other, uint8_t *dst, uint8_t *want, uint64_t N,
+                                uint64_t *w, size_t n, int kinds) {
+    memset(dst, 0x5A, (size_t)N);
+    memcpy(want, dst, (size_t)N);
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t len = 1000, rows = 16, ss = 2000, ds = i % 3 ? 1000 : 1024;
+        uint64_t so = (i * 63352) % (N - MiB), dof = i * 36 * KiB + (i % 5);
+        uint32_t reg = rr_src;
+        if (i % 37 == 5)
+            len = 999;
+        if (i % 41 == 7)
+            ss = 2048;
+        if (i % 43 == 9 || i % 43 == 10)
+            rows = 1;
+        if (i >= 100 && i < 130) { /* one-byte rows: 1024 rows of them a READV at most */
+            len = 1;
+            rows = 100;
+            ss = 3;
+            ds = i % 2 ? 1 : 2;
+        }
+        if (i == n / 2) { /* longer than a chunk: READs of rows */
+            rows = 300;
+            ds = 1024;
+            dof = 7 * MiB;
+        }
+        if (i == n / 3) /* another region of the peer: the READV before it ends there */
+            reg = rr_other;
+        seg2(w + i * KV_SEG2_WORDS, reg, so, rb_dst, dof, len, rows, ss, rows > 1 ? ds : len);
+        model2(want, reg == rr_src ? src : other, w + i * KV_SEG2_WORDS);
+        total += len * rows;
+    }
+    uint64_t before = stats(b).tcp_readv, reads = stats(b).tcp_row_reads, want_reads;
+    pull_exact(b, job, w, n, KV_SEG2_WORDS, total, dst, want, N);
+    uint64_t readvs = stats(b).tcp_readv - before;
+    CHECK_EQ(readvs, readv_rows_of(w, n, 256 * KiB, kinds, &want_reads));
+    CHECK_EQ(stats(b).tcp_row_reads - reads, want_reads);
+    return readvs;
 }
 
 static void test_tcp_2d(void) {
@@ -2190,6 +2284,10 @@ static void test_tcp_2d(void) {
     uint64_t rv = pull_pieces(b, 6, rr_src, rr_dst, rb_dst, asrc, adst, bdst, want, N, w, NB);
     CHECK_EQ(rv, readvs_of(w, NB, 256 * KiB));
     CHECK(rv >= 10);
+    /* 2-D pulls of many small segments: READVs of rows */
+    uint64_t *w2 = malloc(180 * KV_SEG2_WORDS * sizeof *w2);
+    CHECK(w2 != NULL);
+    CHECK(pull_row_pieces(b, 8, rr_src, rr_dst, rb_dst, asrc, adst, bdst, want, N, w2, 180, 2) >= 10);
     /* from a peer that does not announce READ2D (an older build): the same pulls, one READ a row */
     kv_core *c2 = mk(1, 256 * KiB);
     kv_test_no_read2d = 1;
@@ -2216,12 +2314,26 @@ static void test_tcp_2d(void) {
     uint32_t rc_other = add_region(c2, KV_REGION_LOCAL, 0, adst, N, KV_REGION_F_EXPORT), rr3 = 0;
     CHECK_EQ(kv_region_add(a, KV_REGION_TCP, 7, rc_other, N, 0, &rr3), KV_LLM_SUCCESS);
     CHECK_EQ(pull_pieces(a, 2, rr2, rr3, ra_cdst, asrc, adst, cdst, want, N, w, NB), 0);
+    CHECK_EQ(pull_row_pieces(a, 3, rr2, rr3, ra_cdst, asrc, adst, cdst, want, N, w2, 180, 0), 0);
+    /* from a peer that serves READ2D and READV but not READVs of rows: READVs of 1-D segments only */
+    kv_core *c3 = mk(1, 256 * KiB);
+    kv_test_no_read2d = 2;
+    tcp_pair(c3, a, 8, 2, 0, 2000, 50);
+    kv_test_no_read2d = 0;
+    uint32_t rc3_src = add_region(c3, KV_REGION_LOCAL, 0, asrc, N, KV_REGION_F_EXPORT);
+    uint32_t rc3_other = add_region(c3, KV_REGION_LOCAL, 0, adst, N, KV_REGION_F_EXPORT), rr4 = 0, rr5 = 0;
+    CHECK_EQ(kv_region_add(a, KV_REGION_TCP, 8, rc3_src, N, 0, &rr4), KV_LLM_SUCCESS);
+    CHECK_EQ(kv_region_add(a, KV_REGION_TCP, 8, rc3_other, N, 0, &rr5), KV_LLM_SUCCESS);
+    CHECK(pull_row_pieces(a, 4, rr4, rr5, ra_cdst, asrc, adst, cdst, want, N, w2, 180, 1) >= 1);
+    CHECK(pull_pieces(a, 5, rr4, rr5, ra_cdst, asrc, adst, cdst, want, N, w, NB) >= 10);
     /* a 2-D push out of a's region is refused at submit, nothing sent */
     seg2(w, rb_src, 0, rr_dst, N - 100, 100, 2, 100, 100);
     CHECK_EQ(submit2(b, 4, w, 1, 0, &done, &nb), KV_LLM_PARAM_INVALID);
     CHECK_EQ(stats(a).tcp_bad_frames, 0);
     CHECK_EQ(stats(b).tcp_links_failed, 0);
     free(w);
+    free(w2);
+    kv_core_free(c3);
     kv_core_free(c2);
     kv_core_free(b);
     kv_core_free(a);
