@@ -1730,8 +1730,8 @@ static int on_readv(kv_net *n, kv_conn *k, int *sig) {
     kv_frame *h = &k->in_header;
     int rows = (h->flags & F_FLAG_ROWS) != 0;
     if (h->length == 0 || h->length > KV_MAX_FRAME || h->region2 < 2 || h->region2 > KV_MAX_PIECES ||
-        h->region2 > h->length || h->offset || h->offset2 > UINT32_MAX || (rows ? h->pad == 0 || h->total < h->pad : h->pad != 0) ||
-        k->serve_count >= KV_MAX_SERVE)
+        h->region2 > h->length || h->offset || h->offset2 > UINT32_MAX ||
+        (rows ? h->pad == 0 || h->total < h->pad : h->pad != 0) || k->serve_count >= KV_MAX_SERVE)
         return BAD_FRAME();
     return list_next(n, k, sig);
 }
