@@ -81,6 +81,7 @@ cdef extern from "kv_core.h" nogil:
         uint64_t tcp_row_reads
         uint64_t tcp_readv
         uint64_t ucx_row_pulls
+        uint64_t ucx_pullv
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)
@@ -120,6 +121,7 @@ cdef extern from "kv_core.h" nogil:
     uint32_t kv_ucx_address(kv_core *core, unsigned char *out, size_t *len)
     int KV_UCX_TOKEN
     unsigned KV_UCX_PEER_PULL2D
+    unsigned KV_UCX_PEER_PULLV
     uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id)
     uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const unsigned char *addr, size_t len,
                              const unsigned char *rx_token, const unsigned char *tx_token,

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from . import channels, control, kernel
 from .control import ProtocolError
 from .channels import SeqpacketChannel, StreamChannel
+from .dataplane import UCX_SERVES, ucx_peer_serves
 from .handshake import NO_SECRET_MSG, hello_problem, is_hex, is_ucx_address, peer_process, ucx_for_auto
 from .link import Detached, Link, TaskSet
 from .links import LinkManager
@@ -93,7 +94,7 @@ class _Joining:
     """A client that authenticated on TCP (attach) and was given a one-time join token
     for the Unix socket (local/shm), or whose TCP link is being set up."""
 
-    __slots__ = ("cluster_id", "transport", "streams", "peer_token", "incarnation", "expiry")
+    __slots__ = ("cluster_id", "transport", "streams", "peer_token", "incarnation", "expiry", "peer_serves")
 
     def __init__(self, cluster_id: int, transport: str, streams: int, peer_token: str, incarnation: str) -> None:
         self.cluster_id = cluster_id
@@ -102,6 +103,7 @@ class _Joining:
         self.peer_token = peer_token
         self.incarnation = incarnation
         self.expiry: asyncio.TimerHandle | None = None
+        self.peer_serves = (False, False)   # ucx: the pulls the client answers (ucx_peer_serves)
 
 
 class Acceptor:
@@ -315,10 +317,11 @@ class Acceptor:
                 self._links.release(cid)
                 return reject(S.LLM_LINK_FAILED, "malformed attach: bad 'ucx'" if not st else
                               f"no UCX worker here (status {st:#x})")
-            # the client's worker address and token (what our messages to it carry), and whether
-            # it answers pulls of rows (engines before it omit "ucx_pull2d"), for _attach_tcp
-            joining.peer_token = f"{msg['ucx']}:{msg['ucx_token']}:{int(msg.get('ucx_pull2d') is True)}"
-            return {"t": "attached", "ucx": address.hex(), "ucx_pull2d": True,
+            # the client's worker address and token (what our messages to it carry), and which
+            # pulls it answers (ucx_peer_serves), for _attach_tcp
+            joining.peer_token = msg["ucx"] + ":" + msg["ucx_token"]
+            joining.peer_serves = ucx_peer_serves(msg)
+            return {"t": "attached", "ucx": address.hex(), **UCX_SERVES,
                     "ucx_token": secrets.token_hex(_native.UCX_TOKEN)}, joining
         if transport == "tcp":
             return {"t": "attached", "data_port": self._data_port,
@@ -345,9 +348,9 @@ class Acceptor:
         try:
             link = Link(cid, ch, joining.transport, 0, "", "", incarnation=joining.incarnation)
             if joining.transport == "ucx":
-                address, tx, pull2d = joining.peer_token.split(":")
+                address, tx = joining.peer_token.split(":")
                 self._links.data.add_ucx_link(link, bytes.fromhex(address), bytes.fromhex(attached["ucx_token"]),
-                                              bytes.fromhex(tx), pull2d == "1")
+                                              bytes.fromhex(tx), joining.peer_serves)
             else:
                 self._links.data.add_data_link(link, data_token, streams)
             async with asyncio.timeout(self._options.link_timeout):

@@ -23,7 +23,7 @@ from .native import _native
 from .status import LLMStatusCode as S, to_status
 from .options import EngineOptions
 
-__all__ = ["DataPlane"]
+__all__ = ["DataPlane", "UCX_SERVES", "ucx_peer_serves"]
 
 log = logging.getLogger("kvengine")
 
@@ -32,6 +32,17 @@ UCX_TCP_WARNING = (
     "reaches its listening port, below kvengine's checks, so any host that can reach it can write "
     "into this process (docs/security.md, 'UCX links'); use it only on a network where every host "
     "is trusted. Without UCX_TLS, kvengine leaves UCX's tcp transport out")
+
+# What this engine's UCX transport answers, announced in attach and attached: pulls of a head
+# range's rows (PULL_REQ2D) and of many small segments (PULL_REQV). Older engines omit the keys.
+UCX_SERVES = {"ucx_pull2d": True, "ucx_pullv": True}
+
+
+def ucx_peer_serves(msg: dict[str, object]) -> tuple[bool, bool]:
+    """What the peer's attach or attached message says its UCX transport answers:
+    (PULL_REQ2D, PULL_REQV), for add_ucx_link."""
+    return msg.get("ucx_pull2d") is True, msg.get("ucx_pullv") is True
+
 
 # Native failure counters, and what each one tells the operator when a link fails.
 _DOWN_HINTS = {
@@ -108,18 +119,19 @@ class DataPlane:
         return st, address
 
     def add_ucx_link(self, link: Link, peer_address: bytes, rx_token: bytes, tx_token: bytes,
-                     peer_pull2d: bool = False) -> None:
+                     peer_serves: tuple[bool, bool] = (False, False)) -> None:
         """Declare the link's UCX endpoint to the peer's worker: the peer's messages must
         carry ``rx_token``, ours carry ``tx_token`` (both exchanged on the authenticated
         control channel). Lease, fence and margin as for tcp links (0.4, 0.5, 0.05 of
         heartbeat_timeout): an aborted push whose ABORT_ACK does not come within the
         fence fails the link, and the peer writes our pushes only under our lease.
-        ``peer_pull2d``: the peer said it answers pulls of rows (PULL_REQ2D)."""
+        ``peer_serves``: what the peer said it answers (ucx_peer_serves): pulls of rows
+        (PULL_REQ2D), pulls of many small segments (PULL_REQV)."""
         link.tcp_id = next(self._ids)
         hbt = self._options.heartbeat_timeout
         st = self._core.ucx_link_add(link.tcp_id, peer_address, rx_token, tx_token,
                                      self._options.tcp_window_bytes, fence=0.5 * hbt, lease=0.4 * hbt,
-                                     margin=0.05 * hbt, peer_pull2d=peer_pull2d)
+                                     margin=0.05 * hbt, peer_pull2d=peer_serves[0], peer_pullv=peer_serves[1])
         if st:
             raise ProtocolError(f"cannot reach the peer's UCX worker (status {st:#x})")
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from . import channels, control, kernel
 from .control import ProtocolError
+from .dataplane import UCX_SERVES, ucx_peer_serves
 from .channels import SeqpacketChannel, StreamChannel
 from .link import Link
 from .links import LinkManager
@@ -219,7 +220,7 @@ class Dialer:
                     attach["ucx"] = address.hex()
                     ucx_rx = secrets.token_bytes(_native.UCX_TOKEN)   # what the server's messages carry
                     attach["ucx_token"] = ucx_rx.hex()
-                    attach["ucx_pull2d"] = True   # we answer PULL_REQ2D (pulls of a head range's rows)
+                    attach.update(UCX_SERVES)   # the pulls we answer (PULL_REQ2D, PULL_REQV)
                 await tcp.send(attach)
                 a = await _reply(tcp, "attach")
                 if a["t"] != "attached":
@@ -230,7 +231,7 @@ class Dialer:
                     link = Link(cid, tcp, transport, 0, "", info.address, incarnation=str(inc))
                     tcp = None
                     self._links.data.add_ucx_link(link, bytes.fromhex(a["ucx"]), ucx_rx,   # before the tables
-                                                  bytes.fromhex(a["ucx_token"]), a.get("ucx_pull2d") is True)
+                                                  bytes.fromhex(a["ucx_token"]), ucx_peer_serves(a))
                     status = await self._links.establish(link, True)
                 elif transport == "tcp":
                     if not int_in(a.get("data_port"), 1, 65535) or \

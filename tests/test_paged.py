@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import kvengine as kv
 from kvengine import LLMStatusCode as S, plan, status
 from kvengine._peer import PeerProcess, fill_pattern, row_digests
+from kvengine.native import _native
 from kvengine.types import CacheDesc, DataType, KvCacheExtParam as Ext
 
 ParamInvalid = status.LLMParamInvalidError
@@ -175,8 +176,10 @@ async def test_invalid_tables_move_no_byte():
         assert p.stats()["native"]["jobs_submitted"] == 0
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "ucx"])
 async def test_paged_push_and_pull_byte_exact_across_processes(transport):
+    if transport == "ucx" and not _native.UCX:
+        pytest.skip("kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild")
     pool, blk, tensors = 96, (16, 2, 32), 8       # 2 KiB blocks
     desc = CacheDesc(tensors, (pool, *blk), np.float16)
     peer = await PeerProcess.start(cluster_id=2, secret=SECRET, transport=transport)
@@ -206,15 +209,17 @@ async def test_paged_push_and_pull_byte_exact_across_processes(transport):
                         want[t][d] = srows[t][s]
             assert (await peer.call("digest", cache_id=dst))["rows"] == want
             # and pulled back, as a decode engine pulls a prefill's blocks: a random table
-            # into a cache here; over tcp its blocks go as READVs of many blocks each
+            # into a cache here; its blocks go as READVs of many blocks each over tcp, as
+            # PULL_REQVs over ucx
             back = e.allocate_cache(desc)
-            readvs = e.stats()["native"]["tcp_readv"]
+            readvs, pullvs = e.stats()["native"]["tcp_readv"], e.stats()["native"]["ucx_pullv"]
             assert await e.pull_kv_blocks(kv.BlocksCacheKey(2, dst), back, db1, sb1, timeout=30) == S.LLM_SUCCESS
             brows = row_digests(back.tensors)
             assert [[brows[t][s] for s in sb1.tolist()] for t in range(tensors)] == \
                 [[srows[t][s] for s in sb1.tolist()] for t in range(tensors)]
             assert all(not back.tensors[t][np.setdiff1d(np.arange(pool), sb1)].any() for t in range(tensors))
             assert (e.stats()["native"]["tcp_readv"] > readvs) == (transport == "tcp")
+            assert (e.stats()["native"]["ucx_pullv"] > pullvs) == (transport == "ucx")
     finally:
         await peer.close()
 

@@ -51,8 +51,8 @@ typedef struct kv_ucx kv_ucx;
 
 /* The header check, without UCX: a pure function of the header, the payload
  * length and this core's region table (caller holds c->lock). */
-uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, uint64_t data_len, kv_ucx_hdr2d *out,
-                      uint64_t *addr) {
+uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, const void *data, uint64_t data_len,
+                      kv_ucx_hdr2d *out, uint64_t *addr) {
     kv_ucx_hdr2d g;
     kv_ucx_hdr h;
     if (!hdr || hdr_len < sizeof h)
@@ -87,6 +87,12 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, uint64_t data
         if (h.len == 0 || data_len != 0 || h.len > KV_UCX_MAX_PULL2D)
             return KV_LLM_PARAM_INVALID;
         break;
+    case KV_UCX_PULL_REQV: /* its list, checked below once the region is known; offset 0 */
+        if (h.len == 0 || h.len > KV_UCX_MAX_PULL2D || h.offset || !data || data_len % sizeof(kv_ucx_piece) ||
+            data_len < 2 * sizeof(kv_ucx_piece) || data_len > KV_UCX_MAX_PIECES * sizeof(kv_ucx_piece))
+            return KV_LLM_PARAM_INVALID;
+        extent = 0;
+        break;
     case KV_UCX_PULL_DATA:
         return h.len != 0 && h.len == data_len && h.region == 0 ? KV_LLM_SUCCESS : KV_LLM_PARAM_INVALID;
     case KV_UCX_ACK:
@@ -110,6 +116,18 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, uint64_t data
         return KV_LLM_KV_CACHE_NOT_EXIST;
     if (h.offset > rg->len || extent > rg->len - h.offset)
         return KV_LLM_PARAM_INVALID;
+    if (h.type == KV_UCX_PULL_REQV) { /* every piece inside the region, none empty, adding up to len */
+        uint64_t sum = 0;
+        for (uint64_t i = 0; i < data_len / sizeof(kv_ucx_piece); i++) {
+            kv_ucx_piece p;
+            memcpy(&p, (const uint8_t *)data + i * sizeof p, sizeof p); /* UCX's buffer need not be aligned */
+            if (p.len == 0 || p.offset > rg->len || p.len > rg->len - p.offset || p.len > h.len - sum)
+                return KV_LLM_PARAM_INVALID;
+            sum += p.len;
+        }
+        if (sum != h.len)
+            return KV_LLM_PARAM_INVALID;
+    }
     *addr = rg->addr + h.offset;
     return KV_LLM_SUCCESS;
 }
@@ -274,6 +292,8 @@ typedef struct ucx_pull {
     uint32_t region;     /* our destination region (its memh) */
     int receiving;       /* a rendezvous receive into dst is in progress */
     struct ucx_pull *next;
+    uint32_t npieces;    /* a PULL_REQV's: the answer lands in these, in order (offset: our address) */
+    kv_ucx_piece pieces[];
 } ucx_pull;
 
 /* A push we are the target of (per link, by the pusher's job id). */
@@ -296,6 +316,7 @@ struct ucx_link {
     int shm_am;           /* the endpoint has a shared-memory transport (its AM lane) */
     int shm_zc;           /* ...and a zero-copy one for rendezvous (cma, knem, xpmem): UCX_SHM_ZC_EAGER_MAX */
     int peer_pull2d;      /* the peer answers PULL_REQ2D (KV_UCX_PEER_PULL2D): ucx_pull_2d */
+    int peer_pullv;       /* the peer answers PULL_REQV (KV_UCX_PEER_PULLV) */
     ucp_ep_h ep;
     uint64_t peer_uid;    /* the peer's worker (its address's uid): an endpoint parked for it is reused */
     uint8_t rx_token[KV_UCX_TOKEN]; /* what the peer's headers must carry */
@@ -797,18 +818,21 @@ static void ctl_done(void *request, ucs_status_t status, void *user_data) {
     ucp_request_free(request);
 }
 
-/* Send a message without payload (ACK, ABORT, ABORT_ACK, PULL_REQ, PULL_REQ2D) on
- * `l`: a PULL_REQ2D's rows of `row_len` bytes, `stride` apart at the source (else
- * both 0). Caller holds c->lock; ucp_am_send_nbx calls nothing back here. Returns 0,
- * or -1 if it could not be sent (the link is failing). */
-static int send_ctl2d(ucx_link *l, uint32_t type, uint64_t job, uint32_t region, uint64_t offset, uint64_t len,
-                      uint64_t tag, uint64_t row_len, uint64_t stride) {
+/* Send a message without payload (ACK, ABORT, ABORT_ACK, PULL_REQ, PULL_REQ2D), or a
+ * PULL_REQV, on `l`: a PULL_REQ2D's rows of `row_len` bytes, `stride` apart at the
+ * source (else both 0); a PULL_REQV's list, eager after its header: the offsets and
+ * lengths there of the `m` 1-D segments `segs` (else m 0). Caller holds c->lock;
+ * ucp_am_send_nbx calls nothing back here. Returns 0, or -1 if it could not be sent
+ * (the link is failing). */
+static int send_req(ucx_link *l, uint32_t type, uint64_t job, uint32_t region, uint64_t offset, uint64_t len,
+                    uint64_t tag, uint64_t row_len, uint64_t stride, const kv_segment *segs, size_t m) {
     if (l->dead || !l->ep)
         return -1;
-    kv_ucx_hdr2d *g = calloc(1, sizeof *g);
+    kv_ucx_hdr2d *g = calloc(1, sizeof *g + m * sizeof(kv_ucx_piece));
     if (!g)
         return -1;
     kv_ucx_hdr *h = &g->h;
+    kv_ucx_piece *list = (kv_ucx_piece *)(g + 1);
     memcpy(h->token, l->tx_token, KV_UCX_TOKEN);
     h->type = type;
     h->region = region;
@@ -818,11 +842,15 @@ static int send_ctl2d(ucx_link *l, uint32_t type, uint64_t job, uint32_t region,
     h->tag = tag;
     g->row_len = row_len;
     g->dst_stride = stride;
+    for (size_t i = 0; i < m; i++) {
+        list[i].offset = segs[i].src;
+        list[i].len = segs[i].len;
+    }
     ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                              UCP_OP_ATTR_FIELD_FLAGS,
                              .cb.send = ctl_done, .user_data = g, .flags = UCP_AM_SEND_FLAG_EAGER};
-    ucs_status_ptr_t r =
-        ucp_am_send_nbx(l->ep, UCX_AM_ID, g, type == KV_UCX_PULL_REQ2D ? sizeof *g : sizeof *h, NULL, 0, &p);
+    ucs_status_ptr_t r = ucp_am_send_nbx(l->ep, UCX_AM_ID, g, type == KV_UCX_PULL_REQ2D ? sizeof *g : sizeof *h,
+                                         m ? list : NULL, m * sizeof *list, &p);
     if (r == NULL) {
         free(g);
         return 0;
@@ -837,7 +865,7 @@ static int send_ctl2d(ucx_link *l, uint32_t type, uint64_t job, uint32_t region,
 /* The same, one of the 64-byte header's messages. */
 static int send_ctl(ucx_link *l, uint32_t type, uint64_t job, uint32_t region, uint64_t offset, uint64_t len,
                     uint64_t tag) {
-    return send_ctl2d(l, type, job, region, offset, len, tag, 0, 0);
+    return send_req(l, type, job, region, offset, len, tag, 0, 0, NULL, 0);
 }
 
 /* A push's data send completed (rendezvous: the target has received it, or
@@ -1672,10 +1700,28 @@ static void *pack_rows(void *out, uint64_t src, uint64_t len, uint64_t row, uint
     return out;
 }
 
+/* The `n` pieces of a PULL_REQV's list (kv_ucx_check checked them in the region at
+ * `base`) packed into `out` in order; returns `out`. */
+static void *pack_pieces(void *out, uint64_t base, const void *list, uint64_t n) {
+    uint8_t *pk = out;
+    for (uint64_t i = 0; i < n; i++) {
+        kv_ucx_piece p;
+        memcpy(&p, (const uint8_t *)list + i * sizeof p, sizeof p);
+        memcpy(pk, (const void *)(uintptr_t)(base + p.offset), p.len);
+        pk += p.len;
+    }
+    return out;
+}
+
 /* A pull's answer (q->len bytes, its rows packed) into place: each row where its
  * request said (ucx_pull row, stride), or in one copy where they are one run. */
 static void pull_land(const ucx_pull *q, const uint8_t *data) {
     uint8_t *d = (uint8_t *)(uintptr_t)q->dst;
+    if (q->npieces) { /* a PULL_REQV's: its pieces in order */
+        for (uint32_t i = 0; i < q->npieces; data += q->pieces[i++].len)
+            memcpy((void *)(uintptr_t)q->pieces[i].offset, data, q->pieces[i].len);
+        return;
+    }
     if (q->stride == q->row) {
         memcpy(d, data, q->len);
         return;
@@ -1903,7 +1949,9 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         ret = UCS_ERR_CANCELED;
         goto out;
     }
-    uint32_t st = kv_ucx_check(c, header, header_length, length, &g, &addr);
+    /* a PULL_REQV's list must be here (eager): a rendezvous one fails the check */
+    const void *list = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV ? NULL : data;
+    uint32_t st = kv_ucx_check(c, header, header_length, list, length, &g, &addr);
     if (st != KV_LLM_SUCCESS) {
         ret = bad(u, l);
         goto out;
@@ -1999,11 +2047,13 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         break;
     }
     case KV_UCX_PULL_REQ:
-    case KV_UCX_PULL_REQ2D: {
+    case KV_UCX_PULL_REQ2D:
+    case KV_UCX_PULL_REQV: {
         /* answer from our region (checked): the peer's tag and job name its request. Rows
-         * apart (PULL_REQ2D; at most KV_UCX_MAX_PULL2D) are packed after the op first,
-         * else the answer goes from the region, which stays referenced until it is sent */
-        int pack = g.dst_stride != g.row_len;
+         * apart (PULL_REQ2D) or pieces (PULL_REQV; at most KV_UCX_MAX_PULL2D) are packed
+         * after the op first, else the answer goes from the region, which stays referenced
+         * until it is sent */
+        int pack = g.dst_stride != g.row_len || h.type == KV_UCX_PULL_REQV;
         ucx_op *op = calloc(1, sizeof *op + (pack ? h.len : 0));
         if (!op) {
             ret = bad(u, l);
@@ -2017,7 +2067,28 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         op->hdr.tag = h.tag;
         op->hdr.len = h.len;
         void *payload = (void *)(uintptr_t)addr;
-        if (pack) {
+        if (h.type == KV_UCX_PULL_REQV) {
+            /* up to a message of pieces (msg_max), packed without c->lock where this callback
+             * took it, so that no other thread of the engine waits for the copy: the region
+             * stays referenced, the link is not reaped meanwhile (link_reap runs on the
+             * worker's holder: us), and it is looked at again after */
+            kv__region_ref(c, h.region);
+            if (own) {
+                u->io_locked = 0;
+                pthread_mutex_unlock(&c->lock);
+            }
+            payload = pack_pieces(op + 1, addr, data, length / sizeof(kv_ucx_piece));
+            if (own) {
+                pthread_mutex_lock(&c->lock);
+                u->io_locked = 1;
+            }
+            kv__region_unref(c, h.region);
+            if (l->dead || l->refused || u->stopped) {
+                free(op);
+                ret = UCS_ERR_CANCELED;
+                break;
+            }
+        } else if (pack) {
             payload = pack_rows(op + 1, addr, h.len, g.row_len, g.dst_stride);
         } else {
             op->region = h.region;
@@ -2157,6 +2228,7 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
         l->lease_ns = m->lease_ns;
         l->margin_ns = m->margin_ns;
         l->peer_pull2d = !!(m->peer_flags & KV_UCX_PEER_PULL2D);
+        l->peer_pullv = !!(m->peer_flags & KV_UCX_PEER_PULLV);
         l->next_tag = 1;
         l->down_event = m->down_event;
         m->down_event = NULL;
@@ -2218,6 +2290,47 @@ static int post_chunks(kv_ucx *u, ucx_link *l) {
     return post_queue(u, l, 0) | post_queue(u, l, 1);
 }
 
+/* `n` more bytes of `j` posted, claimed across its segments; claimed whole, the job
+ * leaves its queue (`head`, `tail`) and is SENT. Returns 1 if the loop must be signalled. */
+static int claim_bytes(kv_ucx *u, kv_job **head, kv_job **tail, ucx_job *j, uint64_t n) {
+    j->posted += n;
+    while (n) {
+        const kv_segment *s = &j->job.segments[j->job.claim_segment];
+        uint64_t t = kv_seg_bytes(s) - j->job.claim_offset;
+        t = t < n ? t : n;
+        j->job.claim_offset += t;
+        n -= t;
+        if (j->job.claim_offset == kv_seg_bytes(s)) {
+            j->job.claim_offset = 0;
+            if (++j->job.claim_segment == j->job.nsegments) {
+                kv__queue_remove(head, tail, &j->job);
+                j->job.state = KV_JS_SENT;
+                return job_maybe_done(u, j);
+            }
+        }
+    }
+    return 0;
+}
+
+/* How many whole 1-D segments of pull `j` from its claim point (at a segment's start)
+ * go in one PULL_REQV: those of one region of the peer and one of ours, at most `cap`
+ * bytes (*bytes, set only then) and KV_UCX_MAX_PIECES of them; 0 unless two or more. */
+static size_t pullv_count(const ucx_job *j, uint64_t cap, uint64_t *bytes) {
+    const kv_segment *segs = j->job.segments;
+    size_t i0 = j->job.claim_segment, i = i0;
+    uint64_t sum = 0;
+    if (j->job.claim_offset)
+        return 0;
+    while (i < j->job.nsegments && i - i0 < KV_UCX_MAX_PIECES && segs[i].rows <= 1 &&
+           segs[i].remote_region == segs[i0].remote_region &&
+           j->job.region_refs[2 * i + 1] == j->job.region_refs[2 * i0 + 1] && segs[i].len <= cap - sum)
+        sum += segs[i++].len;
+    if (i - i0 < 2)
+        return 0;
+    *bytes = sum;
+    return i - i0;
+}
+
 static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
     kv_core *c = u->core;
     kv_job **head = pulls ? &l->pull_head : &l->send_head, **tail = pulls ? &l->pull_tail : &l->send_tail;
@@ -2253,7 +2366,11 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
         ucx_pull *q = NULL;
         int failed = 0;
         if (j->is_pull) {
-            q = calloc(1, sizeof *q);
+            /* a pull's small 1-D segments go several to a PULL_REQV (a message's worth: a
+             * rendezvous costs the same for 256 KiB as for 2 MiB), to a peer that answers it */
+            uint64_t vcap = mm < KV_UCX_MAX_PULL2D ? mm : KV_UCX_MAX_PULL2D;
+            size_t m = l->peer_pullv && s->rows <= 1 ? pullv_count(j, vcap, &n) : 0;
+            q = calloc(1, sizeof *q + m * sizeof(kv_ucx_piece));
             if (!q)
                 break; /* the next round tries again */
             q->tag = l->next_tag++;
@@ -2261,15 +2378,27 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
             q->dst = local;
             q->len = n;
             q->row = q->stride = n;
-            if (rows > 1) { /* the answer's rows land dst_stride apart */
-                q->row = s->len;
-                q->stride = s->dst_stride;
-            }
             q->region = local_region;
-            int two = rows > 1 && s->src_stride != s->len; /* rows apart at the source */
-            c->stats.ucx_row_pulls += (uint64_t)two;
-            if (send_ctl2d(l, two ? KV_UCX_PULL_REQ2D : KV_UCX_PULL_REQ, j->job.record.id, s->remote_region, roff,
-                           n, q->tag, two ? s->len : 0, two ? s->src_stride : 0) != 0) {
+            int sent;
+            if (m) { /* the answer lands in these segments, in order */
+                q->npieces = (uint32_t)m;
+                for (size_t i = 0; i < m; i++) {
+                    q->pieces[i].offset = s[i].dst;
+                    q->pieces[i].len = s[i].len;
+                }
+                c->stats.ucx_pullv++;
+                sent = send_req(l, KV_UCX_PULL_REQV, j->job.record.id, s->remote_region, 0, n, q->tag, 0, 0, s, m);
+            } else {
+                if (rows > 1) { /* the answer's rows land dst_stride apart */
+                    q->row = s->len;
+                    q->stride = s->dst_stride;
+                }
+                int two = rows > 1 && s->src_stride != s->len; /* rows apart at the source */
+                c->stats.ucx_row_pulls += (uint64_t)two;
+                sent = send_req(l, two ? KV_UCX_PULL_REQ2D : KV_UCX_PULL_REQ, j->job.record.id, s->remote_region,
+                                roff, n, q->tag, two ? s->len : 0, two ? s->src_stride : 0, NULL, 0);
+            }
+            if (sent != 0) {
                 free(q);
                 failed = 1;
             } else {
@@ -2340,16 +2469,7 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
             sig |= link_fail(u, l, KV_LLM_LINK_FAILED, 1);
             break;
         }
-        j->posted += n;
-        j->job.claim_offset += n;
-        if (j->job.claim_offset == kv_seg_bytes(s)) {
-            j->job.claim_offset = 0;
-            if (++j->job.claim_segment == j->job.nsegments) {
-                kv__queue_remove(head, tail, &j->job);
-                j->job.state = KV_JS_SENT;
-                sig |= job_maybe_done(u, j);
-            }
-        }
+        sig |= claim_bytes(u, head, tail, j, n);
     }
     return sig;
 }

@@ -64,7 +64,16 @@ static kv_ucx_hdr2d mk2d(uint32_t region, uint64_t off, uint64_t rows, uint64_t 
 static uint32_t check(kv_core *c, const void *h, size_t hl, uint64_t dl, uint64_t *addr) {
     kv_ucx_hdr2d out;
     pthread_mutex_lock(&c->lock);
-    uint32_t st = kv_ucx_check(c, h, hl, dl, &out, addr);
+    uint32_t st = kv_ucx_check(c, h, hl, NULL, dl, &out, addr);
+    pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
+/* ...of a message with payload `data` (a PULL_REQV's list) */
+static uint32_t checkv(kv_core *c, const void *h, size_t hl, const void *data, uint64_t dl, uint64_t *addr) {
+    kv_ucx_hdr2d out;
+    pthread_mutex_lock(&c->lock);
+    uint32_t st = kv_ucx_check(c, h, hl, data, dl, &out, addr);
     pthread_mutex_unlock(&c->lock);
     return st;
 }
@@ -166,6 +175,57 @@ static void test_check(void) {
         memcpy(big, &h, sizeof h);
         CHECK(check(c, big, sizeof big, 8, &addr) != KV_LLM_SUCCESS);
     }
+    /* pulls of pieces (PULL_REQV): a list of 2..1024 pieces, each inside the exported
+     * region, adding up to len (at most KV_UCX_MAX_PULL2D); offset 0; the list there */
+    {
+        static kv_ucx_piece list[KV_UCX_MAX_PIECES + 1];
+        struct {
+            uint64_t len;   /* the header's */
+            size_t np;      /* pieces sent */
+            uint64_t dl;    /* bytes of list (0: np pieces' worth) */
+            int nodata, ok; /* no list given (rendezvous) */
+            uint64_t off0, len0, offset, hl;
+        } pv[] = {
+            {24, 3, 0, 0, 1, 0, 8, 0, 64},                          /* three pieces, one at the region's start */
+            {24, 3, 0, 0, 1, N - 8, 8, 0, 64},                      /* ...one ending at its end */
+            {24, 3, 0, 0, 0, N - 7, 8, 0, 64},                      /* one byte past */
+            {16, 3, 0, 0, 0, 0, 0, 0, 64},                          /* an empty piece */
+            {24, 3, 0, 0, 0, UINT64_MAX - 3, 8, 0, 64},             /* an offset that overflows */
+            {24, 3, 0, 0, 0, 0, UINT64_MAX - 7, 0, 64},             /* a length that overflows the sum */
+            {23, 3, 0, 0, 0, 0, 8, 0, 64},                          /* the pieces add up to more */
+            {25, 3, 0, 0, 0, 0, 8, 0, 64},                          /* ...to less */
+            {8, 1, 0, 0, 0, 0, 8, 0, 64},                           /* one piece */
+            {KV_UCX_MAX_PIECES * 8, KV_UCX_MAX_PIECES, 0, 0, 1, 0, 8, 0, 64},          /* 1024 pieces */
+            {(KV_UCX_MAX_PIECES + 1) * 8, KV_UCX_MAX_PIECES + 1, 0, 0, 0, 0, 8, 0, 64}, /* 1025 */
+            {24, 3, 40, 0, 0, 0, 8, 0, 64},                         /* a list of 2.5 pieces */
+            {24, 3, 0, 1, 0, 0, 8, 0, 64},                          /* no list at hand */
+            {24, 3, 0, 0, 0, 0, 8, 8, 64},                          /* offset not 0 */
+            {24, 3, 0, 0, 0, 0, 8, 0, 80},                          /* the 2-D header's size */
+            {KV_UCX_MAX_PULL2D + 8, 3, 0, 0, 0, 0, KV_UCX_MAX_PULL2D - 8, 0, 64}, /* over 4 MiB */
+        };
+        for (size_t i = 0; i < sizeof pv / sizeof pv[0]; i++) {
+            for (size_t k = 0; k < pv[i].np; k++) {
+                list[k].offset = (k * 4096 + 40) % (N - 8);
+                list[k].len = 8;
+            }
+            list[0].offset = pv[i].off0;
+            list[0].len = pv[i].len0;
+            uint8_t hb[80] = {0};
+            kv_ucx_hdr q = mk(KV_UCX_PULL_REQV, rd, pv[i].offset, pv[i].len, 0);
+            memcpy(hb, &q, sizeof q);
+            uint64_t dl = pv[i].dl ? pv[i].dl : pv[i].np * sizeof(kv_ucx_piece);
+            uint32_t st = checkv(c, hb, pv[i].hl, pv[i].nodata ? NULL : list, dl, &addr);
+            if ((st == KV_LLM_SUCCESS) != pv[i].ok)
+                FAILED_AT("PULL_REQV case %zu: status %#x", i, st);
+            CHECK((st == KV_LLM_SUCCESS) == pv[i].ok);
+            if (pv[i].ok)
+                CHECK_EQ(addr, base);
+        }
+        kv_ucx_hdr q = mk(KV_UCX_PULL_REQV, rplain, 0, 16, 0); /* not exported */
+        list[0] = (kv_ucx_piece){0, 8};
+        list[1] = (kv_ucx_piece){8, 8};
+        CHECK(checkv(c, &q, sizeof q, list, 2 * sizeof *list, &addr) != KV_LLM_SUCCESS);
+    }
     /* hostile ones */
     struct {
         kv_ucx_hdr h;
@@ -209,7 +269,16 @@ static void test_check(void) {
     unsigned accepted = 0;
     for (int it = 0; it < 200000; it++) {
         uint8_t buf[96];
-        int two = (int)(rnd() % 2);
+        kv_ucx_piece rl[8];
+        int two = (int)(rnd() % 2), vec = !two && rnd() % 3 == 0;
+        uint64_t rn = 2 + rnd() % 7, rsum = 0;
+        for (uint64_t k = 0; k < rn; k++) { /* a PULL_REQV's list, mostly inside the region */
+            rl[k].len = rnd() % 8 == 0 ? rnd() : 1 + rnd() % 64;
+            rl[k].offset = rnd() % 8 == 0 ? rnd() : rnd() % N;
+            rsum += rl[k].len;
+        }
+        if (rnd() % 4 == 0)
+            rl[rnd() % rn].len ^= 1ull << (rnd() % 64);
         if (two) {
             uint64_t row = 1 + rnd() % 32, rows = 1 + rnd() % 8;
             kv_ucx_hdr2d v = mk2d(rd, rnd() % N, rows, row, row + rnd() % 64);
@@ -218,6 +287,9 @@ static void test_check(void) {
                 v.h.type = KV_UCX_PULL_REQ2D;
                 v.h.total = 0;
             }
+            memcpy(buf, &v, sizeof v);
+        } else if (vec) {
+            kv_ucx_hdr v = mk(KV_UCX_PULL_REQV, rd, 0, rnd() % 4 ? rsum : rsum + rnd() % 3 - 1, 0);
             memcpy(buf, &v, sizeof v);
         } else {
             kv_ucx_hdr v = mk(KV_UCX_PUSH, rd, rnd() % N, 1 + rnd() % 64, 0);
@@ -229,7 +301,7 @@ static void test_check(void) {
             for (size_t k = 0; k < sizeof buf; k++)
                 buf[k] = (uint8_t)rnd();
             if (rnd() % 2)
-                memcpy(buf + 16, &(uint32_t){1 + (uint32_t)(rnd() % 10)}, 4);
+                memcpy(buf + 16, &(uint32_t){1 + (uint32_t)(rnd() % 11)}, 4);
             if (rnd() % 2)
                 memcpy(buf + 20, &rd, 4);
         } else if (mode == 1) {
@@ -240,9 +312,21 @@ static void test_check(void) {
         kv_ucx_hdr2d got;
         memcpy(&got, buf, sizeof got);
         int asks = got.h.type == KV_UCX_PULL_REQ || got.h.type == KV_UCX_PULL_REQ2D; /* no payload */
-        uint64_t dl = rnd() % 4 == 0 ? rnd() : asks ? 0 : got.h.len;
-        uint32_t st = check(c, buf, hl, dl, &addr);
+        uint64_t dl = rnd() % 4 == 0 ? (rnd() % 2 ? rnd() % (sizeof rl + 1) : rnd()) : vec ? rn * sizeof *rl
+                      : asks ? 0 : got.h.len;
+        uint32_t st = checkv(c, buf, hl, dl <= sizeof rl ? rl : NULL, dl, &addr); /* (the list's bytes, or none) */
         uint32_t t = got.h.type;
+        if (st == KV_LLM_SUCCESS && t == KV_UCX_PULL_REQV) { /* every piece inside `arena` (ASan, guards) */
+            accepted++;
+            CHECK(hl == sizeof(kv_ucx_hdr) && got.h.region == rd && addr == base && dl % sizeof *rl == 0);
+            uint64_t sum = 0;
+            for (uint64_t k = 0; k < dl / sizeof *rl; k++) {
+                CHECK(rl[k].len > 0 && rl[k].offset <= N && rl[k].len <= N - rl[k].offset);
+                memset((void *)(uintptr_t)(addr + rl[k].offset), 0x5A, (size_t)rl[k].len);
+                sum += rl[k].len;
+            }
+            CHECK_EQ(sum, got.h.len);
+        }
         int t2 = t == KV_UCX_PUSH2D || t == KV_UCX_PULL_REQ2D;
         if (st == KV_LLM_SUCCESS && (t == KV_UCX_PUSH || t2 || t == KV_UCX_PULL_REQ)) {
             accepted++;
@@ -362,21 +446,91 @@ static void pull_rows(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rback2, u
     CHECK_EQ(stat_of(a, offsetof(kv_stats, ucx_row_pulls)) - before, reqs);
 }
 
-static void pair(kv_core **a, kv_core **b, uint8_t *ta, uint8_t *tb) {
+/* The PULL_REQVs a pull of the n 1-D segments `w` sends (as kv_ucx.c pullv_count groups
+ * them: two or more whole segments of one region there and one here, at most `cap`
+ * bytes and KV_UCX_MAX_PIECES of them). */
+static uint64_t pullvs_of(const uint64_t *w, size_t n, uint64_t cap) {
+    uint64_t reqs = 0;
+    for (size_t i = 0; i < n;) {
+        size_t j = i;
+        uint64_t bytes = 0;
+        while (j < n && j - i < KV_UCX_MAX_PIECES && w[j * 5] == w[i * 5] && w[j * 5 + 2] == w[i * 5 + 2] &&
+               w[j * 5 + 4] <= cap - bytes)
+            bytes += w[j++ * 5 + 4];
+        reqs += j - i >= 2;
+        i = j - i >= 2 ? j : i + 1;
+    }
+    return reqs;
+}
+
+/* A pull of n (<= 120) 1-D segments of 300 B..4 KiB of b's second region (a's view
+ * `rr2`), one of its first region (`rr`, `src`) among them and (`big`, n <= 50) one of
+ * 300 KB, into a's back2 (`rback2`), 4 KiB apart with odd offsets: byte-exact, guards
+ * and gaps untouched, and `v` (1: the peer answers PULL_REQV) PULL_REQVs as pullvs_of
+ * counts them (a message: 1 MiB here, the chunk). */
+static void pull_pieces(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rr, uint32_t rback2, size_t n, int big,
+                        int v) {
+    uint64_t w[120 * 5], total = 0;
+    for (unsigned k = 0; k < BIG; k++)
+        big2[BIG + k] = (uint8_t)(k * 29 + 3);
+    memset(back2, 0xAB, sizeof back2);
+    memset(back2 + BIG, 0, BIG);
+    static uint8_t want[BIG];
+    memset(want, 0, sizeof want);
+    CHECK(n <= (big ? 50u : 120u));
+    for (size_t i = 0; i < n; i++) {
+        uint64_t len = 300 + (i * 977) % 3700, so = (i * 40961) % (BIG - 4096), dof = i * 4096 + i % 7;
+        uint32_t reg = rr2;
+        const uint8_t *from = big2 + BIG;
+        if (i == n / 3) { /* of b's other region: the groups around it end there */
+            reg = rr;
+            from = src;
+            so %= N - 4096;
+        }
+        if (big && i == n / 2) {
+            len = 300000;
+            so = 1000;
+            dof = BIG - 300000 - 3;
+        }
+        uint64_t *g = w + i * 5;
+        g[0] = reg, g[1] = so, g[2] = rback2, g[3] = dof, g[4] = len;
+        memcpy(want + dof, from + so, len);
+        total += len;
+    }
+    uint64_t before = stat_of(a, offsetof(kv_stats, ucx_pullv));
+    int done;
+    uint64_t nb;
+    CHECK_EQ(kv_core_submit(a, job, w, n, 0, &done, &nb), 0);
+    kv_completion cp;
+    CHECK(wait_for(a, job, &cp));
+    CHECK_EQ(cp.status, 0);
+    CHECK_EQ(cp.nbytes, total);
+    CHECK(memcmp(back2 + BIG, want, BIG) == 0);
+    for (unsigned k = 0; k < BIG; k++)
+        CHECK(back2[k] == 0xAB && back2[2 * BIG + k] == 0xAB);
+    CHECK_EQ(stat_of(a, offsetof(kv_stats, ucx_pullv)) - before, (v ? pullvs_of(w, n, 1u << 20) : 0));
+}
+
+/* Link `id` between cores a and b (1 s lease and fence): a's messages carry tb, b's ta
+ * (random); each end told the other serves `flags` (KV_UCX_PEER_*). */
+static void link_ab(kv_core *a, kv_core *b, uint32_t id, uint8_t *ta, uint8_t *tb, unsigned flags) {
     uint8_t addr_a[KV_UCX_MAX_BLOB], addr_b[KV_UCX_MAX_BLOB];
     size_t la = sizeof addr_a, lb = sizeof addr_b;
-    CHECK_EQ(kv_core_new(a, 1, 1 << 20), 0);
-    CHECK_EQ(kv_core_new(b, 1, 1 << 20), 0);
-    CHECK_EQ(kv_ucx_address(*a, addr_a, &la), 0);
-    CHECK_EQ(kv_ucx_address(*b, addr_b, &lb), 0);
+    CHECK_EQ(kv_ucx_address(a, addr_a, &la), 0);
+    CHECK_EQ(kv_ucx_address(b, addr_b, &lb), 0);
     for (int i = 0; i < KV_UCX_TOKEN; i++) {
         ta[i] = (uint8_t)rnd();
         tb[i] = (uint8_t)rnd();
     }
-    CHECK_EQ(kv_ucx_link_add(*a, 1, addr_b, lb, ta, tb, 0, 1000000000ull, 1000000000ull, 50000000ull,
-                             KV_UCX_PEER_PULL2D), 0);
-    CHECK_EQ(kv_ucx_link_add(*b, 1, addr_a, la, tb, ta, 0, 1000000000ull, 1000000000ull, 50000000ull,
-                             KV_UCX_PEER_PULL2D), 0);
+    CHECK_EQ(kv_ucx_link_add(a, id, addr_b, lb, ta, tb, 0, 1000000000ull, 1000000000ull, 50000000ull, flags), 0);
+    CHECK_EQ(kv_ucx_link_add(b, id, addr_a, la, tb, ta, 0, 1000000000ull, 1000000000ull, 50000000ull, flags), 0);
+}
+
+/* Two cores, link 1 between them (each serving all the pulls there are). */
+static void pair(kv_core **a, kv_core **b, uint8_t *ta, uint8_t *tb) {
+    CHECK_EQ(kv_core_new(a, 1, 1 << 20), 0);
+    CHECK_EQ(kv_core_new(b, 1, 1 << 20), 0);
+    link_ab(*a, *b, 1, ta, tb, KV_UCX_PEER_PULL2D | KV_UCX_PEER_PULLV);
 }
 
 static void test_loopback(void) {
@@ -443,6 +597,18 @@ static void test_loopback(void) {
     pull_rows(a, 32, rr2, rback2, 400, 600, 1000, 1100, 1);  /* 240 KB: rendezvous */
     pull_rows(a, 33, rr2, rback2, 200, 1000, 1000, 1300, 0); /* one run at the source: a PULL_REQ */
     pull_rows(a, 34, rr2, rback2, 200, 1000, 1001, 1000, 1); /* one run here */
+    /* many small 1-D segments: PULL_REQVs (packed by the source), rendezvous and eager answers */
+    pull_pieces(a, 35, rr2, rr, rback2, 110, 0, 1);
+    pull_pieces(a, 36, rr2, rr, rback2, 40, 1, 1);
+    {   /* a second link, to a peer that does not answer PULL_REQV (an older build): one
+         * PULL_REQ a segment, the same bytes */
+        uint8_t t2a[KV_UCX_TOKEN], t2b[KV_UCX_TOKEN];
+        link_ab(a, b, 2, t2a, t2b, KV_UCX_PEER_PULL2D);
+        uint32_t rr2b, rrb;
+        CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 2, rd2, BIG, 0, &rr2b), 0);
+        CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 2, rd, N, 0, &rrb), 0);
+        pull_pieces(a, 37, rr2b, rrb, rback2, 110, 0, 0);
+    }
     /* a stranger's token: dropped, the link stays */
     kv_ucx_hdr h = mk(KV_UCX_PUSH, rd, 0, 8, 8);
     memset(h.token, 0x42, KV_UCX_TOKEN);
@@ -497,19 +663,8 @@ static void test_park(void) {
     kv_core *a, *b, *c;
     uint8_t ta[KV_UCX_TOKEN], tb[KV_UCX_TOKEN], tc[KV_UCX_TOKEN], td[KV_UCX_TOKEN];
     pair(&a, &b, ta, tb); /* link 1: a <-> b */
-    uint8_t addr_a[KV_UCX_MAX_BLOB], addr_c[KV_UCX_MAX_BLOB];
-    size_t la = sizeof addr_a, lc = sizeof addr_c;
     CHECK_EQ(kv_core_new(&c, 1, 1 << 20), 0);
-    CHECK_EQ(kv_ucx_address(a, addr_a, &la), 0);
-    CHECK_EQ(kv_ucx_address(c, addr_c, &lc), 0);
-    for (int i = 0; i < KV_UCX_TOKEN; i++) {
-        tc[i] = (uint8_t)rnd();
-        td[i] = (uint8_t)rnd();
-    }
-    CHECK_EQ(kv_ucx_link_add(a, 2, addr_c, lc, tc, td, 0, 1000000000ull, 1000000000ull, 50000000ull,
-                             KV_UCX_PEER_PULL2D), 0);
-    CHECK_EQ(kv_ucx_link_add(c, 2, addr_a, la, td, tc, 0, 1000000000ull, 1000000000ull, 50000000ull,
-                             KV_UCX_PEER_PULL2D), 0);
+    link_ab(a, c, 2, tc, td, KV_UCX_PEER_PULL2D);
     for (unsigned k = 0; k < N; k++)
         src[k] = (uint8_t)(k * 11 + 3);
     memset(arena, 0, sizeof arena);
@@ -535,14 +690,7 @@ static void test_park(void) {
     CHECK_EQ(stat_of(a, offsetof(kv_stats, ucx_ep_closes)), 1);
     /* c links again (new tokens, link 3): a takes c's endpoint back, the push lands */
     CHECK_EQ(kv_ucx_link_close(c, 2, KV_LLM_LINK_FAILED), 0);
-    for (int i = 0; i < KV_UCX_TOKEN; i++) {
-        tc[i] = (uint8_t)rnd();
-        td[i] = (uint8_t)rnd();
-    }
-    CHECK_EQ(kv_ucx_link_add(a, 3, addr_c, lc, tc, td, 0, 1000000000ull, 1000000000ull, 50000000ull,
-                             KV_UCX_PEER_PULL2D), 0);
-    CHECK_EQ(kv_ucx_link_add(c, 3, addr_a, la, td, tc, 0, 1000000000ull, 1000000000ull, 50000000ull,
-                             KV_UCX_PEER_PULL2D), 0);
+    link_ab(a, c, 3, tc, td, KV_UCX_PEER_PULL2D);
     CHECK_EQ(stat_of(a, parked), 0);
     uint32_t rrc3;
     CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 3, rdc, N, 0, &rrc3), 0);
