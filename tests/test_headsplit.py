@@ -234,8 +234,9 @@ async def test_split_and_gather_across_processes(transport):
     """Two TP=2 decode ranks' caches in another process receive their heads from a TP=1
     prefill here (split); then two TP=2 prefill caches here fill a TP=1 cache there (gather);
     then caches here pull heads back (split and gather). tcp pulls go as READVs of rows
-    (many blocks' rows in one frame: decisions.md #39), ucx pulls as PULL_REQ2D where the
-    rows are apart at the source (decisions.md #38)."""
+    (many blocks' rows in one frame: decisions.md #39), ucx pulls as PULL_REQVs of rows
+    (the same, decisions.md #39) or PULL_REQ2D where the rows are apart at the source
+    (decisions.md #38)."""
     if transport == "ucx" and not _native.UCX:
         pytest.skip("kvengine built without UCX: pip install 'kvengine[ucx]' (libucx-cu12), then rebuild")
     nb = 32
@@ -277,6 +278,7 @@ async def test_split_and_gather_across_processes(transport):
             # rows apart at the destination); over tcp as READVs of rows (fewer than one READ
             # a block and tensor), over ucx as PULL_REQ2D, not one request per token row
             reads, ucx_reads = e.stats()["native"]["tcp_row_reads"], e.stats()["native"]["ucx_row_pulls"]
+            ucx_vs = e.stats()["native"]["ucx_pullv"]
             mine, mtens = tp_cache(e, H // 2, nb, 30)
             assert await e.pull_kv_blocks(kv.BlocksCacheKey(2, tp1), mine, dbl, sbl,
                                           Ext(src_head_range=range(4, 8)), timeout=30) == S.LLM_SUCCESS
@@ -289,6 +291,7 @@ async def test_split_and_gather_across_processes(transport):
             row_reads = e.stats()["native"]["tcp_row_reads"] - reads
             assert (0 < row_reads < 24 * 4) if transport == "tcp" else row_reads == 0
             assert (e.stats()["native"]["ucx_row_pulls"] > ucx_reads) == (transport == "ucx")
+            assert (e.stats()["native"]["ucx_pullv"] > ucx_vs) == (transport == "ucx")
     finally:
         await peer.close()
 

@@ -58,7 +58,8 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, const void *d
     if (!hdr || hdr_len < sizeof h)
         return KV_LLM_PARAM_INVALID;
     memcpy(&h, hdr, sizeof h); /* the transport's buffer need not be aligned */
-    int two = h.type == KV_UCX_PUSH2D || h.type == KV_UCX_PULL_REQ2D;
+    int vec = h.type == KV_UCX_PULL_REQV; /* of rows with the 2-D header, else of runs */
+    int two = h.type == KV_UCX_PUSH2D || h.type == KV_UCX_PULL_REQ2D || (vec && hdr_len == sizeof g);
     if (hdr_len != (two ? sizeof g : sizeof h))
         return KV_LLM_PARAM_INVALID;
     if (two) {
@@ -104,24 +105,29 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, const void *d
     default:
         return KV_LLM_PARAM_INVALID;
     }
-    if (two) { /* whole rows; the last one ends at (rows - 1) * dst_stride + row_len, or past any region */
-        if (g.row_len == 0 || h.len % g.row_len != 0 || g.dst_stride < g.row_len ||
-            (h.len / g.row_len - 1) > (UINT64_MAX - g.row_len) / g.dst_stride)
+    if (two && (g.row_len == 0 || g.dst_stride < g.row_len))
+        return KV_LLM_PARAM_INVALID;
+    if (two && !vec) { /* whole rows; the last one ends at (rows - 1) * dst_stride + row_len, or past any region */
+        if (h.len % g.row_len != 0 || (h.len / g.row_len - 1) > (UINT64_MAX - g.row_len) / g.dst_stride)
             return KV_LLM_PARAM_INVALID;
         extent = (h.len / g.row_len - 1) * g.dst_stride + g.row_len;
     }
-    /* PUSH, PUSH2D, PULL_REQ, PULL_REQ2D: one of our own exported regions, every byte inside it */
+    /* PUSH, PUSH2D, PULL_REQ, PULL_REQ2D, PULL_REQV: one of our own exported regions, every byte inside it */
     kv_region *rg = kv__region_get(c, h.region);
     if (!rg || rg->removed || rg->kind != KV_REGION_LOCAL || !(rg->flags & KV_REGION_F_EXPORT))
         return KV_LLM_KV_CACHE_NOT_EXIST;
     if (h.offset > rg->len || extent > rg->len - h.offset)
         return KV_LLM_PARAM_INVALID;
-    if (h.type == KV_UCX_PULL_REQV) { /* every piece inside the region, none empty, adding up to len */
-        uint64_t sum = 0;
+    if (vec) { /* every piece inside the region (of rows: whole rows, the last one inside), none
+                * empty, adding up to len (each at most what is left) */
+        uint64_t sum = 0, rl = g.row_len, st = g.dst_stride;
         for (uint64_t i = 0; i < data_len / sizeof(kv_ucx_piece); i++) {
             kv_ucx_piece p;
             memcpy(&p, (const uint8_t *)data + i * sizeof p, sizeof p); /* UCX's buffer need not be aligned */
-            if (p.len == 0 || p.offset > rg->len || p.len > rg->len - p.offset || p.len > h.len - sum)
+            if (p.len == 0 || p.offset > rg->len || p.len > h.len - sum)
+                return KV_LLM_PARAM_INVALID;
+            if (two ? p.len % rl || rl > rg->len - p.offset || p.len / rl - 1 > (rg->len - p.offset - rl) / st
+                    : p.len > rg->len - p.offset)
                 return KV_LLM_PARAM_INVALID;
             sum += p.len;
         }
@@ -819,9 +825,10 @@ static void ctl_done(void *request, ucs_status_t status, void *user_data) {
 }
 
 /* Send a message without payload (ACK, ABORT, ABORT_ACK, PULL_REQ, PULL_REQ2D), or a
- * PULL_REQV, on `l`: a PULL_REQ2D's rows of `row_len` bytes, `stride` apart at the
- * source (else both 0); a PULL_REQV's list, eager after its header: the offsets and
- * lengths there of the `m` 1-D segments `segs` (else m 0). Caller holds c->lock;
+ * PULL_REQV, on `l`: a PULL_REQ2D's (or a PULL_REQV's) rows of `row_len` bytes,
+ * `stride` apart at the source (else both 0: the 64-byte header); a PULL_REQV's list,
+ * eager after its header: the offsets and bytes there of the `m` segments `segs`
+ * (else m 0). Caller holds c->lock;
  * ucp_am_send_nbx calls nothing back here. Returns 0, or -1 if it could not be sent
  * (the link is failing). */
 static int send_req(ucx_link *l, uint32_t type, uint64_t job, uint32_t region, uint64_t offset, uint64_t len,
@@ -844,12 +851,12 @@ static int send_req(ucx_link *l, uint32_t type, uint64_t job, uint32_t region, u
     g->dst_stride = stride;
     for (size_t i = 0; i < m; i++) {
         list[i].offset = segs[i].src;
-        list[i].len = segs[i].len;
+        list[i].len = kv_seg_bytes(&segs[i]);
     }
     ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                              UCP_OP_ATTR_FIELD_FLAGS,
                              .cb.send = ctl_done, .user_data = g, .flags = UCP_AM_SEND_FLAG_EAGER};
-    ucs_status_ptr_t r = ucp_am_send_nbx(l->ep, UCX_AM_ID, g, type == KV_UCX_PULL_REQ2D ? sizeof *g : sizeof *h,
+    ucs_status_ptr_t r = ucp_am_send_nbx(l->ep, UCX_AM_ID, g, type == KV_UCX_PULL_REQ2D || row_len ? sizeof *g : sizeof *h,
                                          m ? list : NULL, m * sizeof *list, &p);
     if (r == NULL) {
         free(g);
@@ -1701,13 +1708,18 @@ static void *pack_rows(void *out, uint64_t src, uint64_t len, uint64_t row, uint
 }
 
 /* The `n` pieces of a PULL_REQV's list (kv_ucx_check checked them in the region at
- * `base`) packed into `out` in order; returns `out`. */
-static void *pack_pieces(void *out, uint64_t base, const void *list, uint64_t n) {
+ * `base`) packed into `out` in order, each one run or (row_len > 0) whole rows of
+ * row_len bytes, `stride` apart; returns `out`. */
+static void *pack_pieces(void *out, uint64_t base, const void *list, uint64_t n, uint64_t row_len,
+                         uint64_t stride) {
     uint8_t *pk = out;
     for (uint64_t i = 0; i < n; i++) {
         kv_ucx_piece p;
         memcpy(&p, (const uint8_t *)list + i * sizeof p, sizeof p);
-        memcpy(pk, (const void *)(uintptr_t)(base + p.offset), p.len);
+        if (row_len)
+            pack_rows(pk, base + p.offset, p.len, row_len, stride);
+        else
+            memcpy(pk, (const void *)(uintptr_t)(base + p.offset), p.len);
         pk += p.len;
     }
     return out;
@@ -2077,7 +2089,8 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
                 u->io_locked = 0;
                 pthread_mutex_unlock(&c->lock);
             }
-            payload = pack_pieces(op + 1, addr, data, length / sizeof(kv_ucx_piece));
+            payload = pack_pieces(op + 1, addr, data, length / sizeof(kv_ucx_piece),
+                                  header_length == sizeof g ? g.row_len : 0, g.dst_stride);
             if (own) {
                 pthread_mutex_lock(&c->lock);
                 u->io_locked = 1;
@@ -2312,22 +2325,31 @@ static int claim_bytes(kv_ucx *u, kv_job **head, kv_job **tail, ucx_job *j, uint
     return 0;
 }
 
-/* How many whole 1-D segments of pull `j` from its claim point (at a segment's start)
- * go in one PULL_REQV: those of one region of the peer and one of ours, at most `cap`
- * bytes (*bytes, set only then) and KV_UCX_MAX_PIECES of them; 0 unless two or more. */
-static size_t pullv_count(const ucx_job *j, uint64_t cap, uint64_t *bytes) {
-    const kv_segment *segs = j->job.segments;
-    size_t i0 = j->job.claim_segment, i = i0;
+/* How many whole segments of pull `j` from its claim point (at a segment's start) go
+ * in one PULL_REQV: those of one region of the peer and one of ours, 1-D, or 2-D with
+ * the first one's row length and stride there, at most `cap` bytes (*bytes) and
+ * KV_UCX_MAX_PIECES of them; 0 unless two or more. *lpieces: the runs they are here
+ * (a segment's rows apart here: one a row). *bytes and *lpieces are set only then. */
+static size_t pullv_count(const ucx_job *j, uint64_t cap, uint64_t *bytes, size_t *lpieces) {
+    const kv_segment *segs = j->job.segments, *s0 = &segs[j->job.claim_segment];
+    size_t i0 = j->job.claim_segment, i = i0, lp = 0;
+    int rows = s0->rows > 1;
     uint64_t sum = 0;
     if (j->job.claim_offset)
         return 0;
-    while (i < j->job.nsegments && i - i0 < KV_UCX_MAX_PIECES && segs[i].rows <= 1 &&
-           segs[i].remote_region == segs[i0].remote_region &&
-           j->job.region_refs[2 * i + 1] == j->job.region_refs[2 * i0 + 1] && segs[i].len <= cap - sum)
-        sum += segs[i++].len;
+    while (i < j->job.nsegments && i - i0 < KV_UCX_MAX_PIECES && segs[i].remote_region == s0->remote_region &&
+           j->job.region_refs[2 * i + 1] == j->job.region_refs[2 * i0 + 1] && kv_seg_bytes(&segs[i]) <= cap - sum) {
+        const kv_segment *t = &segs[i];
+        if (rows ? t->rows < 2 || t->len != s0->len || t->src_stride != s0->src_stride : t->rows > 1)
+            break;
+        lp += rows && t->dst_stride != t->len ? t->rows : 1;
+        sum += kv_seg_bytes(t);
+        i++;
+    }
     if (i - i0 < 2)
         return 0;
     *bytes = sum;
+    *lpieces = lp;
     return i - i0;
 }
 
@@ -2366,11 +2388,12 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
         ucx_pull *q = NULL;
         int failed = 0;
         if (j->is_pull) {
-            /* a pull's small 1-D segments go several to a PULL_REQV (a message's worth: a
-             * rendezvous costs the same for 256 KiB as for 2 MiB), to a peer that answers it */
+            /* a pull's small segments (1-D, or a head range's rows of a block) go several to
+             * a PULL_REQV (a message's worth: a rendezvous costs the same for 256 KiB as for
+             * 2 MiB), to a peer that answers it */
             uint64_t vcap = mm < KV_UCX_MAX_PULL2D ? mm : KV_UCX_MAX_PULL2D;
-            size_t m = l->peer_pullv && s->rows <= 1 ? pullv_count(j, vcap, &n) : 0;
-            q = calloc(1, sizeof *q + m * sizeof(kv_ucx_piece));
+            size_t lp = 0, m = l->peer_pullv ? pullv_count(j, vcap, &n, &lp) : 0;
+            q = calloc(1, sizeof *q + lp * sizeof(kv_ucx_piece));
             if (!q)
                 break; /* the next round tries again */
             q->tag = l->next_tag++;
@@ -2380,14 +2403,18 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
             q->row = q->stride = n;
             q->region = local_region;
             int sent;
-            if (m) { /* the answer lands in these segments, in order */
-                q->npieces = (uint32_t)m;
+            if (m) { /* the answer lands in these segments (their rows), in order */
                 for (size_t i = 0; i < m; i++) {
-                    q->pieces[i].offset = s[i].dst;
-                    q->pieces[i].len = s[i].len;
+                    int apart = s[i].rows > 1 && s[i].dst_stride != s[i].len;
+                    for (uint64_t r = 0; r < (apart ? s[i].rows : 1); r++, q->npieces++) {
+                        q->pieces[q->npieces].offset = s[i].dst + r * s[i].dst_stride;
+                        q->pieces[q->npieces].len = apart ? s[i].len : kv_seg_bytes(&s[i]);
+                    }
                 }
                 c->stats.ucx_pullv++;
-                sent = send_req(l, KV_UCX_PULL_REQV, j->job.record.id, s->remote_region, 0, n, q->tag, 0, 0, s, m);
+                c->stats.ucx_row_pulls += (uint64_t)(s->rows > 1);
+                sent = send_req(l, KV_UCX_PULL_REQV, j->job.record.id, s->remote_region, 0, n, q->tag,
+                                s->rows > 1 ? s->len : 0, s->rows > 1 ? s->src_stride : 0, s, m);
             } else {
                 if (rows > 1) { /* the answer's rows land dst_stride apart */
                     q->row = s->len;

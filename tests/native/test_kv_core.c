@@ -1878,7 +1878,7 @@ static void test_seg2d_pair(void) {
         kv_core *c = mk(2, chunks[k]);
         uint32_t rs = add_local(c, src, NS), rd[2] = {add_local(c, dst[0], ND), add_local(c, dst[1], ND)};
         uint64_t paired = 0;
-        for (int attempt = 0; attempt < 8 && !paired; attempt++) {
+        for (int attempt = 0; attempt < 32 && !paired; attempt++) {
             /* a block table: NSEG distinct source blocks into NSEG distinct destination blocks */
             uint64_t sb[NBLK], db[NBLK];
             for (uint64_t i = 0; i < NBLK; i++)
@@ -1913,7 +1913,8 @@ static void test_seg2d_pair(void) {
                 CHECK(memcmp(dst[r], want[r], (size_t)ND) == 0);
             paired = stats(c).chunks_paired - before;
         }
-        CHECK(paired > 0); /* (the movers may finish the first job before the second comes: a few tries) */
+        CHECK(paired > 0); /* (the movers may finish the first job before the second comes, more often on a
+                              * busy machine, where 8 tries once all missed: up to 32) */
         /* not a pair: the second job ranks more than 100 ms of deadline later; then its
          * rows are one line shorter */
         uint64_t before = stats(c).chunks_paired;

@@ -200,7 +200,7 @@ static void test_check(void) {
             {24, 3, 40, 0, 0, 0, 8, 0, 64},                         /* a list of 2.5 pieces */
             {24, 3, 0, 1, 0, 0, 8, 0, 64},                          /* no list at hand */
             {24, 3, 0, 0, 0, 0, 8, 8, 64},                          /* offset not 0 */
-            {24, 3, 0, 0, 0, 0, 8, 0, 80},                          /* the 2-D header's size */
+            {24, 3, 0, 0, 0, 0, 8, 0, 80},                          /* the 2-D header, rows of 0 bytes */
             {KV_UCX_MAX_PULL2D + 8, 3, 0, 0, 0, 0, KV_UCX_MAX_PULL2D - 8, 0, 64}, /* over 4 MiB */
         };
         for (size_t i = 0; i < sizeof pv / sizeof pv[0]; i++) {
@@ -225,6 +225,34 @@ static void test_check(void) {
         list[0] = (kv_ucx_piece){0, 8};
         list[1] = (kv_ucx_piece){8, 8};
         CHECK(checkv(c, &q, sizeof q, list, 2 * sizeof *list, &addr) != KV_LLM_SUCCESS);
+        /* of rows (the 2-D header: row_len, stride in the source's region): each piece whole
+         * rows, the last of each inside the region */
+        struct {
+            uint64_t row, stride, off1, len1, len;
+            int ok;
+        } vr[] = {
+            {16, 64, N - (3 * 64 + 16), 64, 128, 1},     /* the second piece's last row ends at the end */
+            {16, 64, N - (3 * 64 + 16) + 1, 64, 128, 0}, /* one byte past */
+            {16, 64, 0, 60, 124, 0},                     /* not whole rows */
+            {16, 8, 0, 64, 128, 0},                      /* rows overlapping */
+            {0, 64, 0, 64, 128, 0},                      /* rows of 0 bytes */
+            {16, UINT64_MAX / 2, 0, 48, 112, 0},         /* (rows - 1) * stride overflows */
+            {16, 64, 0, 64, 112, 0},                     /* the pieces add up to more */
+        };
+        for (size_t i = 0; i < sizeof vr / sizeof vr[0]; i++) {
+            kv_ucx_hdr2d g2 = mk2d(rd, 0, 1, 16, 16);
+            g2.h.type = KV_UCX_PULL_REQV;
+            g2.h.len = vr[i].len;
+            g2.h.total = 0;
+            g2.row_len = vr[i].row;
+            g2.dst_stride = vr[i].stride;
+            list[0] = (kv_ucx_piece){128, 64};
+            list[1] = (kv_ucx_piece){vr[i].off1, vr[i].len1};
+            uint32_t st = checkv(c, &g2, sizeof g2, list, 2 * sizeof *list, &addr);
+            if ((st == KV_LLM_SUCCESS) != vr[i].ok)
+                FAILED_AT("PULL_REQV of rows case %zu: status %#x", i, st);
+            CHECK((st == KV_LLM_SUCCESS) == vr[i].ok);
+        }
     }
     /* hostile ones */
     struct {
@@ -270,7 +298,7 @@ static void test_check(void) {
     for (int it = 0; it < 200000; it++) {
         uint8_t buf[96];
         kv_ucx_piece rl[8];
-        int two = (int)(rnd() % 2), vec = !two && rnd() % 3 == 0;
+        int two = (int)(rnd() % 2), vec = !two && rnd() % 3 == 0, vrows = 0;
         uint64_t rn = 2 + rnd() % 7, rsum = 0;
         for (uint64_t k = 0; k < rn; k++) { /* a PULL_REQV's list, mostly inside the region */
             rl[k].len = rnd() % 8 == 0 ? rnd() : 1 + rnd() % 64;
@@ -288,6 +316,22 @@ static void test_check(void) {
                 v.h.total = 0;
             }
             memcpy(buf, &v, sizeof v);
+        } else if (vec && rnd() % 2) { /* of rows: each piece 1..8 whole rows, mostly inside */
+            kv_ucx_hdr2d v = mk2d(rd, 0, 1, 16, 16);
+            v.row_len = 1 + rnd() % 32;
+            v.dst_stride = v.row_len + rnd() % 64;
+            rsum = 0;
+            for (uint64_t k = 0; k < rn; k++) {
+                uint64_t m = 1 + rnd() % 8, span = (m - 1) * v.dst_stride + v.row_len;
+                rl[k].len = m * v.row_len + (rnd() % 16 == 0);
+                rl[k].offset = rnd() % 8 == 0 ? N - span + rnd() % 2 : rnd() % (N - span + 1);
+                rsum += rl[k].len;
+            }
+            v.h.type = KV_UCX_PULL_REQV;
+            v.h.len = rnd() % 4 ? rsum : rsum + rnd() % 3 - 1;
+            v.h.total = 0;
+            memcpy(buf, &v, sizeof v);
+            vrows = 1;
         } else if (vec) {
             kv_ucx_hdr v = mk(KV_UCX_PULL_REQV, rd, 0, rnd() % 4 ? rsum : rsum + rnd() % 3 - 1, 0);
             memcpy(buf, &v, sizeof v);
@@ -308,7 +352,7 @@ static void test_check(void) {
             for (int k = (int)(rnd() % 4); k >= 0; k--)
                 buf[16 + rnd() % 64] ^= (uint8_t)(1u << (rnd() % 8));
         }
-        size_t hl = rnd() % 8 == 0 ? (size_t)(rnd() % 96) : two ? sizeof(kv_ucx_hdr2d) : sizeof(kv_ucx_hdr);
+        size_t hl = rnd() % 8 == 0 ? (size_t)(rnd() % 96) : two || vrows ? sizeof(kv_ucx_hdr2d) : sizeof(kv_ucx_hdr);
         kv_ucx_hdr2d got;
         memcpy(&got, buf, sizeof got);
         int asks = got.h.type == KV_UCX_PULL_REQ || got.h.type == KV_UCX_PULL_REQ2D; /* no payload */
@@ -318,11 +362,16 @@ static void test_check(void) {
         uint32_t t = got.h.type;
         if (st == KV_LLM_SUCCESS && t == KV_UCX_PULL_REQV) { /* every piece inside `arena` (ASan, guards) */
             accepted++;
-            CHECK(hl == sizeof(kv_ucx_hdr) && got.h.region == rd && addr == base && dl % sizeof *rl == 0);
+            int rows = hl == sizeof(kv_ucx_hdr2d); /* else 1-D pieces */
+            CHECK((rows || hl == sizeof(kv_ucx_hdr)) && got.h.region == rd && addr == base && dl % sizeof *rl == 0);
             uint64_t sum = 0;
             for (uint64_t k = 0; k < dl / sizeof *rl; k++) {
-                CHECK(rl[k].len > 0 && rl[k].offset <= N && rl[k].len <= N - rl[k].offset);
-                memset((void *)(uintptr_t)(addr + rl[k].offset), 0x5A, (size_t)rl[k].len);
+                uint64_t row = rows ? got.row_len : rl[k].len, stride = rows ? got.dst_stride : 0;
+                CHECK(rl[k].len > 0 && row > 0 && rl[k].len % row == 0 && (!rows || stride >= row));
+                for (uint64_t r = 0; r < rl[k].len / row; r++) { /* ASan: every row inside `arena` */
+                    CHECK(rl[k].offset + r * stride + row <= N);
+                    memset((void *)(uintptr_t)(addr + rl[k].offset + r * stride), 0x5A, (size_t)row);
+                }
                 sum += rl[k].len;
             }
             CHECK_EQ(sum, got.h.len);
@@ -446,21 +495,47 @@ static void pull_rows(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rback2, u
     CHECK_EQ(stat_of(a, offsetof(kv_stats, ucx_row_pulls)) - before, reqs);
 }
 
-/* The PULL_REQVs a pull of the n 1-D segments `w` sends (as kv_ucx.c pullv_count groups
- * them: two or more whole segments of one region there and one here, at most `cap`
- * bytes and KV_UCX_MAX_PIECES of them). */
-static uint64_t pullvs_of(const uint64_t *w, size_t n, uint64_t cap) {
+/* The PULL_REQVs a pull of the n segments `w` (`words` each: KV_SEG_WORDS, or
+ * KV_SEG2_WORDS with rows and strides) sends, as kv_ucx.c pullv_count groups them: two
+ * or more whole segments of one region there and one here, 1-D, or 2-D with the first
+ * one's row length and stride there, at most `cap` bytes and KV_UCX_MAX_PIECES of them. */
+static uint64_t pullvs_of(const uint64_t *w, size_t n, size_t words, uint64_t cap) {
     uint64_t reqs = 0;
     for (size_t i = 0; i < n;) {
+        const uint64_t *s0 = w + i * words;
         size_t j = i;
-        uint64_t bytes = 0;
-        while (j < n && j - i < KV_UCX_MAX_PIECES && w[j * 5] == w[i * 5] && w[j * 5 + 2] == w[i * 5 + 2] &&
-               w[j * 5 + 4] <= cap - bytes)
-            bytes += w[j++ * 5 + 4];
+        uint64_t bytes = 0, rows0 = words > 5 ? s0[5] : 1;
+        for (; j < n && j - i < KV_UCX_MAX_PIECES; j++) {
+            const uint64_t *t = w + j * words;
+            uint64_t rows = words > 5 ? t[5] : 1;
+            if (t[0] != s0[0] || t[2] != s0[2] || t[4] * rows > cap - bytes ||
+                (rows0 > 1 ? rows < 2 || t[4] != s0[4] || t[6] != s0[6] : rows > 1))
+                break;
+            bytes += t[4] * rows;
+        }
         reqs += j - i >= 2;
         i = j - i >= 2 ? j : i + 1;
     }
     return reqs;
+}
+
+/* Pull `job` of the n segments `w` (`words` each) into a's back2 (its guards 0xAB, its
+ * middle zeroed by the caller): `total` bytes, the middle then `want`, the guards
+ * untouched. Returns the PULL_REQVs it sent. */
+static uint64_t pull_into_back2(kv_core *a, uint64_t job, const uint64_t *w, size_t n, unsigned words,
+                                uint64_t total, const uint8_t *want) {
+    uint64_t before = stat_of(a, offsetof(kv_stats, ucx_pullv));
+    int done;
+    uint64_t nb;
+    CHECK_EQ(kv_core_submit_job(a, job, w, n, words, 0, 0, 0, &done, &nb), 0);
+    kv_completion cp;
+    CHECK(wait_for(a, job, &cp));
+    CHECK_EQ(cp.status, 0);
+    CHECK_EQ(cp.nbytes, total);
+    CHECK(memcmp(back2 + BIG, want, BIG) == 0);
+    for (unsigned k = 0; k < BIG; k++)
+        CHECK(back2[k] == 0xAB && back2[2 * BIG + k] == 0xAB);
+    return stat_of(a, offsetof(kv_stats, ucx_pullv)) - before;
 }
 
 /* A pull of n (<= 120) 1-D segments of 300 B..4 KiB of b's second region (a's view
@@ -497,18 +572,35 @@ static void pull_pieces(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rr, uin
         memcpy(want + dof, from + so, len);
         total += len;
     }
-    uint64_t before = stat_of(a, offsetof(kv_stats, ucx_pullv));
-    int done;
-    uint64_t nb;
-    CHECK_EQ(kv_core_submit(a, job, w, n, 0, &done, &nb), 0);
-    kv_completion cp;
-    CHECK(wait_for(a, job, &cp));
-    CHECK_EQ(cp.status, 0);
-    CHECK_EQ(cp.nbytes, total);
-    CHECK(memcmp(back2 + BIG, want, BIG) == 0);
+    CHECK_EQ(pull_into_back2(a, job, w, n, KV_SEG_WORDS, total, want), (v ? pullvs_of(w, n, 5, 1u << 20) : 0));
+}
+
+/* A pull of 60 2-D segments of b's second region (a's view `rr2`) into a's back2
+ * (`rback2`), head-split shaped: 8 rows of 500 bytes, 1000 apart there, back to back or
+ * 20 bytes apart here; among them rows of 499 bytes, another stride there, a 1-D
+ * segment: byte-exact, gaps and guards untouched, PULL_REQVs (of rows) as pullvs_of
+ * counts them. */
+static void pull_row_pieces(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rback2) {
+    enum { NS = 60 };
+    uint64_t w[NS * KV_SEG2_WORDS], total = 0;
     for (unsigned k = 0; k < BIG; k++)
-        CHECK(back2[k] == 0xAB && back2[2 * BIG + k] == 0xAB);
-    CHECK_EQ(stat_of(a, offsetof(kv_stats, ucx_pullv)) - before, (v ? pullvs_of(w, n, 1u << 20) : 0));
+        big2[BIG + k] = (uint8_t)(k * 31 + 7);
+    memset(back2, 0xAB, sizeof back2);
+    memset(back2 + BIG, 0, BIG);
+    static uint8_t want[BIG];
+    memset(want, 0, sizeof want);
+    for (size_t i = 0; i < NS; i++) {
+        uint64_t row = i % 17 == 5 ? 499 : 500, rows = i % 23 == 9 ? 1 : 8, ss = i % 19 == 7 ? 1024 : 1000;
+        uint64_t ds = i % 2 ? 500 : 520, so = (i * 7919) % (BIG - 8 * 1024), dof = i * 5000 + i % 3;
+        uint64_t *g = w + i * KV_SEG2_WORDS;
+        g[0] = rr2, g[1] = so, g[2] = rback2, g[3] = dof, g[4] = row, g[5] = rows, g[6] = ss, g[7] = ds;
+        for (uint64_t r = 0; r < rows; r++)
+            memcpy(want + dof + r * (rows > 1 ? ds : 0), big2 + BIG + so + r * ss, row);
+        total += row * rows;
+    }
+    uint64_t reqs = pull_into_back2(a, job, w, NS, KV_SEG2_WORDS, total, want);
+    CHECK_EQ(reqs, pullvs_of(w, NS, KV_SEG2_WORDS, 1u << 20));
+    CHECK(reqs >= 3);
 }
 
 /* Link `id` between cores a and b (1 s lease and fence): a's messages carry tb, b's ta
@@ -600,6 +692,7 @@ static void test_loopback(void) {
     /* many small 1-D segments: PULL_REQVs (packed by the source), rendezvous and eager answers */
     pull_pieces(a, 35, rr2, rr, rback2, 110, 0, 1);
     pull_pieces(a, 36, rr2, rr, rback2, 40, 1, 1);
+    pull_row_pieces(a, 38, rr2, rback2); /* a head range's rows of many blocks: PULL_REQVs of rows */
     {   /* a second link, to a peer that does not answer PULL_REQV (an older build): one
          * PULL_REQ a segment, the same bytes */
         uint8_t t2a[KV_UCX_TOKEN], t2b[KV_UCX_TOKEN];
