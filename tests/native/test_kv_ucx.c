@@ -480,15 +480,21 @@ static void push_rows(kv_core *a, uint64_t job, uint32_t rs2, uint32_t rr2, uint
 
 static uint8_t back2[3 * BIG]; /* guard | a's pull destination | guard */
 
+/* Before a pull from b's second region into a's back2: the source's bytes a pattern
+ * (k * mul + 7), back2's guards 0xAB, its middle zeroed. */
+static void pull_setup(unsigned mul) {
+    for (unsigned k = 0; k < BIG; k++)
+        big2[BIG + k] = (uint8_t)(k * mul + 7);
+    memset(back2, 0xAB, sizeof back2);
+    memset(back2 + BIG, 0, BIG);
+}
+
 /* A pull of one 2-D segment of b's second region (rows of `row` bytes, the strides
  * given) into a's back2; `reqs` PULL_REQ2D asked (rows apart at the source), none
  * where they are one run there. */
 static void pull_rows(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rback2, uint64_t rows, uint64_t row,
                       uint64_t sstride, uint64_t dstride, uint64_t reqs) {
-    for (unsigned k = 0; k < BIG; k++)
-        big2[BIG + k] = (uint8_t)(k * 29 + 3);
-    memset(back2, 0xAB, sizeof back2);
-    memset(back2 + BIG, 0, BIG);
+    pull_setup(29);
     uint64_t seg[8] = {rr2, 5, rback2, 9, row, rows, sstride, dstride};
     uint64_t before = stat_of(a, offsetof(kv_stats, ucx_row_pulls));
     move_rows(a, job, seg, big2 + BIG, back2);
@@ -546,10 +552,7 @@ static uint64_t pull_into_back2(kv_core *a, uint64_t job, const uint64_t *w, siz
 static void pull_pieces(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rr, uint32_t rback2, size_t n, int big,
                         int v) {
     uint64_t w[120 * 5], total = 0;
-    for (unsigned k = 0; k < BIG; k++)
-        big2[BIG + k] = (uint8_t)(k * 29 + 3);
-    memset(back2, 0xAB, sizeof back2);
-    memset(back2 + BIG, 0, BIG);
+    pull_setup(29);
     static uint8_t want[BIG];
     memset(want, 0, sizeof want);
     CHECK(n <= (big ? 50u : 120u));
@@ -583,10 +586,7 @@ static void pull_pieces(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rr, uin
 static void pull_row_pieces(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rback2) {
     enum { NS = 60 };
     uint64_t w[NS * KV_SEG2_WORDS], total = 0;
-    for (unsigned k = 0; k < BIG; k++)
-        big2[BIG + k] = (uint8_t)(k * 31 + 7);
-    memset(back2, 0xAB, sizeof back2);
-    memset(back2 + BIG, 0, BIG);
+    pull_setup(31);
     static uint8_t want[BIG];
     memset(want, 0, sizeof want);
     for (size_t i = 0; i < NS; i++) {
