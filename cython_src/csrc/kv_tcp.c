@@ -1467,15 +1467,23 @@ static int list_next(kv_net *n, kv_conn *k, int *sig) {
     return 1;
 }
 
-/* Do the `np` pieces of k's list lie inside `r`, none empty, adding up to exactly
- * `length` (overflow-safe: each at most what is left)? */
-static int pieces_fit(const kv_conn *k, uint32_t np, const kv_region *r, uint64_t length) {
-    uint64_t sum = 0;
+/* Are the `np` pieces of k's list whole rows of `row_len` bytes, `stride` apart (0:
+ * each piece one row), in `r`: none empty, the last row of each inside it (no product
+ * computed before it is known to fit), at most KV_MAX_PIECES rows in all, their bytes
+ * adding up to exactly `length` (overflow-safe)? */
+static int rows_fit(const kv_conn *k, uint32_t np, const kv_region *r, uint64_t length, uint64_t row_len,
+                    uint64_t stride) {
+    uint64_t sum = 0, nrows = 0;
     for (uint32_t i = 0; i < np; i++) {
         const kv_piece *p = &k->in_list[i];
-        if (p->len == 0 || p->offset > r->len || p->len > r->len - p->offset || p->len > length - sum)
+        if (p->len == 0)
+            return 0;
+        uint64_t rl = row_len ? row_len : p->len, st = row_len ? stride : p->len, m = p->len / rl;
+        if (p->len % rl || m > KV_MAX_PIECES - nrows || p->len > length - sum || p->offset > r->len ||
+            rl > r->len - p->offset || m - 1 > (r->len - p->offset - rl) / st)
             return 0;
         sum += p->len;
+        nrows += m;
     }
     return sum == length;
 }
@@ -1495,7 +1503,7 @@ static int on_datav(kv_net *n, kv_conn *k, int *sig) {
 static int on_datav_list(kv_net *n, kv_conn *k, int *sig) {
     kv_frame *h = &k->in_header;
     kv_region *r = exported(n->core, h->region);
-    if (!r || !pieces_fit(k, k->in_npieces, r, h->length))
+    if (!r || !rows_fit(k, k->in_npieces, r, h->length, 0, 0))
         return BAD_FRAME();
     if (!data_accept(n, k, r, sig)) /* in_dest: the region's base (offset 0) */
         return 0;
@@ -1736,25 +1744,6 @@ static int on_readv(kv_net *n, kv_conn *k, int *sig) {
     return list_next(n, k, sig);
 }
 
-/* Are the `np` pieces of k's list whole rows of `row_len` bytes, `stride` apart, in
- * `r`: none empty, the last row of each inside it (no product computed before it is
- * known to fit), at most KV_MAX_PIECES rows in all, their bytes adding up to exactly
- * `length` (overflow-safe)? */
-static int rows_fit(const kv_conn *k, uint32_t np, const kv_region *r, uint64_t length, uint64_t row_len,
-                    uint64_t stride) {
-    uint64_t sum = 0, nrows = 0;
-    for (uint32_t i = 0; i < np; i++) {
-        const kv_piece *p = &k->in_list[i];
-        uint64_t m = p->len / row_len;
-        if (p->len == 0 || p->len % row_len || m > KV_MAX_PIECES - nrows || p->len > length - sum ||
-            p->offset > r->len || row_len > r->len - p->offset || m - 1 > (r->len - p->offset - row_len) / stride)
-            return 0;
-        sum += p->len;
-        nrows += m;
-    }
-    return sum == length;
-}
-
 /* A READV's piece list is in. Its region no longer exported: RERR, as for a READ.
  * Else every piece inside it, none empty, their lengths adding up to `length`
  * (overflow-safe), or the link fails; then it is queued, to be answered by one
@@ -1768,7 +1757,7 @@ static int on_readv_list(kv_net *n, kv_conn *k, int *sig) {
     if (!r)
         return read_refused(n, k, sig);
     int rows = (h->flags & F_FLAG_ROWS) != 0;
-    if (rows ? !rows_fit(k, np, r, h->length, h->pad, h->total) : !pieces_fit(k, np, r, h->length))
+    if (!rows_fit(k, np, r, h->length, rows ? h->pad : 0, rows ? h->total : 0))
         return BAD_FRAME();
     kv_serve *s;
     if (!out_vec_alloc(k) || !(s = serve_new(n, k, np)))

@@ -120,14 +120,14 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, const void *d
         return KV_LLM_PARAM_INVALID;
     if (vec) { /* every piece inside the region (of rows: whole rows, the last one inside), none
                 * empty, adding up to len (each at most what is left) */
-        uint64_t sum = 0, rl = g.row_len, st = g.dst_stride;
+        uint64_t sum = 0;
         for (uint64_t i = 0; i < data_len / sizeof(kv_ucx_piece); i++) {
             kv_ucx_piece p;
             memcpy(&p, (const uint8_t *)data + i * sizeof p, sizeof p); /* UCX's buffer need not be aligned */
             if (p.len == 0 || p.offset > rg->len || p.len > h.len - sum)
                 return KV_LLM_PARAM_INVALID;
-            if (two ? p.len % rl || rl > rg->len - p.offset || p.len / rl - 1 > (rg->len - p.offset - rl) / st
-                    : p.len > rg->len - p.offset)
+            uint64_t rl = two ? g.row_len : p.len, st = two ? g.dst_stride : p.len; /* 1-D: one row */
+            if (p.len % rl || rl > rg->len - p.offset || p.len / rl - 1 > (rg->len - p.offset - rl) / st)
                 return KV_LLM_PARAM_INVALID;
             sum += p.len;
         }
@@ -1716,10 +1716,7 @@ static void *pack_pieces(void *out, uint64_t base, const void *list, uint64_t n,
     for (uint64_t i = 0; i < n; i++) {
         kv_ucx_piece p;
         memcpy(&p, (const uint8_t *)list + i * sizeof p, sizeof p);
-        if (row_len)
-            pack_rows(pk, base + p.offset, p.len, row_len, stride);
-        else
-            memcpy(pk, (const void *)(uintptr_t)(base + p.offset), p.len);
+        pack_rows(pk, base + p.offset, p.len, row_len ? row_len : p.len, stride); /* 1-D: one row */
         pk += p.len;
     }
     return out;
