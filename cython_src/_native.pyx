@@ -272,12 +272,14 @@ cdef class Core:
 
     def ucx_link_add(self, uint32_t link_id, bytes address, bytes rx_token, bytes tx_token,
                      uint64_t window=0, double fence=1.0, double lease=1.0, double margin=0.05,
-                     bint peer_pull2d=False, bint peer_pullv=False):
+                     bint peer_pull2d=False, bint peer_pullv=False, bint peer_pushv=False):
         """Declare a UCX link to the peer's worker ``address``: messages to us must carry
         ``rx_token``, ours carry ``tx_token`` (UCX_TOKEN bytes each); ``fence``, ``lease``
         and ``margin`` in seconds; ``peer_pull2d``: the peer answers PULL_REQ2D, so pulls
         ask for a 2-D segment's rows in one message; ``peer_pullv``: it answers PULL_REQV,
-        so pulls ask for several small segments in one message (kv_core.h, kv_ucx_link_add)."""
+        so pulls ask for several small segments in one message; ``peer_pushv``: it takes
+        PUSHV, so pushes send several small segments packed in one message (kv_core.h,
+        kv_ucx_link_add)."""
         if self.c == NULL:
             return kvc.KV_LLM_ENGINE_FINALIZED
         if not (0.001 <= fence <= 3600 and 0.001 <= lease <= 3600 and 0 <= margin <= 3600) or not address \
@@ -290,7 +292,7 @@ cdef class Core:
         cdef uint64_t f = <uint64_t>(fence * 1e9), ls = <uint64_t>(lease * 1e9), mg = <uint64_t>(margin * 1e9)
         cdef uint32_t st
         cdef unsigned flags = (kvc.KV_UCX_PEER_PULL2D if peer_pull2d else 0) | \
-            (kvc.KV_UCX_PEER_PULLV if peer_pullv else 0)
+            (kvc.KV_UCX_PEER_PULLV if peer_pullv else 0) | (kvc.KV_UCX_PEER_PUSHV if peer_pushv else 0)
         with nogil:
             st = kvc.kv_ucx_link_add(self.c, link_id, p, n, rt, tt, window, ls, f, mg, flags)
         return st
@@ -353,6 +355,7 @@ cdef class Core:
             "jobs_abandoned": s.jobs_abandoned, "movers_stuck": s.movers_stuck,
             "chunks_paired": s.chunks_paired, "tcp_row_reads": s.tcp_row_reads, "tcp_readv": s.tcp_readv, "ucx_row_pulls": s.ucx_row_pulls,
             "ucx_pullv": s.ucx_pullv,
+            "ucx_pushv": s.ucx_pushv,
         }
 
 

@@ -82,6 +82,7 @@ cdef extern from "kv_core.h" nogil:
         uint64_t tcp_readv
         uint64_t ucx_row_pulls
         uint64_t ucx_pullv
+        uint64_t ucx_pushv
 
     uint32_t kv_core_new(kv_core **out, int movers, uint64_t chunk_bytes)
     int kv_core_fileno(const kv_core *core)
@@ -122,6 +123,7 @@ cdef extern from "kv_core.h" nogil:
     int KV_UCX_TOKEN
     unsigned KV_UCX_PEER_PULL2D
     unsigned KV_UCX_PEER_PULLV
+    unsigned KV_UCX_PEER_PUSHV
     uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id)
     uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const unsigned char *addr, size_t len,
                              const unsigned char *rx_token, const unsigned char *tx_token,

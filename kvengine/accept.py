@@ -103,7 +103,7 @@ class _Joining:
         self.peer_token = peer_token
         self.incarnation = incarnation
         self.expiry: asyncio.TimerHandle | None = None
-        self.peer_serves = (False, False)   # ucx: the pulls the client answers (ucx_peer_serves)
+        self.peer_serves = (False, False, False)   # ucx: the messages the client takes (ucx_peer_serves)
 
 
 class Acceptor:
@@ -318,7 +318,7 @@ class Acceptor:
                 return reject(S.LLM_LINK_FAILED, "malformed attach: bad 'ucx'" if not st else
                               f"no UCX worker here (status {st:#x})")
             # the client's worker address and token (what our messages to it carry), and which
-            # pulls it answers (ucx_peer_serves), for _attach_tcp
+            # messages it takes (ucx_peer_serves), for _attach_tcp
             joining.peer_token = msg["ucx"] + ":" + msg["ucx_token"]
             joining.peer_serves = ucx_peer_serves(msg)
             return {"t": "attached", "ucx": address.hex(), **UCX_SERVES,

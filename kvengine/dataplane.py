@@ -34,14 +34,15 @@ UCX_TCP_WARNING = (
     "is trusted. Without UCX_TLS, kvengine leaves UCX's tcp transport out")
 
 # What this engine's UCX transport answers, announced in attach and attached: pulls of a head
-# range's rows (PULL_REQ2D) and of many small segments (PULL_REQV). Older engines omit the keys.
-UCX_SERVES = {"ucx_pull2d": True, "ucx_pullv": True}
+# range's rows (PULL_REQ2D) and of many small segments (PULL_REQV), and pushes of many small
+# segments (PUSHV). Older engines omit the keys.
+UCX_SERVES = {"ucx_pull2d": True, "ucx_pullv": True, "ucx_pushv": True}
 
 
-def ucx_peer_serves(msg: dict[str, object]) -> tuple[bool, bool]:
+def ucx_peer_serves(msg: dict[str, object]) -> tuple[bool, bool, bool]:
     """What the peer's attach or attached message says its UCX transport answers:
-    (PULL_REQ2D, PULL_REQV), for add_ucx_link."""
-    return msg.get("ucx_pull2d") is True, msg.get("ucx_pullv") is True
+    (PULL_REQ2D, PULL_REQV, PUSHV), for add_ucx_link."""
+    return msg.get("ucx_pull2d") is True, msg.get("ucx_pullv") is True, msg.get("ucx_pushv") is True
 
 
 # Native failure counters, and what each one tells the operator when a link fails.
@@ -119,19 +120,20 @@ class DataPlane:
         return st, address
 
     def add_ucx_link(self, link: Link, peer_address: bytes, rx_token: bytes, tx_token: bytes,
-                     peer_serves: tuple[bool, bool] = (False, False)) -> None:
+                     peer_serves: tuple[bool, bool, bool] = (False, False, False)) -> None:
         """Declare the link's UCX endpoint to the peer's worker: the peer's messages must
         carry ``rx_token``, ours carry ``tx_token`` (both exchanged on the authenticated
         control channel). Lease, fence and margin as for tcp links (0.4, 0.5, 0.05 of
         heartbeat_timeout): an aborted push whose ABORT_ACK does not come within the
         fence fails the link, and the peer writes our pushes only under our lease.
         ``peer_serves``: what the peer said it answers (ucx_peer_serves): pulls of rows
-        (PULL_REQ2D), pulls of many small segments (PULL_REQV)."""
+        (PULL_REQ2D), pulls of many small segments (PULL_REQV), pushes of them (PUSHV)."""
         link.tcp_id = next(self._ids)
         hbt = self._options.heartbeat_timeout
         st = self._core.ucx_link_add(link.tcp_id, peer_address, rx_token, tx_token,
                                      self._options.tcp_window_bytes, fence=0.5 * hbt, lease=0.4 * hbt,
-                                     margin=0.05 * hbt, peer_pull2d=peer_serves[0], peer_pullv=peer_serves[1])
+                                     margin=0.05 * hbt, peer_pull2d=peer_serves[0], peer_pullv=peer_serves[1],
+                                     peer_pushv=peer_serves[2])
         if st:
             raise ProtocolError(f"cannot reach the peer's UCX worker (status {st:#x})")
 

@@ -254,12 +254,15 @@ async def test_split_and_gather_across_processes(transport):
                 await e.wait_remote_cache(2, c)
             rng = np.random.default_rng(3)
             sbl, dbl = rng.permutation(nb)[:24], rng.permutation(nb)[:24]
+            pushvs = e.stats()["native"]["ucx_pushv"]   # over ucx: many blocks' heads in one PUSHV
             for r, c in enumerate(ranks):
                 half = range(4 * r, 4 * r + 4)
                 await e.push_kv_blocks(src, kv.BlocksCacheKey(2, c), sbl, dbl, Ext(src_head_range=half), timeout=30)
                 rows = (await peer.call("digest", cache_id=c))["rows"]
                 want = head_digests(stens, sbl, half)
                 assert [[rows[t][b] for b in dbl.tolist()] for t in range(4)] == want
+            assert (e.stats()["native"]["ucx_pushv"] > pushvs) == (transport == "ucx")
+            pushvs = e.stats()["native"]["ucx_pushv"]   # the gather's: rows apart there, the 2-D header
             # gather: two TP=2 prefill ranks here (their heads: halves of stens' blocks) -> TP=1 there
             halves = []
             for r in range(2):
@@ -273,6 +276,7 @@ async def test_split_and_gather_across_processes(transport):
             rows = (await peer.call("digest", cache_id=tp1))["rows"]
             want = row_digests([np.ascontiguousarray(t[sbl]) for t in stens])
             assert [[rows[t][b] for b in dbl.tolist()] for t in range(4)] == want
+            assert (e.stats()["native"]["ucx_pushv"] > pushvs) == (transport == "ucx")
             # pulls of head ranges, as a decode rank would: heads 4..7 of the TP=1 cache there
             # (split: rows apart at the source), rank 0's heads into heads 0..3 here (gather:
             # rows apart at the destination); over tcp as READVs of rows (fewer than one READ

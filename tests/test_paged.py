@@ -202,12 +202,14 @@ async def test_paged_push_and_pull_byte_exact_across_processes(transport):
             rest = np.setdiff1d(np.arange(pool), db1)
             sb2, db2 = np.arange(3, 23), rest[:20]
             sb3, db3 = torch.tensor(rng.permutation(pool)[:20].tolist()), torch.tensor(rest[20:40].tolist())
+            pushvs = e.stats()["native"]["ucx_pushv"]   # over ucx, many blocks packed in one PUSHV
             for sb, db in ((sb1, db1), (sb2.tolist(), db2.tolist()), (sb3, db3)):
                 await e.push_kv_blocks(src, kv.BlocksCacheKey(2, dst), sb, db, timeout=30)
                 for t in range(tensors):
                     for s, d in zip(np.asarray(sb).tolist(), np.asarray(db).tolist()):
                         want[t][d] = srows[t][s]
             assert (await peer.call("digest", cache_id=dst))["rows"] == want
+            assert (e.stats()["native"]["ucx_pushv"] > pushvs) == (transport == "ucx")
             # and pulled back, as a decode engine pulls a prefill's blocks: a random table
             # into a cache here; its blocks go as READVs of many blocks each over tcp, as
             # PULL_REQVs over ucx

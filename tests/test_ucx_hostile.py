@@ -369,3 +369,75 @@ def test_rows_land_row_by_row_and_a_row_past_the_region_writes_nothing(tls, rndv
             assert t.b.stats()["ucx_bad_msgs"] == 1 and t.unchanged(), name
         finally:
             t.close()
+
+
+PUSHV = 12
+
+
+def hdrv(token, region, job, pieces, rows=None, total=None):
+    """A PUSHV (kv_core.h): the header (80 bytes with rows=(row_len, stride), each piece whole
+    rows there; else 64, each piece one run) and the list its payload begins with."""
+    n = sum(ln for _, ln in pieces)
+    h = hdr(token, PUSHV, region, job, pieces[0][0], n, n if total is None else total, len(pieces))
+    if rows:
+        h += struct.pack("<QQ", *rows)
+    return h, b"".join(struct.pack("<QQ", off, ln) for off, ln in pieces)
+
+
+@pytest.mark.parametrize("tls", TLS)
+@pytest.mark.parametrize("rndv", [False, True])
+def test_pushv_pieces_land_and_a_bad_list_writes_nothing(tls, rndv, monkeypatch):
+    """PUSHV (several small push segments packed in one message, decisions.md #40): valid
+    pieces land each where the list says, runs or whole rows, nothing between them changes;
+    then a list with a piece one byte past the region, a first piece that is not where the
+    header says, pieces adding up to more than the data, a list of one piece and rows that
+    overlap each fail the link and write nothing. Eager, or rendezvous, whose list the
+    target can check only once it is received (into staging)."""
+    rng = np.random.default_rng(7)
+    runs = [(300, 9000), (20000, 3000), (40000, 12000)]
+    row, stride, rows_pieces = 1000, 1100, [(100, 5000), (30000, 2000)]
+    t = Target(tls, monkeypatch)
+    try:
+        want = np.zeros(N, np.uint8)
+        for job, (pieces, geo) in enumerate([(runs, None), (rows_pieces, (row, stride))], 1):
+            data = rng.integers(0, 256, sum(ln for _, ln in pieces), np.uint8)
+            h, lst = hdrv(t.tb, t.rd, job, pieces, geo)
+            t.send(h, lst + data.tobytes(), rndv=rndv)
+            at = 0
+            for off, ln in pieces:
+                for r in range(ln // (geo[0] if geo else ln)):
+                    k = geo[0] if geo else ln
+                    d = off + r * (geo[1] if geo else 0)
+                    want[d:d + k] = data[at:at + k]
+                    at += k
+            end = time.monotonic() + 10
+            while time.monotonic() < end and not (t.dst == want).all():
+                time.sleep(0.002)
+            assert (t.dst == want).all(), job
+        assert (t.arena[:N] == 0xAB).all() and (t.arena[2 * N:] == 0xAB).all()
+        assert (t.canary == 0xCD).all() and (t.plain == 0xEE).all()
+        assert t.b.stats()["ucx_bad_msgs"] == 0
+    finally:
+        t.close()
+    past = [(100, 8000), (N - 4000 + 1, 4000)]
+    for name, pieces, geo, extra in [
+            ("a piece one byte past the region", past, None, 0),
+            ("the rows' last one byte past", [(0, 2000), (N - (2 * stride + row) + 1, 3000)], (row, stride), 0),
+            ("rows overlapping", [(0, 2000), (10000, 2000)], (row, row - 1), 0),
+            ("the first piece not where the header says", [(100, 8000), (20000, 4000)], None, 1),
+            ("pieces adding up to more than the data", [(100, 8000), (20000, 4000)], None, 2),
+            ("one piece", [(100, 8000)], None, 0)]:
+        t = Target(tls, monkeypatch)
+        try:
+            h, lst = hdrv(t.tb, t.rd, 4, pieces, geo)
+            n = sum(ln for _, ln in pieces)
+            if extra == 1:   # the header names offset 0; the list begins at 100
+                h = h[:32] + struct.pack("<Q", 0) + h[40:]
+            if extra == 2:   # the list says 12,000 bytes; the header and the data 11,999
+                h = h[:40] + struct.pack("<QQ", n - 1, n - 1) + h[56:]
+                n -= 1
+            t.send(h, lst + bytes(rng.integers(1, 256, n, np.uint8)), rndv=rndv)
+            assert t.link_down(), name
+            assert t.b.stats()["ucx_bad_msgs"] == 1 and t.unchanged(), name
+        finally:
+            t.close()

@@ -404,6 +404,10 @@ STOP_CASES = [
     ("tcp", "0", 1 << 20, 32 << 20),        # 16 MiB messages
     ("sm,self", "1", 1 << 20, 4 << 20),     # 2 MiB, cma zero copy
     ("sm,self", "0", 1 << 20, 32 << 20),    # 16 MiB, cma zero copy
+    # a block table (32 KiB blocks, random at the source): PUSHVs of 2 MiB, their lists checked
+    # once received, landed piece by piece (each piece one system call)
+    ("tcp", "0", 1 << 20, 4 << 20, "paged"),
+    ("sm,self", "1", 1 << 20, 4 << 20, "paged"),
 ]
 
 
@@ -411,26 +415,29 @@ async def _peer_stats(peer: PeerProcess) -> dict:
     return (await peer.call("stats"))["stats"]["native"]
 
 
-@pytest.mark.parametrize("tls,peer_errors,chunk,window", STOP_CASES,
-                         ids=[f"{t.split(',')[0]}-pe{e}-{w >> 10}K" for t, e, _, w in STOP_CASES])
-async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypatch, tls, peer_errors, chunk,
-                                                                        window):
-    """A 256 MiB push into a peer SIGSTOPped while it receives resolves LLM_TIMEOUT or
+@pytest.mark.parametrize("case", STOP_CASES,
+                         ids=[f"{c[0].split(',')[0]}-pe{c[1]}-{c[3] >> 10}K{'-paged' if c[4:] else ''}"
+                              for c in STOP_CASES])
+async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypatch, case):
+    """A 256 MiB push (of two rows, or of a block table) into a peer SIGSTOPped while it receives resolves LLM_TIMEOUT or
     LLM_LINK_FAILED within deadline + heartbeat_timeout (+ slack), and from that status on
     not one byte of the peer's destination changes: not while it is stopped, not after it
     resumed (observed by a round trip to it), up to the point where it has failed its link
     and UCX has ended every receive it had (its ucx_rx_pending and ucx_rx_orphans are 0:
     nothing is left that could write)."""
+    tls, peer_errors, chunk, window = case[:4]
+    paged = case[4:] == ("paged",)
     monkeypatch.setenv("UCX_TLS", tls)
     monkeypatch.setenv("KVENGINE_UCX_PEER_ERRORS", peer_errors)
-    row = kv.CacheDesc(2, (1, 128 << 20), np.uint8)
+    shape = [4096, 32 << 10] if paged else [1, 128 << 20]   # 128 MiB a tensor
+    row = kv.CacheDesc(2, tuple(shape), np.uint8)
     peer = await PeerProcess.start(cluster_id=2, transport="ucx", secret=SECRET, options=dict(HB))
     p = await kv.KvEngine(1, kv.Role.PROMPT, "127.0.0.1:0",
                           opts(**HB, chunk_bytes=chunk, tcp_window_bytes=window)).start()
     loop = asyncio.get_running_loop()
     try:
         # filled before the link: 256 MiB take long enough on a busy machine for a heartbeat to be missed
-        dst = (await peer.call("alloc", n=2, shape=[1, 128 << 20], dtype="uint8", fill=7))["cache_id"]
+        dst = (await peer.call("alloc", n=2, shape=shape, dtype="uint8", fill=7))["cache_id"]
         src = filled(p, row, seed=8)
         st, per = await p.link_clusters([kv.ClusterInfo(2, peer.address)])
         assert st == S.LLM_SUCCESS, per
@@ -453,7 +460,11 @@ async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypa
             return True
 
         t0 = loop.time()
-        t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=DEADLINE)
+        if paged:   # the destination's blocks in order (its first MiB lands first), the source's random
+            sb = np.random.default_rng(4).permutation(shape[0])
+            t = p.submit_push_kv_blocks(src, kv.BlocksCacheKey(2, dst), sb, np.arange(shape[0]), timeout=DEADLINE)
+        else:
+            t = p.submit_push_kv_cache(src, kv.CacheIndex(2, dst, 0), timeout=DEADLINE)
         if not await asyncio.to_thread(stop_at_first_bytes):
             pytest.fail(f"nothing landed within 5 s: {t.done() and t.status!r}, the peer's stats "
                         f"{await _peer_stats(peer)}")
@@ -466,6 +477,7 @@ async def test_stopped_peer_status_within_bound_and_nothing_lands_after(monkeypa
         assert p.stats()["native"]["jobs_live"] == 0
         landed = sum(int(np.count_nonzero(a != b)) for a, b in zip(at_status, initial))
         assert 0 < landed < 2 * (128 << 20), landed
+        assert not paged or p.stats()["native"]["ucx_pushv"] > 0
         os.kill(peer.pid, signal.SIGCONT)
         stats = await _peer_stats(peer)          # a round trip: the peer runs again
         reply = await peer.call("wait_link_down", cluster_id=1, timeout=DRAIN)

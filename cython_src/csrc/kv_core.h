@@ -116,6 +116,7 @@ typedef struct {
     uint64_t tcp_readv;         /* READVs sent (kv_tcp.c readv_claim: a pull's segments in one READ) */
     uint64_t ucx_row_pulls;     /* UCX PULL_REQ2D sent (a 2-D pull segment's rows asked in one message) */
     uint64_t ucx_pullv;         /* UCX PULL_REQV sent (several 1-D pull segments asked in one message) */
+    uint64_t ucx_pushv;         /* UCX PUSHV sent (several small push segments, packed, in one message) */
 } kv_stats;
 
 /* Create a core with `movers` threads (1..64); `chunk_bytes` is the most a
@@ -298,7 +299,8 @@ int kv_tcp_submit_driven(kv_core *core, uint64_t job_id, const uint64_t *segs, s
 #define KV_UCX_MAX_PULL2D (4ull << 20) /* ...and one PULL_REQ2D (the source packs its rows) */
 #define KV_UCX_PEER_PULL2D 1u       /* kv_ucx_link_add peer_flags: the peer answers PULL_REQ2D */
 #define KV_UCX_PEER_PULLV 2u        /* ...and PULL_REQV */
-#define KV_UCX_MAX_PIECES 1024u     /* pieces of one PULL_REQV */
+#define KV_UCX_PEER_PUSHV 4u        /* ...and takes PUSHV */
+#define KV_UCX_MAX_PIECES 1024u     /* pieces of one PULL_REQV or PUSHV */
 
 /* kv_ucx_hdr.type */
 enum {
@@ -319,9 +321,13 @@ enum {
     KV_UCX_PULL_REQV, /* PULL_REQ of pieces: its payload 2..KV_UCX_MAX_PIECES kv_ucx_piece of region (offset
                        * 0), len their bytes in all (<= KV_UCX_MAX_PULL2D), answered by one PULL_DATA of
                        * them packed in order; sent only to a peer that announced it (KV_UCX_PEER_PULLV) */
+    KV_UCX_PUSHV,     /* PUSH of pieces: its payload h.tag (2..KV_UCX_MAX_PIECES) kv_ucx_piece of region, then
+                       * their len (<= KV_UCX_MAX_PULL2D) bytes packed in order; offset: the first piece's;
+                       * with the 2-D header each piece is whole rows (row_len, dst_stride) there; sent
+                       * only to a peer that announced it (KV_UCX_PEER_PUSHV) */
 };
 
-/* One piece of a PULL_REQV's list, in the region of the message's receiver. */
+/* One piece of a PULL_REQV's or PUSHV's list, in the region of the message's receiver. */
 typedef struct kv_ucx_piece {
     uint64_t offset, len;
 } kv_ucx_piece;
@@ -368,7 +374,8 @@ uint32_t kv_ucx_mem_map(kv_core *core, uint32_t region_id);
  * lease_ns, fence_ns: 1 ms .. 1 h. `peer_flags`: what the peer said it serves
  * (KV_UCX_PEER_PULL2D: this end's pulls then ask for a 2-D segment's rows in
  * PULL_REQ2D, else the core expands them into rows; KV_UCX_PEER_PULLV: several
- * small 1-D segments in one PULL_REQV, else one PULL_REQ each). A failure of the link posts
+ * small 1-D segments in one PULL_REQV, else one PULL_REQ each; KV_UCX_PEER_PUSHV: several
+ * small push segments packed in one PUSHV, else one PUSH or PUSH2D each). A failure of the link posts
  * KV_EVENT_LINK_DOWN|link_id. A peer's regions are KV_REGION_UCX regions
  * (kv_region_add: pid = link id, addr = the peer's region id). */
 uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const uint8_t *addr, size_t len, const uint8_t *rx_token,
@@ -379,15 +386,21 @@ uint32_t kv_ucx_link_add(kv_core *core, uint32_t link_id, const uint8_t *addr, s
 uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status);
 /* The target's check of one message (pure; caller holds the core's lock):
  * the header's size and type, its lengths against `data_len`, and for PUSH,
- * PUSH2D, PULL_REQ, PULL_REQ2D and PULL_REQV the region (this core's, LOCAL, F_EXPORT, not removed) and
- * every byte written or read inside it (the 2-D ones: each row; row_len divides len,
+ * PUSH2D, PUSHV, PULL_REQ, PULL_REQ2D and PULL_REQV the region (this core's, LOCAL, F_EXPORT, not
+ * removed) and every byte written or read inside it (the 2-D ones: each row; row_len divides len,
  * dst_stride >= row_len; a PULL_REQV: every piece of its list `data`, which must be
- * there: none empty, adding up to len), overflow-safe. KV_LLM_SUCCESS with *out (the header;
+ * there: none empty, adding up to len; a PUSHV: the same of the list its payload `data`
+ * begins with, the first piece at offset; a rendezvous PUSHV's payload is not at hand
+ * (data NULL): its list is checked with kv_ucx_pieces_ok once received), overflow-safe. KV_LLM_SUCCESS with *out (the header;
  * row_len and dst_stride as for one row unless 2-D) and *addr (where the bytes
  * go or come from: the first row), else PARAM_INVALID or KV_CACHE_NOT_EXIST. The
  * token is checked by the caller (it picks the link). */
 uint32_t kv_ucx_check(kv_core *core, const void *hdr, size_t hdr_len, const void *data, uint64_t data_len,
                       kv_ucx_hdr2d *out, uint64_t *addr);
+/* 1 if every one of the `n` pieces at `list` lies inside a region of `rlen` bytes: none
+ * empty; of rows (row > 0): whole rows of `row` bytes, `stride` (>= row) apart, the last
+ * one inside; else one run each; adding up to `len`; overflow-safe (pure). */
+int kv_ucx_pieces_ok(const void *list, uint64_t n, uint64_t rlen, uint64_t len, uint64_t row, uint64_t stride);
 /* Submit a ucx job (as kv_core_submit_leased, never inline) and drive it on the
  * calling thread: its messages posted and the worker progressed here, at most
  * `bound_ns`, until its completion, which is taken as kv_core_wait_take takes one

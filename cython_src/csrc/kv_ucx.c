@@ -49,6 +49,21 @@ typedef struct kv_ucx kv_ucx;
 #include <stdlib.h>
 #include <string.h>
 
+int kv_ucx_pieces_ok(const void *list, uint64_t n, uint64_t rlen, uint64_t len, uint64_t row, uint64_t stride) {
+    uint64_t sum = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        kv_ucx_piece p;
+        memcpy(&p, (const uint8_t *)list + i * sizeof p, sizeof p); /* UCX's buffer need not be aligned */
+        if (p.len == 0 || p.offset > rlen || p.len > len - sum)
+            return 0;
+        uint64_t rl = row ? row : p.len, st = row ? stride : p.len; /* 1-D: one row */
+        if (p.len % rl || rl > rlen - p.offset || p.len / rl - 1 > (rlen - p.offset - rl) / st)
+            return 0;
+        sum += p.len;
+    }
+    return sum == len;
+}
+
 /* The header check, without UCX: a pure function of the header, the payload
  * length and this core's region table (caller holds c->lock). */
 uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, const void *data, uint64_t data_len,
@@ -58,7 +73,7 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, const void *d
     if (!hdr || hdr_len < sizeof h)
         return KV_LLM_PARAM_INVALID;
     memcpy(&h, hdr, sizeof h); /* the transport's buffer need not be aligned */
-    int vec = h.type == KV_UCX_PULL_REQV; /* of rows with the 2-D header, else of runs */
+    int vec = h.type == KV_UCX_PULL_REQV || h.type == KV_UCX_PUSHV; /* of rows with the 2-D header, else of runs */
     int two = h.type == KV_UCX_PUSH2D || h.type == KV_UCX_PULL_REQ2D || (vec && hdr_len == sizeof g);
     if (hdr_len != (two ? sizeof g : sizeof h))
         return KV_LLM_PARAM_INVALID;
@@ -94,6 +109,13 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, const void *d
             return KV_LLM_PARAM_INVALID;
         extent = 0;
         break;
+    case KV_UCX_PUSHV: /* h.tag pieces listed before the data; the list checked below where it is
+                        * here (eager; a rendezvous one's once received: recv_done) */
+        if (h.len == 0 || h.len > KV_UCX_MAX_PULL2D || h.total < h.len || h.tag < 2 || h.tag > KV_UCX_MAX_PIECES ||
+            data_len != h.tag * sizeof(kv_ucx_piece) + h.len)
+            return KV_LLM_PARAM_INVALID;
+        extent = 0;
+        break;
     case KV_UCX_PULL_DATA:
         return h.len != 0 && h.len == data_len && h.region == 0 ? KV_LLM_SUCCESS : KV_LLM_PARAM_INVALID;
     case KV_UCX_ACK:
@@ -112,26 +134,20 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, const void *d
             return KV_LLM_PARAM_INVALID;
         extent = (h.len / g.row_len - 1) * g.dst_stride + g.row_len;
     }
-    /* PUSH, PUSH2D, PULL_REQ, PULL_REQ2D, PULL_REQV: one of our own exported regions, every byte inside it */
+    /* PUSH, PUSH2D, PUSHV, PULL_REQ, PULL_REQ2D, PULL_REQV: one of our own exported regions, every byte inside it */
     kv_region *rg = kv__region_get(c, h.region);
     if (!rg || rg->removed || rg->kind != KV_REGION_LOCAL || !(rg->flags & KV_REGION_F_EXPORT))
         return KV_LLM_KV_CACHE_NOT_EXIST;
     if (h.offset > rg->len || extent > rg->len - h.offset)
         return KV_LLM_PARAM_INVALID;
-    if (vec) { /* every piece inside the region (of rows: whole rows, the last one inside), none
-                * empty, adding up to len (each at most what is left) */
-        uint64_t sum = 0;
-        for (uint64_t i = 0; i < data_len / sizeof(kv_ucx_piece); i++) {
-            kv_ucx_piece p;
-            memcpy(&p, (const uint8_t *)data + i * sizeof p, sizeof p); /* UCX's buffer need not be aligned */
-            if (p.len == 0 || p.offset > rg->len || p.len > h.len - sum)
-                return KV_LLM_PARAM_INVALID;
-            uint64_t rl = two ? g.row_len : p.len, st = two ? g.dst_stride : p.len; /* 1-D: one row */
-            if (p.len % rl || rl > rg->len - p.offset || p.len / rl - 1 > (rg->len - p.offset - rl) / st)
-                return KV_LLM_PARAM_INVALID;
-            sum += p.len;
-        }
-        if (sum != h.len)
+    if (vec && data) { /* every piece inside the region (of rows: whole rows, the last one inside), none
+                        * empty, adding up to len; a PUSHV's first piece at offset */
+        int push = h.type == KV_UCX_PUSHV;
+        kv_ucx_piece p0;
+        memcpy(&p0, data, sizeof p0);
+        if (!kv_ucx_pieces_ok(data, push ? h.tag : data_len / sizeof(kv_ucx_piece), rg->len, h.len,
+                              two ? g.row_len : 0, g.dst_stride) ||
+            (push && p0.offset != h.offset))
             return KV_LLM_PARAM_INVALID;
     }
     *addr = rg->addr + h.offset;
@@ -240,6 +256,8 @@ unsigned kv_test_parked_max = UCX_PARKED_MAX; /* tests/native only: a smaller li
 #define UCX_SEND2D_MAX (256u << 10)      /* a push's rows of a 2-D segment go in PUSH2D messages of at most this
                                           * (rows of up to half of it; longer rows go as PUSH each), packed by
                                           * the I/O thread under the core's lock */
+#define UCX_PUSHV_PIECE_MAX (256u << 10) /* push segments of up to this go several to a PUSHV, packed by the
+                                           * I/O thread (larger ones: a PUSH each, zero copy) */
 #define UCX_LAND_INLINE_MAX (64u << 10)  /* a staged payload up to this size, with no other receive of its link
                                           * in progress, lands on the I/O thread (one piece): the two thread
                                           * hand-offs cost more than its copy, and nothing would overlap it */
@@ -323,6 +341,7 @@ struct ucx_link {
     int shm_zc;           /* ...and a zero-copy one for rendezvous (cma, knem, xpmem): UCX_SHM_ZC_EAGER_MAX */
     int peer_pull2d;      /* the peer answers PULL_REQ2D (KV_UCX_PEER_PULL2D): ucx_pull_2d */
     int peer_pullv;       /* the peer answers PULL_REQV (KV_UCX_PEER_PULLV) */
+    int peer_pushv;       /* the peer takes PUSHV (KV_UCX_PEER_PUSHV) */
     ucp_ep_h ep;
     uint64_t peer_uid;    /* the peer's worker (its address's uid): an endpoint parked for it is reused */
     uint8_t rx_token[KV_UCX_TOKEN]; /* what the peer's headers must carry */
@@ -370,7 +389,10 @@ struct ucx_op {
                           * land_drain); 0 otherwise */
     uint64_t len;
     uint64_t dst;        /* receive: where the payload lands (checked by am_recv): its first row */
-    uint64_t row, stride; /* push receive: the payload's rows (row bytes each, landing stride apart; 1-D: len) */
+    uint64_t row, stride; /* push receive: the payload's rows (row bytes each, landing stride apart; 1-D: len;
+                           * a PUSHV's: its pieces' rows, row 0 for pieces of one run each) */
+    uint64_t vlist;      /* push receive of a PUSHV: the bytes of the list its payload begins with (else 0) */
+    uint64_t base, rlen; /* ...and its region's address and bytes (the list's offsets are in it) */
     ucx_stage *stage;    /* receive: where UCX writes it */
     union {
         void *desc;      /* receive waiting for staging: UCX's descriptor of the message */
@@ -1431,6 +1453,8 @@ static void copy_into(pid_t pid, int *self_copy, uint8_t *d, const uint8_t *sp, 
  * that memfd first, and land with one preadv from it: a process_vm_writev of one
  * iovec per row pins each row's page anew (gather over shared memory: 0.28x -> 0.60x
  * contiguous, docs/benchmarks.md); writing the memfd lands nothing. */
+static void copy_iov_into(pid_t pid, int *self_copy, const struct iovec *iov, size_t k, uint64_t n,
+                          const uint8_t *sp, int fd, uint64_t foff, int *scratch, uint64_t *scratch_len);
 static void copy_rows_into(pid_t pid, int *self_copy, uint8_t *d, uint64_t row, uint64_t stride, const uint8_t *sp,
                            uint64_t off, uint64_t n, int fd, uint64_t fbase, int *scratch, uint64_t *scratch_len) {
     if (row >= off + n) { /* one row: as ever */
@@ -1438,18 +1462,26 @@ static void copy_rows_into(pid_t pid, int *self_copy, uint8_t *d, uint64_t row, 
         return;
     }
     struct iovec iov[UCX_LAND_IOV];
-    uint64_t r0 = off / row, k = n / row, done = 0;
+    uint64_t r0 = off / row, k = n / row;
     for (uint64_t i = 0; i < k; i++) {
         iov[i].iov_base = d + (r0 + i) * stride;
         iov[i].iov_len = (size_t)row;
     }
-    uint64_t foff = fbase + off;
+    copy_iov_into(pid, self_copy, iov, k, n, sp + off, fd, fbase + off, scratch, scratch_len);
+}
+
+/* `n` bytes packed at `sp` (or in `fd` from `foff`) into the `k` runs of `iov`, in
+ * order, with one system call, as copy_rows_into; what the kernel refused is copied
+ * with memcpy. */
+static void copy_iov_into(pid_t pid, int *self_copy, const struct iovec *iov, size_t k, uint64_t n,
+                          const uint8_t *sp, int fd, uint64_t foff, int *scratch, uint64_t *scratch_len) {
+    uint64_t done = 0;
     if (fd < 0 && scratch && n <= UCX_LAND_PIECE) { /* at most a piece: that much memory kept */
         if (*scratch < 0)
             *scratch = memfd_create("kv-ucx-rows", MFD_CLOEXEC);
         if (*scratch >= 0 && *scratch_len < n && ftruncate(*scratch, (off_t)n) == 0)
             *scratch_len = n;
-        if (*scratch >= 0 && *scratch_len >= n && pwrite(*scratch, sp + off, n, 0) == (ssize_t)n) {
+        if (*scratch >= 0 && *scratch_len >= n && pwrite(*scratch, sp, n, 0) == (ssize_t)n) {
             fd = *scratch;
             foff = 0;
         }
@@ -1459,17 +1491,44 @@ static void copy_rows_into(pid_t pid, int *self_copy, uint8_t *d, uint64_t row, 
         if (r > 0)
             done = (uint64_t)r;
     } else if (*self_copy) {
-        struct iovec lo = {.iov_base = (void *)(uintptr_t)(sp + off), .iov_len = (size_t)n};
+        struct iovec lo = {.iov_base = (void *)(uintptr_t)sp, .iov_len = (size_t)n};
         ssize_t r = process_vm_writev(pid, &lo, 1, iov, k, 0);
         if (r > 0)
             done = (uint64_t)r;
         else if (errno == EPERM || errno == ENOSYS)
             *self_copy = 0;
     }
-    for (uint64_t i = done / row; i < k; i++) { /* what the call did not copy (where the kernel refuses it) */
-        uint64_t from = i == done / row ? done % row : 0;
-        memcpy((uint8_t *)iov[i].iov_base + from, sp + off + i * row + from, row - from);
+    for (uint64_t i = 0, at = 0; i < k && done < n; at += iov[i].iov_len, i++) { /* what the call did not copy */
+        if (at + iov[i].iov_len <= done)
+            continue;
+        uint64_t from = done > at ? done - at : 0;
+        memcpy((uint8_t *)iov[i].iov_base + from, sp + at + from, iov[i].iov_len - from);
     }
+}
+
+/* The next landing piece of a PUSHV's payload, from its cursor (*pi: the piece, *po:
+ * bytes into it; advanced): the runs its bytes land in (the `n` pieces of `list`,
+ * offsets from `base`; of rows of `row` bytes `stride` apart, row 0: one run each),
+ * at most UCX_LAND_PIECE bytes and UCX_LAND_IOV runs, into `iov` (*k). Returns the
+ * piece's bytes. The list was checked (kv_ucx_pieces_ok). */
+static uint64_t pieces_iov(struct iovec *iov, size_t *k, const uint8_t *list, uint64_t n, uint64_t base,
+                           uint64_t row, uint64_t stride, uint64_t *pi, uint64_t *po) {
+    uint64_t got = 0;
+    *k = 0;
+    while (*pi < n && *k < UCX_LAND_IOV && got < UCX_LAND_PIECE) {
+        kv_ucx_piece p;
+        memcpy(&p, list + *pi * sizeof p, sizeof p);
+        uint64_t rl = row ? row : p.len, r = *po / rl, col = *po % rl, t = rl - col;
+        t = t < UCX_LAND_PIECE - got ? t : UCX_LAND_PIECE - got;
+        iov[*k].iov_base = (void *)(uintptr_t)(base + p.offset + r * (row ? stride : 0) + col);
+        iov[(*k)++].iov_len = (size_t)t;
+        got += t;
+        if ((*po += t) == p.len) {
+            (*pi)++;
+            *po = 0;
+        }
+    }
+    return got;
 }
 
 /* The bytes of a payload of rows `row` bytes long (1-D: its length) a landing piece takes:
@@ -1541,6 +1600,27 @@ static int land_checked(kv_ucx *u, ucx_link *l, uint64_t dst, uint64_t row, uint
     return 1;
 }
 
+/* Land a PUSHV's `len` bytes packed at `src` (or in `fd` from `fbase`) into its pieces
+ * (`list`, `n` of them: pieces_iov), piece by piece as land_checked, each one system
+ * call while our lease from the pusher holds. Returns 1 if every byte landed, 0 if the
+ * lease ran out first. Caller holds c->lock. */
+static int land_pieces_checked(kv_ucx *u, ucx_link *l, const uint8_t *list, uint64_t n, uint64_t base, uint64_t row,
+                               uint64_t stride, const uint8_t *src, uint64_t len, int fd, uint64_t fbase) {
+    struct iovec iov[UCX_LAND_IOV];
+    uint64_t pi = 0, po = 0;
+    for (uint64_t off = 0; off < len;) {
+        int marked = 0;
+        size_t k;
+        if (!piece_may_land(u->core, l, &marked))
+            return 0;
+        uint64_t m = pieces_iov(iov, &k, list, n, base, row, stride, &pi, &po);
+        copy_iov_into(u->pid, &u->self_copy, iov, k, m, src + off, fd, fbase + off, fd < 0 ? &u->rows_fd : NULL,
+                      &u->rows_len);
+        off += m;
+    }
+    return 1;
+}
+
 #ifdef KV_TEST_HOOKS
 /* tests/native only (never in the extension): called by the landing thread between its
  * checks of a piece (piece_may_land, under c->lock) and the piece's copy, with the link's
@@ -1574,9 +1654,13 @@ static void *land_main(void *arg) {
         uint8_t *d = (uint8_t *)(uintptr_t)op->dst;
         int self_copy = u->self_copy;
         int ok = 1;
-        uint64_t piece = piece_bytes(op->row, op->len);
-        for (uint64_t off = 0; off < op->len; off += piece) {
-            uint64_t n = op->len - off < piece ? op->len - off : piece;
+        uint64_t piece = op->vlist ? UCX_LAND_PIECE : piece_bytes(op->row, op->len), data = op->len - op->vlist;
+        uint64_t pi = 0, po = 0;
+        const uint8_t *list = stage_at(op->stage), *sp = list + op->vlist; /* (a PUSHV's payload: its list first) */
+        struct iovec iov[UCX_LAND_IOV];
+        for (uint64_t off = 0; off < data;) {
+            uint64_t n = data - off < piece ? data - off : piece, npi = pi, npo = po;
+            size_t k = 0;
             ucx_link *l = op->link; /* NULL: abandoned (the link and its push states may be gone) */
             if (l && op->rx->aborted) {
                 c->stats.ucx_dropped++; /* aborted while it landed: the rest is dropped */
@@ -1590,6 +1674,9 @@ static void *land_main(void *arg) {
                 ok = 0;
                 break;
             }
+            if (op->vlist) /* this piece's runs (the cursor moves once it landed) */
+                n = pieces_iov(iov, &k, list, op->vlist / sizeof(kv_ucx_piece), op->base, op->row, op->stride, &npi,
+                               &npo);
             __atomic_store_n(&u->land_piece, op, __ATOMIC_RELEASE);
             pthread_mutex_unlock(&c->lock);
 #ifdef KV_TEST_HOOKS
@@ -1603,11 +1690,14 @@ static void *land_main(void *arg) {
             if (l && now_ns() >= __atomic_load_n(&l->lease_until, __ATOMIC_ACQUIRE)) {
                 __atomic_store_n(&u->land_piece, NULL, __ATOMIC_RELEASE);
                 pthread_mutex_lock(&c->lock);
-                off -= piece; /* this piece again: the checks above, under the lock, decide */
-                continue;
+                continue; /* this piece again: the checks above, under the lock, decide */
             }
             int way = -1; /* counted under the lock below */
-            if (op->row >= op->len && n >= UCX_PICK_MIN && op->stage->fd >= 0 && op->stage->mapped && self_copy) {
+            if (op->vlist) {
+                copy_iov_into(u->pid, &self_copy, iov, k, n, sp + off, op->stage->fd,
+                              op->stage->skew + op->vlist + off, NULL, NULL);
+            } else if (op->row >= op->len && n >= UCX_PICK_MIN && op->stage->fd >= 0 && op->stage->mapped &&
+                       self_copy) {
                 /* a large 1-D piece: the faster way (land_how), timed */
                 ucx_land_pick *p = &u->pick;
                 int how = land_how(p);
@@ -1624,6 +1714,9 @@ static void *land_main(void *arg) {
             pthread_mutex_lock(&c->lock);
             if (way >= 0)
                 (*(way ? &c->stats.ucx_land_pvw : &c->stats.ucx_land_pread))++;
+            off += n;
+            pi = npi;
+            po = npo;
         }
         if (!op->link) { /* abandoned while it landed: recvs_abandon left its region to us */
             if (op->region)
@@ -1656,7 +1749,7 @@ static void land_drain(kv_ucx *u) {
         c->stats.ucx_rx_pending--;
         r->receiving--;
         if (op->landing == 4)
-            r->landed += op->len;
+            r->landed += op->len - op->vlist;
         if (!l->dead)
             rx_settle(l, r);
         if (op->region)
@@ -1739,6 +1832,17 @@ static void pull_land(const ucx_pull *q, const uint8_t *data) {
         memcpy(d, data + off, q->row);
 }
 
+/* A PUSHV received into staging: its list (checked now, as kv_ucx_check checks an
+ * eager one's) inside its region, the first piece where its header said (op->dst,
+ * less the list: the staging's skew). */
+static int vlist_ok(const ucx_op *op) {
+    kv_ucx_piece p0;
+    const uint8_t *list = stage_at(op->stage);
+    memcpy(&p0, list, sizeof p0);
+    return kv_ucx_pieces_ok(list, op->vlist / sizeof p0, op->rlen, op->len - op->vlist, op->row, op->stride) &&
+           op->base + p0.offset == op->dst + op->vlist;
+}
+
 /* A rendezvous receive into staging ended (push data or a pull's answer): a
  * push's payload is queued for the landing thread, a pull's answer lands now. */
 static void recv_done(void *request, ucs_status_t status, size_t length, void *user_data) {
@@ -1761,7 +1865,10 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
     if (op->rx) {
         ucx_rx *r = op->rx;
         r->receiving--;
-        if (status == UCS_OK && r->aborted) {
+        if (status == UCS_OK && op->vlist && !l->dead && !vlist_ok(op)) {
+            c->stats.ucx_bad_msgs++; /* a PUSHV whose list is bad: nothing of it lands, the link fails */
+            sig |= link_fail(u, l, KV_LLM_LINK_FAILED, 1);
+        } else if (status == UCS_OK && r->aborted) {
             c->stats.ucx_dropped++; /* data of a push aborted while it was received */
         } else if (status == UCS_OK && !l->dead && (op->len > UCX_LAND_INLINE_MAX || l->recvs || l->defer_head) &&
                    land_thread_ok(u)) {
@@ -1786,7 +1893,13 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
             if (request)
                 ucp_request_free(request);
             return;
-        } else if (status == UCS_OK &&
+        } else if (status == UCS_OK && op->vlist) { /* (its list checked above unless the link is dead) */
+            const uint8_t *list = stage_at(op->stage);
+            if (!l->dead && land_pieces_checked(u, l, list, op->vlist / sizeof(kv_ucx_piece), op->base, op->row,
+                                                op->stride, list + op->vlist, op->len - op->vlist, op->stage->fd,
+                                                op->stage->skew + op->vlist))
+                r->landed += op->len - op->vlist;
+        } else if (status == UCS_OK && !op->vlist &&
                    land_checked(u, l, op->dst, op->row, op->stride, stage_at(op->stage), op->len, op->stage)) {
             r->landed += op->len; /* small, or no landing thread: landed here (the lease checked first) */
         }
@@ -1863,6 +1976,12 @@ static void recv_post_deferred(kv_ucx *u, ucx_link *l) {
     }
 }
 
+/* A PUSHV being received: its list's bytes (the payload begins with it), and the
+ * region its pieces are in (address, bytes). */
+typedef struct ucx_vmsg {
+    uint64_t vlist, base, rlen;
+} ucx_vmsg;
+
 /* Receive `len` bytes of a message for `dst` (checked by the caller): eager
  * payloads are copied into place here (the caller checked the lease just
  * before), rendezvous ones are received into staging and land when complete
@@ -1870,10 +1989,17 @@ static void recv_post_deferred(kv_ucx *u, ucx_link *l) {
  * started whatever our lease says (a target stopped and resumed), and it cannot
  * cancel one. Returns the handler's status. Caller holds c->lock. */
 static ucs_status_t land(kv_ucx *u, ucx_link *l, void *data, uint64_t len, const ucp_am_recv_param_t *param,
-                         uint64_t dst, uint64_t row, uint64_t stride, uint32_t region, ucx_rx *rx, ucx_pull *pull) {
+                         uint64_t dst, uint64_t row, uint64_t stride, uint32_t region, ucx_rx *rx, ucx_pull *pull,
+                         const ucx_vmsg *v) {
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        if (rx && land_checked(u, l, dst, row, stride, data, len, NULL))
+        if (rx && v) { /* a PUSHV's list (checked by am_recv), then its data */
+            const uint8_t *list = data;
+            if (land_pieces_checked(u, l, list, v->vlist / sizeof(kv_ucx_piece), v->base, row, stride,
+                                    list + v->vlist, len - v->vlist, -1, 0))
+                rx->landed += len - v->vlist;
+        } else if (rx && land_checked(u, l, dst, row, stride, data, len, NULL)) {
             rx->landed += len;
+        }
         return UCS_OK;
     }
     ucx_op *op = calloc(1, sizeof *op);
@@ -1889,6 +2015,11 @@ static ucs_status_t land(kv_ucx *u, ucx_link *l, void *data, uint64_t len, const
     op->stride = stride;
     op->region = region;
     op->desc = data;
+    if (v) {
+        op->vlist = v->vlist;
+        op->base = v->base;
+        op->rlen = v->rlen;
+    }
     kv__region_ref(u->core, region); /* the memory stays mapped until the payload landed */
     l->rx_ops++;
     u->core->stats.ucx_rx_pending++;
@@ -1958,7 +2089,8 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         ret = UCS_ERR_CANCELED;
         goto out;
     }
-    /* a PULL_REQV's list must be here (eager): a rendezvous one fails the check */
+    /* a PULL_REQV's list must be here (eager): a rendezvous one fails the check; a
+     * rendezvous PUSHV's is checked once received (recv_done) */
     const void *list = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV ? NULL : data;
     uint32_t st = kv_ucx_check(c, header, header_length, list, length, &g, &addr);
     if (st != KV_LLM_SUCCESS) {
@@ -1968,7 +2100,8 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
     h = g.h;
     switch (h.type) {
     case KV_UCX_PUSH:
-    case KV_UCX_PUSH2D: {
+    case KV_UCX_PUSH2D:
+    case KV_UCX_PUSHV: {
         ucx_rx *r = rx_find(l, h.job);
         if (r && r->aborted) { /* late data of an aborted push: never written */
             c->stats.ucx_dropped++;
@@ -1998,7 +2131,15 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         }
         r->claimed += h.len;
         c->stats.ucx_rx_rows += h.type == KV_UCX_PUSH2D;
-        ret = land(u, l, data, h.len, param, addr, g.row_len, g.dst_stride, h.region, r, NULL);
+        if (h.type == KV_UCX_PUSHV) { /* its pieces, of rows with the 2-D header (else row 0: runs) */
+            kv_region *rg = kv__region_get(c, h.region); /* checked by kv_ucx_check */
+            ucx_vmsg v = {.vlist = h.tag * sizeof(kv_ucx_piece), .base = rg->addr, .rlen = rg->len};
+            int rows = header_length == sizeof g;
+            ret = land(u, l, data, length, param, addr - v.vlist, rows ? g.row_len : 0, rows ? g.dst_stride : 0,
+                       h.region, r, NULL, &v);
+        } else {
+            ret = land(u, l, data, h.len, param, addr, g.row_len, g.dst_stride, h.region, r, NULL, NULL);
+        }
         c->stats.ucx_bytes_received += h.len;
         if (ret == UCS_OK) /* eager: landed (a rendezvous receive settles `r` when it ends; `r` may be gone) */
             rx_settle(l, r);
@@ -2146,7 +2287,7 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
         }
         c->stats.ucx_bytes_received += h.len;
         if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-            ret = land(u, l, data, h.len, param, q->dst, h.len, h.len, q->region, NULL, q);
+            ret = land(u, l, data, h.len, param, q->dst, h.len, h.len, q->region, NULL, q, NULL);
             break;
         }
         pull_land(q, data);
@@ -2239,6 +2380,7 @@ static int run_cmd(kv_ucx *u, ucx_cmd *m) {
         l->margin_ns = m->margin_ns;
         l->peer_pull2d = !!(m->peer_flags & KV_UCX_PEER_PULL2D);
         l->peer_pullv = !!(m->peer_flags & KV_UCX_PEER_PULLV);
+        l->peer_pushv = !!(m->peer_flags & KV_UCX_PEER_PUSHV);
         l->next_tag = 1;
         l->down_event = m->down_event;
         m->down_event = NULL;
@@ -2350,6 +2492,48 @@ static size_t pullv_count(const ucx_job *j, uint64_t cap, uint64_t *bytes, size_
     return i - i0;
 }
 
+/* How many whole segments of push `j` from its claim point (at a segment's start) go in
+ * one PUSHV: those for one region of the peer, each at most UCX_PUSHV_PIECE_MAX, one run
+ * there (1-D, or rows back to back) or, as the first one, rows of one length and stride
+ * there (*apart), at most `cap` bytes (*bytes) and KV_UCX_MAX_PIECES of them; 0 unless
+ * two or more. *bytes and *apart are set only then. */
+static size_t pushv_count(const ucx_job *j, uint64_t cap, uint64_t *bytes, int *apart) {
+    const kv_segment *segs = j->job.segments, *s0 = &segs[j->job.claim_segment];
+    size_t i0 = j->job.claim_segment, i = i0;
+    int ap = s0->rows > 1 && s0->dst_stride != s0->len;
+    uint64_t sum = 0;
+    if (j->job.claim_offset)
+        return 0;
+    while (i < j->job.nsegments && i - i0 < KV_UCX_MAX_PIECES && segs[i].remote_region == s0->remote_region) {
+        const kv_segment *t = &segs[i];
+        uint64_t b = kv_seg_bytes(t);
+        if (b > UCX_PUSHV_PIECE_MAX || b > cap - sum || (t->rows > 1 && t->dst_stride != t->len) != ap ||
+            (ap && (t->len != s0->len || t->dst_stride != s0->dst_stride)))
+            break;
+        sum += b;
+        i++;
+    }
+    if (i - i0 < 2)
+        return 0;
+    *bytes = sum;
+    *apart = ap;
+    return i - i0;
+}
+
+/* The `m` segments `s` of a PUSHV into `out`: their pieces in the peer's region (one a
+ * segment: its rows there with the header's row_len and dst_stride, or one run), then
+ * their bytes packed in order. */
+static void pack_pushv(uint8_t *out, const kv_segment *s, size_t m) {
+    uint8_t *pk = out + m * sizeof(kv_ucx_piece);
+    for (size_t i = 0; i < m; i++) {
+        kv_ucx_piece p = {.offset = s[i].dst, .len = kv_seg_bytes(&s[i])};
+        memcpy(out + i * sizeof p, &p, sizeof p);
+        int apart = s[i].rows > 1 && s[i].src_stride != s[i].len; /* rows apart here */
+        pack_rows(pk, s[i].src, p.len, apart ? s[i].len : p.len, apart ? s[i].src_stride : p.len);
+        pk += p.len;
+    }
+}
+
 static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
     kv_core *c = u->core;
     kv_job **head = pulls ? &l->pull_head : &l->send_head, **tail = pulls ? &l->pull_tail : &l->send_tail;
@@ -2432,10 +2616,18 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
                 l->pull_inflight += n;
             }
         } else {
-            int pack = rows > 1 && s->src_stride != s->len; /* rows apart at the source: packed here */
-            op = calloc(1, sizeof *op + (pack ? n : 0));
+            /* a push's small segments (blocks of a table, a head range's rows of a block) go
+             * several to a PUSHV, packed here, to a peer that takes it */
+            uint64_t vcap = mm < KV_UCX_MAX_PULL2D ? mm : KV_UCX_MAX_PULL2D, vn = 0;
+            int vapart = 0;
+            size_t m = l->peer_pushv ? pushv_count(j, vcap, &vn, &vapart) : 0, vlist = m * sizeof(kv_ucx_piece);
+            if (m)
+                n = vn;
+            int pack = m || (rows > 1 && s->src_stride != s->len); /* rows apart at the source: packed here */
+            op = malloc(sizeof *op + (pack ? vlist + n : 0));
             if (!op)
                 break;
+            memset(op, 0, sizeof *op);
             op->u = u;
             op->link = l;
             op->job = j;
@@ -2448,10 +2640,38 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
             op->hdr.len = n;
             op->hdr.total = j->job.total_bytes;
             size_t hlen = sizeof op->hdr;
+            uint64_t plen = n;
             void *payload = (void *)(uintptr_t)local;
-            if (pack) /* the rows, packed after the op (it lives until UCX is done with the send) */
+            if (m) { /* the list and the segments' bytes, packed after the op */
+                op->hdr.type = KV_UCX_PUSHV;
+                op->hdr.offset = s->dst;
+                op->hdr.tag = m;
+                /* up to a message, packed without c->lock, so that no submit or completion
+                 * on another thread waits for the copy: we hold the worker, so no other
+                 * post_queue runs meanwhile; the job cannot complete while it has bytes
+                 * left to claim, so its segments and their regions stay; an abort or a
+                 * link failure meanwhile is looked for after */
+                u->io_locked = 0;
+                pthread_mutex_unlock(&c->lock);
+                pack_pushv((uint8_t *)(op + 1), s, m);
+                pthread_mutex_lock(&c->lock);
+                u->io_locked = 1;
+                if (l->dead || j->job.state != KV_JS_SENDING) {
+                    free(op); /* the round acts on it */
+                    break;
+                }
+                payload = op + 1;
+                plen = vlist + n;
+                c->stats.ucx_pushv++;
+                if (vapart) {
+                    op->hdr2.row_len = s->len;
+                    op->hdr2.dst_stride = s->dst_stride;
+                    hlen = sizeof op->hdr2;
+                }
+            } else if (pack) { /* the rows, packed after the op (it lives until UCX is done with the send) */
                 payload = pack_rows(op + 1, local, n, s->len, s->src_stride);
-            if (rows > 1 && s->dst_stride != s->len) { /* rows apart at the target (else one run: a PUSH) */
+            }
+            if (!m && rows > 1 && s->dst_stride != s->len) { /* rows apart at the target (else one run: a PUSH) */
                 op->hdr.type = KV_UCX_PUSH2D;
                 op->hdr2.row_len = s->len;
                 op->hdr2.dst_stride = s->dst_stride;
@@ -2460,13 +2680,13 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
             ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                                      UCP_OP_ATTR_FIELD_FLAGS,
                                      .cb.send = push_sent, .user_data = op,
-                                     .flags = push_rndv(l, n) ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER};
+                                     .flags = push_rndv(l, plen) ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER};
             ucp_mem_h mh = pack ? NULL : memh_of(u, local_region);
             if (mh) {
                 p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
                 p.memh = mh;
             }
-            ucs_status_ptr_t req = ucp_am_send_nbx(l->ep, UCX_AM_ID, &op->hdr, hlen, payload, n, &p);
+            ucs_status_ptr_t req = ucp_am_send_nbx(l->ep, UCX_AM_ID, &op->hdr, hlen, payload, plen, &p);
             if (UCS_PTR_IS_ERR(req)) {
                 free(op);
                 failed = 1;

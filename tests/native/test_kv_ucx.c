@@ -254,6 +254,116 @@ static void test_check(void) {
             CHECK((st == KV_LLM_SUCCESS) == vr[i].ok);
         }
     }
+    /* pushes of pieces (PUSHV): h.tag pieces (2..1024) listed before the data, each inside
+     * the exported region, adding up to len, the first at offset; a rendezvous one (no data
+     * at hand) has its header checked, its list once received (kv_ucx_pieces_ok) */
+    {
+        static uint8_t buf[(KV_UCX_MAX_PIECES + 1) * sizeof(kv_ucx_piece) + 64];
+        struct {
+            size_t np;         /* pieces (the header's tag) */
+            uint64_t off0, len0, hoff, hlen, dl; /* hlen: the header's len (0: the pieces'), dl: payload bytes */
+            int nodata, ok;
+        } pv[] = {
+            {3, 0, 8, 0, 0, 0, 0, 1},                      /* three pieces, one at the region's start */
+            {3, N - 8, 8, N - 8, 0, 0, 0, 1},              /* ...one ending at its end */
+            {3, N - 7, 8, N - 7, 0, 0, 0, 0},              /* one byte past */
+            {3, 0, 8, 8, 0, 0, 0, 0},                      /* the first piece not at offset */
+            {3, 0, 0, 0, 0, 0, 0, 0},                      /* an empty piece */
+            {3, 0, UINT64_MAX - 7, 0, 24, 0, 0, 0},        /* a length that overflows the sum */
+            {3, 0, 8, 0, 23, 0, 0, 0},                     /* the pieces add up to more */
+            {3, 0, 8, 0, 25, 0, 0, 0},                     /* ...to less */
+            {1, 0, 8, 0, 0, 0, 0, 0},                      /* one piece */
+            {KV_UCX_MAX_PIECES, 0, 8, 0, 0, 0, 0, 1},      /* 1024 pieces */
+            {KV_UCX_MAX_PIECES + 1, 0, 8, 0, 0, 0, 0, 0},  /* 1025 */
+            {3, 0, 8, 0, 0, 3 * 16 + 23, 0, 0},            /* a payload shorter than list + len */
+            {3, 0, 8, 0, 0, 0, 1, 1},                      /* rendezvous: the header alone */
+            {3, N - 7, 8, N - 7, 0, 0, 1, 1},              /* ...whose list is checked once received */
+            {3, 0, 8, N + 1, 0, 0, 1, 0},                  /* ...an offset past the region */
+            {3, 0, KV_UCX_MAX_PULL2D, 0, KV_UCX_MAX_PULL2D + 16, 0, 1, 0}, /* over 4 MiB */
+        };
+        for (size_t i = 0; i < sizeof pv / sizeof pv[0]; i++) {
+            uint64_t sum = 0;
+            for (size_t k = 0; k < pv[i].np; k++) {
+                kv_ucx_piece p = {.offset = (k * 4096 + 40) % (N - 8), .len = 8};
+                if (k == 0)
+                    p = (kv_ucx_piece){pv[i].off0, pv[i].len0};
+                memcpy(buf + k * sizeof p, &p, sizeof p);
+                sum += p.len;
+            }
+            uint64_t len = pv[i].hlen ? pv[i].hlen : sum;
+            kv_ucx_hdr q = mk(KV_UCX_PUSHV, rd, pv[i].hoff, len, len);
+            q.tag = pv[i].np;
+            uint64_t dl = pv[i].dl ? pv[i].dl : pv[i].np * sizeof(kv_ucx_piece) + len;
+            uint32_t st = checkv(c, &q, sizeof q, pv[i].nodata ? NULL : buf, dl, &addr);
+            if ((st == KV_LLM_SUCCESS) != pv[i].ok)
+                FAILED_AT("PUSHV case %zu: status %#x", i, st);
+            CHECK((st == KV_LLM_SUCCESS) == pv[i].ok);
+            if (pv[i].ok)
+                CHECK_EQ(addr, base + pv[i].hoff);
+            if (pv[i].ok && !pv[i].nodata) /* what the receive of a rendezvous one checks */
+                CHECK(kv_ucx_pieces_ok(buf, pv[i].np, N, len, 0, 0));
+        }
+        /* of rows: each piece whole rows of row_len, dst_stride apart, the last inside */
+        kv_ucx_hdr2d g2 = mk2d(rd, 128, 1, 16, 16);
+        kv_ucx_piece two[2] = {{128, 64}, {N - (3 * 64 + 16), 64}};
+        memcpy(buf, two, sizeof two);
+        g2.h.type = KV_UCX_PUSHV;
+        g2.h.len = g2.h.total = 128;
+        g2.h.tag = 2;
+        g2.dst_stride = 64;
+        CHECK_EQ(checkv(c, &g2, sizeof g2, buf, sizeof two + 128, &addr), KV_LLM_SUCCESS);
+        two[1].offset++; /* the second piece's last row one byte past */
+        memcpy(buf, two, sizeof two);
+        CHECK(checkv(c, &g2, sizeof g2, buf, sizeof two + 128, &addr) != KV_LLM_SUCCESS);
+        CHECK(!kv_ucx_pieces_ok(buf, 2, N, 128, 16, 64));
+        two[1].offset--;
+        g2.dst_stride = 8; /* rows overlapping */
+        memcpy(buf, two, sizeof two);
+        CHECK(checkv(c, &g2, sizeof g2, buf, sizeof two + 128, &addr) != KV_LLM_SUCCESS);
+        kv_ucx_hdr q = mk(KV_UCX_PUSHV, rplain, 128, 128, 128); /* not exported */
+        q.tag = 2;
+        CHECK(checkv(c, &q, sizeof q, buf, sizeof two + 128, &addr) != KV_LLM_SUCCESS);
+        /* random lists: whatever passes lies inside the region (ASan: the rows written) */
+        for (int it = 0; it < 20000; it++) {
+            uint64_t np = 2 + rnd() % 7, row = rnd() % 2 ? 1 + rnd() % 32 : 0, stride = row + rnd() % 64;
+            uint64_t sum = 0;
+            for (uint64_t k = 0; k < np; k++) {
+                uint64_t m = 1 + rnd() % 8, ln = row ? m * row + (rnd() % 16 == 0) : 1 + rnd() % 256;
+                uint64_t span = row ? (m - 1) * stride + row : ln;
+                kv_ucx_piece p = {.offset = rnd() % 8 == 0 ? N - span + rnd() % 2 : rnd() % (N - span + 1), .len = ln};
+                if (rnd() % 16 == 0)
+                    p.len ^= 1ull << (rnd() % 64);
+                memcpy(buf + k * sizeof p, &p, sizeof p);
+                sum += p.len;
+            }
+            kv_ucx_piece p0;
+            memcpy(&p0, buf, sizeof p0);
+            uint64_t len = rnd() % 4 ? sum : sum + rnd() % 3 - 1;
+            kv_ucx_hdr2d v = mk2d(rd, rnd() % 8 ? p0.offset : rnd() % N, 1, 16, 16);
+            v.h.type = KV_UCX_PUSHV;
+            v.h.len = v.h.total = len;
+            v.h.tag = np;
+            v.row_len = row;
+            v.dst_stride = stride;
+            uint32_t st = checkv(c, &v, row ? sizeof v : sizeof v.h, buf, np * sizeof p0 + len, &addr);
+            if (st != KV_LLM_SUCCESS)
+                continue;
+            CHECK(p0.offset == v.h.offset && addr == base + p0.offset);
+            uint64_t got = 0;
+            for (uint64_t k = 0; k < np; k++) {
+                kv_ucx_piece p;
+                memcpy(&p, buf + k * sizeof p, sizeof p);
+                uint64_t rl = row ? row : p.len, st2 = row ? stride : 0;
+                CHECK(p.len > 0 && p.len % rl == 0);
+                for (uint64_t r = 0; r < p.len / rl; r++) { /* ASan: every row inside `arena` */
+                    CHECK(p.offset + r * st2 + rl <= N);
+                    memset(arena + N + p.offset + r * st2, 0x5A, (size_t)rl);
+                }
+                got += p.len;
+            }
+            CHECK_EQ(got, len);
+        }
+    }
     /* hostile ones */
     struct {
         kv_ucx_hdr h;
@@ -525,12 +635,13 @@ static uint64_t pullvs_of(const uint64_t *w, size_t n, size_t words, uint64_t ca
     return reqs;
 }
 
-/* Pull `job` of the n segments `w` (`words` each) into a's back2 (its guards 0xAB, its
- * middle zeroed by the caller): `total` bytes, the middle then `want`, the guards
- * untouched. Returns the PULL_REQVs it sent. */
-static uint64_t pull_into_back2(kv_core *a, uint64_t job, const uint64_t *w, size_t n, unsigned words,
-                                uint64_t total, const uint8_t *want) {
-    uint64_t before = stat_of(a, offsetof(kv_stats, ucx_pullv));
+/* Job `job` of a, the n segments `w` (`words` each), into `guarded` (guard | BIG bytes |
+ * guard: a's back2 or b's big2; its guards 0xAB, its middle zeroed by the caller): `total`
+ * bytes, the middle then `want`, the guards untouched. Returns how much a's counter at
+ * `stat` (an offsetof kv_stats) grew. */
+static uint64_t move_into(kv_core *a, uint64_t job, const uint64_t *w, size_t n, unsigned words, uint64_t total,
+                          const uint8_t *want, const uint8_t *guarded, size_t stat) {
+    uint64_t before = stat_of(a, stat);
     int done;
     uint64_t nb;
     CHECK_EQ(kv_core_submit_job(a, job, w, n, words, 0, 0, 0, &done, &nb), 0);
@@ -538,10 +649,10 @@ static uint64_t pull_into_back2(kv_core *a, uint64_t job, const uint64_t *w, siz
     CHECK(wait_for(a, job, &cp));
     CHECK_EQ(cp.status, 0);
     CHECK_EQ(cp.nbytes, total);
-    CHECK(memcmp(back2 + BIG, want, BIG) == 0);
+    CHECK(memcmp(guarded + BIG, want, BIG) == 0);
     for (unsigned k = 0; k < BIG; k++)
-        CHECK(back2[k] == 0xAB && back2[2 * BIG + k] == 0xAB);
-    return stat_of(a, offsetof(kv_stats, ucx_pullv)) - before;
+        CHECK(guarded[k] == 0xAB && guarded[2 * BIG + k] == 0xAB);
+    return stat_of(a, stat) - before;
 }
 
 /* A pull of n (<= 120) 1-D segments of 300 B..4 KiB of b's second region (a's view
@@ -575,7 +686,8 @@ static void pull_pieces(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rr, uin
         memcpy(want + dof, from + so, len);
         total += len;
     }
-    CHECK_EQ(pull_into_back2(a, job, w, n, KV_SEG_WORDS, total, want), (v ? pullvs_of(w, n, 5, 1u << 20) : 0));
+    CHECK_EQ(move_into(a, job, w, n, KV_SEG_WORDS, total, want, back2, offsetof(kv_stats, ucx_pullv)),
+             (v ? pullvs_of(w, n, 5, 1u << 20) : 0));
 }
 
 /* A pull of 60 2-D segments of b's second region (a's view `rr2`) into a's back2
@@ -598,9 +710,77 @@ static void pull_row_pieces(kv_core *a, uint64_t job, uint32_t rr2, uint32_t rba
             memcpy(want + dof + r * (rows > 1 ? ds : 0), big2 + BIG + so + r * ss, row);
         total += row * rows;
     }
-    uint64_t reqs = pull_into_back2(a, job, w, NS, KV_SEG2_WORDS, total, want);
+    uint64_t reqs = move_into(a, job, w, NS, KV_SEG2_WORDS, total, want, back2, offsetof(kv_stats, ucx_pullv));
     CHECK_EQ(reqs, pullvs_of(w, NS, KV_SEG2_WORDS, 1u << 20));
     CHECK(reqs >= 3);
+}
+
+/* The PUSHVs a push of the n segments `w` (`words` each) sends, as kv_ucx.c pushv_count
+ * groups them: two or more whole segments into one region there, each at most 256 KiB,
+ * one run there, or rows of the first one's length and stride there, at most `cap`
+ * bytes and KV_UCX_MAX_PIECES of them. */
+static uint64_t pushvs_of(const uint64_t *w, size_t n, size_t words, uint64_t cap) {
+    uint64_t msgs = 0;
+    for (size_t i = 0; i < n;) {
+        const uint64_t *s0 = w + i * words;
+        size_t j = i;
+        uint64_t bytes = 0;
+        int ap0 = words > 5 && s0[5] > 1 && s0[7] != s0[4];
+        for (; j < n && j - i < KV_UCX_MAX_PIECES; j++) {
+            const uint64_t *t = w + j * words;
+            uint64_t rows = words > 5 ? t[5] : 1, b = t[4] * rows;
+            int ap = words > 5 && rows > 1 && t[7] != t[4];
+            if (t[2] != s0[2] || b > (256u << 10) || b > cap - bytes || ap != ap0 ||
+                (ap0 && (t[4] != s0[4] || t[7] != s0[7])))
+                break;
+            bytes += b;
+        }
+        msgs += j - i >= 2;
+        i = j - i >= 2 ? j : i + 1;
+    }
+    return msgs;
+}
+
+/* A push of n (<= 120) segments of src2 (`rs2`) into b's second region (a's view `rr2`),
+ * (n >= 10) one into b's first region (`rr`) among them and (n <= 50) one of 300 KB: 1-D pieces of 300 B..4
+ * KiB 4 KiB apart there with odd offsets (rows 0), or (rows > 0) head-split shaped 2-D
+ * segments of `rows` rows of 500 bytes, 1000 apart here and back to back or 20 bytes apart
+ * there (a few of 499 bytes or 1-D among them). Byte-exact, gaps and guards untouched, and
+ * `v` (1: the peer takes PUSHV) PUSHVs as pushvs_of counts them (a message: 1 MiB here, the chunk). */
+static void push_pieces(kv_core *a, uint64_t job, uint32_t rs2, uint32_t rr2, uint32_t rr, size_t n, uint64_t rows,
+                        int v) {
+    static uint64_t w[120 * KV_SEG2_WORDS];
+    static uint8_t want[BIG];
+    uint64_t total = 0;
+    CHECK(n <= 120);
+    memset(big2, 0xAB, sizeof big2);
+    memset(big2 + BIG, 0, BIG);
+    memset(want, 0, sizeof want);
+    for (size_t i = 0; i < n; i++) {
+        uint64_t *g = w + i * KV_SEG2_WORDS;
+        uint64_t row = 300 + (i * 977) % 3700, nr = 1, ss = row, ds = row, so = (i * 40961) % (BIG - 8192),
+                 dof = i * 4096 + i % 7;
+        if (rows) {
+            row = i % 17 == 5 ? 499 : 500;
+            nr = i % 23 == 9 ? 1 : rows;
+            ss = 1000;
+            ds = i % 2 ? 500 : 520;
+            dof = i * 4300 + i % 3;
+        }
+        uint32_t reg = rr2;
+        if (i == n / 3 && n >= 10) /* into b's other region (not checked here): the groups around it end there */
+            reg = rr, dof = 0;
+        if (i == n / 2 && !rows && n >= 10 && n <= 50) /* too big for a PUSHV: a PUSH of its own */
+            row = ds = ss = 300000, so = 1000, dof = BIG - 300000 - 3;
+        g[0] = rs2, g[1] = so, g[2] = reg, g[3] = dof, g[4] = row, g[5] = nr, g[6] = ss, g[7] = ds;
+        if (reg == rr2)
+            for (uint64_t r = 0; r < nr; r++)
+                memcpy(want + dof + r * ds, src2 + so + r * ss, row);
+        total += row * nr;
+    }
+    uint64_t msgs = move_into(a, job, w, n, KV_SEG2_WORDS, total, want, big2, offsetof(kv_stats, ucx_pushv));
+    CHECK_EQ(msgs, v ? pushvs_of(w, n, KV_SEG2_WORDS, 1u << 20) : 0);
+    CHECK(!v || msgs >= (n >= 10 ? 2u : 1u));
 }
 
 /* Link `id` between cores a and b (1 s lease and fence): a's messages carry tb, b's ta
@@ -618,11 +798,11 @@ static void link_ab(kv_core *a, kv_core *b, uint32_t id, uint8_t *ta, uint8_t *t
     CHECK_EQ(kv_ucx_link_add(b, id, addr_a, la, tb, ta, 0, 1000000000ull, 1000000000ull, 50000000ull, flags), 0);
 }
 
-/* Two cores, link 1 between them (each serving all the pulls there are). */
+/* Two cores, link 1 between them (each serving all the messages there are). */
 static void pair(kv_core **a, kv_core **b, uint8_t *ta, uint8_t *tb) {
     CHECK_EQ(kv_core_new(a, 1, 1 << 20), 0);
     CHECK_EQ(kv_core_new(b, 1, 1 << 20), 0);
-    link_ab(*a, *b, 1, ta, tb, KV_UCX_PEER_PULL2D | KV_UCX_PEER_PULLV);
+    link_ab(*a, *b, 1, ta, tb, KV_UCX_PEER_PULL2D | KV_UCX_PEER_PULLV | KV_UCX_PEER_PUSHV);
 }
 
 static void test_loopback(void) {
@@ -679,6 +859,11 @@ static void test_loopback(void) {
     push_rows(a, 24, rs2, rr2, 100, 1000, 1300, 1000); /* packed, one run at the target: a PUSH */
     push_rows(a, 25, rs2, rr2, 2, 140000, 140001, 140003); /* rows over 128 KiB: a PUSH each */
     CHECK_EQ(stat_of(b, offsetof(kv_stats, ucx_rx_rows)) - rows_before, 3);
+    /* many small segments: PUSHVs (packed here), rendezvous and eager, of runs and of rows */
+    push_pieces(a, 26, rs2, rr2, rr, 110, 0, 1);
+    push_pieces(a, 29, rs2, rr2, rr, 40, 0, 1);
+    push_pieces(a, 27, rs2, rr2, rr, 3, 0, 1);   /* 3 small ones: one eager PUSHV */
+    push_pieces(a, 28, rs2, rr2, rr, 100, 8, 1); /* a head range's rows of many blocks */
     /* and pulled back (the peer serves PULL_REQ2D: pair()): eager and rendezvous answers,
      * packed by the source or one run there */
     uint32_t rback2;
@@ -701,6 +886,7 @@ static void test_loopback(void) {
         CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 2, rd2, BIG, 0, &rr2b), 0);
         CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 2, rd, N, 0, &rrb), 0);
         pull_pieces(a, 37, rr2b, rrb, rback2, 110, 0, 0);
+        push_pieces(a, 39, rs2, rr2b, rrb, 110, 0, 0); /* ...nor takes PUSHV: one PUSH a segment */
     }
     /* a stranger's token: dropped, the link stays */
     kv_ucx_hdr h = mk(KV_UCX_PUSH, rd, 0, 8, 8);
@@ -896,9 +1082,10 @@ static void land_hook(const int *refused) {
 /* Nothing of a link lands after kv_ucx_link_close returns (its caller reports the link
  * down next): the piece the landing thread is copying ends before the close returns,
  * and no later piece lands. An 8 MiB push: staged rendezvous messages, landed in pieces
- * by the landing thread; its first piece is held until the close. */
-static void test_close_fence(void) {
-    g_test = "close_fence";
+ * by the landing thread; its first piece is held until the close. `paged`: the push is
+ * of 256 blocks of 32 KiB, random at the source: PUSHVs, each piece many blocks. */
+static void close_fence(int paged) {
+    g_test = paged ? "close_fence paged" : "close_fence";
     const uint64_t L = 8u << 20;
     kv_core *a, *b;
     uint8_t ta[KV_UCX_TOKEN], tb[KV_UCX_TOKEN];
@@ -918,14 +1105,24 @@ static void test_close_fence(void) {
     CHECK_EQ(kv_region_add(a, KV_REGION_UCX, 1, rd, L, 0, &rr), 0);
     g_land_held = g_land_saw_mark = 0;
     kv_test_land_hook = land_hook;
-    uint64_t seg[5] = {rs, 0, rr, 0, L};
+    enum { NB = 256, BLK = 32 << 10 };
+    static uint64_t seg[NB * KV_SEG_WORDS];
+    uint8_t *want = malloc(L); /* the destination once every byte landed */
+    CHECK(want != NULL);
+    for (unsigned i = 0; i < (paged ? NB : 1); i++) {
+        uint64_t so = paged ? (i * 97u % NB) * (uint64_t)BLK : 0, len = paged ? BLK : L, *g = seg + i * KV_SEG_WORDS;
+        g[0] = rs, g[1] = so, g[2] = rr, g[3] = i * len, g[4] = len;
+        memcpy(want + i * len, s8 + so, len);
+    }
+    uint64_t pushvs = stat_of(a, offsetof(kv_stats, ucx_pushv));
     int done;
     uint64_t nb;
-    CHECK_EQ(kv_core_submit(a, 31, seg, 1, 0, &done, &nb), 0);
+    CHECK_EQ(kv_core_submit(a, 31, seg, paged ? NB : 1, 0, &done, &nb), 0);
     uint64_t end = ms() + WAIT_MS;
     while (!__atomic_load_n(&g_land_held, __ATOMIC_SEQ_CST) && ms() < end)
         usleep(1000);
     CHECK(__atomic_load_n(&g_land_held, __ATOMIC_SEQ_CST));
+    CHECK_EQ(stat_of(a, offsetof(kv_stats, ucx_pushv)) > pushvs, paged);
     CHECK_EQ(kv_ucx_link_close(b, 1, 0), 0);
     memcpy(seen, d8, L); /* what had landed when the close returned */
     CHECK(__atomic_load_n(&g_land_saw_mark, __ATOMIC_SEQ_CST));
@@ -937,7 +1134,7 @@ static void test_close_fence(void) {
     CHECK(memcmp(seen, d8, L) == 0); /* nothing landed after the close returned */
     uint64_t landed = 0; /* the held piece landed before the close returned */
     for (uint64_t k = 0; k < L; k++)
-        landed += seen[k] == s8[k] && s8[k] != 0x5A;
+        landed += seen[k] == want[k] && want[k] != 0x5A;
     CHECK(landed > 0);
     CHECK(landed < L - L / 256); /* and not the whole push (0x5A is 1/256 of the source) */
     kv_test_land_hook = NULL;
@@ -950,6 +1147,12 @@ static void test_close_fence(void) {
     munmap(s8, L);
     munmap(d8, L);
     free(seen);
+    free(want);
+}
+
+static void test_close_fence(void) {
+    close_fence(0);
+    close_fence(1);
 }
 #endif
 
