@@ -1626,6 +1626,9 @@ static int land_pieces_checked(kv_ucx *u, ucx_link *l, const uint8_t *list, uint
  * checks of a piece (piece_may_land, under c->lock) and the piece's copy, with the link's
  * `refused` mark, so a test can hold a piece there while it closes the link. */
 void (*kv_test_land_hook)(const int *refused);
+/* ...and by the I/O thread while it packs a PUSHV without c->lock (post_queue), with
+ * the push's job id, so a test can abort the push right then. */
+void (*kv_test_pack_hook)(uint64_t job_id);
 #endif
 
 /* The landing thread: a push's staged payload (recv_done queued it) lands piece
@@ -2654,6 +2657,10 @@ static int post_queue(kv_ucx *u, ucx_link *l, int pulls) {
                 u->io_locked = 0;
                 pthread_mutex_unlock(&c->lock);
                 pack_pushv((uint8_t *)(op + 1), s, m);
+#ifdef KV_TEST_HOOKS
+                if (kv_test_pack_hook)
+                    kv_test_pack_hook(j->job.record.id);
+#endif
                 pthread_mutex_lock(&c->lock);
                 u->io_locked = 1;
                 if (l->dead || j->job.state != KV_JS_SENDING) {

@@ -783,6 +783,50 @@ static void push_pieces(kv_core *a, uint64_t job, uint32_t rs2, uint32_t rr2, ui
     CHECK(!v || msgs >= (n >= 10 ? 2u : 1u));
 }
 
+/* kv_ucx.c's test hook (-DKV_TEST_HOOKS): the I/O thread calls it while it packs a
+ * PUSHV without the core's lock. */
+extern void (*kv_test_pack_hook)(uint64_t job_id);
+static kv_core *g_pack_core;
+static uint64_t g_pack_job;
+static int g_pack_aborts; /* atomic */
+
+/* Aborts push g_pack_job (CANCELLED) from inside its first PUSHV's pack. */
+static void pack_hook(uint64_t job_id) {
+    if (job_id == g_pack_job && __atomic_fetch_add(&g_pack_aborts, 1, __ATOMIC_SEQ_CST) == 0)
+        CHECK_EQ(kv_core_abort(g_pack_core, job_id, KV_LLM_CANCELLED), 0);
+}
+
+/* A push aborted while the sender packs its first PUSHV (all its 40 small segments, one
+ * message) without the lock: the packed message is dropped, not sent, so the abort is
+ * not lost (the job state the pack finds is no longer SENDING) and nothing lands; the
+ * push ends CANCELLED. */
+static void push_aborted_while_packed(kv_core *a, kv_core *b, uint32_t rs2, uint32_t rr2) {
+    uint64_t w[40 * KV_SEG_WORDS];
+    for (size_t i = 0; i < 40; i++) {
+        uint64_t *g = w + i * KV_SEG_WORDS;
+        g[0] = rs2, g[1] = (i * 40961) % (BIG - 8192), g[2] = rr2, g[3] = i * 4096 + 5, g[4] = 2000;
+    }
+    memset(big2, 0xAB, sizeof big2);
+    memset(big2 + BIG, 0, BIG);
+    uint64_t sent = stat_of(a, offsetof(kv_stats, ucx_pushv)), got = stat_of(b, offsetof(kv_stats, ucx_bytes_received));
+    g_pack_core = a;
+    g_pack_job = 40;
+    g_pack_aborts = 0;
+    kv_test_pack_hook = pack_hook;
+    int done;
+    uint64_t nb;
+    CHECK_EQ(kv_core_submit(a, 40, w, 40, 0, &done, &nb), 0);
+    kv_completion cp;
+    CHECK(wait_for(a, 40, &cp));
+    kv_test_pack_hook = NULL;
+    CHECK_EQ(__atomic_load_n(&g_pack_aborts, __ATOMIC_SEQ_CST), 1);
+    CHECK_EQ(cp.status, KV_LLM_CANCELLED);
+    CHECK_EQ(stat_of(a, offsetof(kv_stats, ucx_pushv)), sent);
+    CHECK_EQ(stat_of(b, offsetof(kv_stats, ucx_bytes_received)), got);
+    for (unsigned k = 0; k < BIG; k++)
+        CHECK(big2[BIG + k] == 0 && big2[k] == 0xAB && big2[2 * BIG + k] == 0xAB);
+}
+
 /* Link `id` between cores a and b (1 s lease and fence): a's messages carry tb, b's ta
  * (random); each end told the other serves `flags` (KV_UCX_PEER_*). */
 static void link_ab(kv_core *a, kv_core *b, uint32_t id, uint8_t *ta, uint8_t *tb, unsigned flags) {
@@ -862,6 +906,7 @@ static void test_loopback(void) {
     /* many small segments: PUSHVs (packed here), rendezvous and eager, of runs and of rows */
     push_pieces(a, 26, rs2, rr2, rr, 110, 0, 1);
     push_pieces(a, 29, rs2, rr2, rr, 40, 0, 1);
+    push_aborted_while_packed(a, b, rs2, rr2);
     push_pieces(a, 27, rs2, rr2, rr, 3, 0, 1);   /* 3 small ones: one eager PUSHV */
     push_pieces(a, 28, rs2, rr2, rr, 100, 8, 1); /* a head range's rows of many blocks */
     /* and pulled back (the peer serves PULL_REQ2D: pair()): eager and rendezvous answers,
