@@ -1106,11 +1106,6 @@ size_t kv_core_reap(kv_core *c, uint64_t bound_ns, uint64_t *ids, size_t max) {
 /* Regions the movers cannot reach: a transport carries their bytes. */
 static int transport_kind(int kind) { return kind != KV_REGION_LOCAL && kind != KV_REGION_PROCESS; }
 
-/* Resolve and bounds-check `segs` into `out`, taking region refs into `refs`.
- * Every segment has a local side; either every segment's other side is local
- * or a process (a mover job: *remote_kind = -1), or every one is a region of
- * one transport kind on one link (*remote_kind = that kind). Caller holds the
- * lock. On failure no ref is held. */
 /* Do `rows` rows of `row` bytes, `stride` apart, from `off` fit in `rlen` bytes? Overflow-safe. */
 static int rows_fit(uint64_t off, uint64_t row, uint64_t rows, uint64_t stride, uint64_t rlen) {
     if (row > rlen || off > rlen - row)
@@ -1118,6 +1113,27 @@ static int rows_fit(uint64_t off, uint64_t row, uint64_t rows, uint64_t stride, 
     return rows == 1 || rows - 1 <= (rlen - row - off) / stride; /* stride >= row >= 1 */
 }
 
+int kv_pieces_ok(const void *list, uint64_t n, uint64_t rlen, uint64_t len, uint64_t row, uint64_t stride,
+                 uint64_t max_rows) {
+    uint64_t sum = 0, nrows = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t p[2]; /* offset, len */
+        memcpy(p, (const uint8_t *)list + i * sizeof p, sizeof p); /* a transport's buffer need not be aligned */
+        uint64_t rl = row ? row : p[1], m = rl ? p[1] / rl : 0; /* 1-D: one row */
+        if (p[1] == 0 || p[1] % rl || m > max_rows - nrows || p[1] > len - sum ||
+            !rows_fit(p[0], rl, m, row ? stride : rl, rlen))
+            return 0;
+        sum += p[1];
+        nrows += m;
+    }
+    return sum == len;
+}
+
+/* Resolve and bounds-check `segs` into `out`, taking region refs into `refs`.
+ * Every segment has a local side; either every segment's other side is local
+ * or a process (a mover job: *remote_kind = -1), or every one is a region of
+ * one transport kind on one link (*remote_kind = that kind). Caller holds the
+ * lock. On failure no ref is held. */
 static uint32_t resolve_segments(kv_core *c, const uint64_t *segs, size_t nsegs, unsigned words, kv_segment *out,
                         uint32_t *refs, uint64_t *total, int *remote_kind) {
     uint64_t sum = 0;

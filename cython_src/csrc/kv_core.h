@@ -391,16 +391,20 @@ uint32_t kv_ucx_link_close(kv_core *core, uint32_t link_id, uint32_t status);
  * dst_stride >= row_len; a PULL_REQV: every piece of its list `data`, which must be
  * there: none empty, adding up to len; a PUSHV: the same of the list its payload `data`
  * begins with, the first piece at offset; a rendezvous PUSHV's payload is not at hand
- * (data NULL): its list is checked with kv_ucx_pieces_ok once received), overflow-safe. KV_LLM_SUCCESS with *out (the header;
+ * (data NULL): its list is checked with kv_pieces_ok once received), overflow-safe. KV_LLM_SUCCESS with *out (the header;
  * row_len and dst_stride as for one row unless 2-D) and *addr (where the bytes
  * go or come from: the first row), else PARAM_INVALID or KV_CACHE_NOT_EXIST. The
  * token is checked by the caller (it picks the link). */
 uint32_t kv_ucx_check(kv_core *core, const void *hdr, size_t hdr_len, const void *data, uint64_t data_len,
                       kv_ucx_hdr2d *out, uint64_t *addr);
-/* 1 if every one of the `n` pieces at `list` lies inside a region of `rlen` bytes: none
- * empty; of rows (row > 0): whole rows of `row` bytes, `stride` (>= row) apart, the last
- * one inside; else one run each; adding up to `len`; overflow-safe (pure). */
-int kv_ucx_pieces_ok(const void *list, uint64_t n, uint64_t rlen, uint64_t len, uint64_t row, uint64_t stride);
+/* 1 if every one of the `n` pieces {u64 offset, u64 len} at `list` (any alignment) lies
+ * inside a region of `rlen` bytes: none empty; of rows (row > 0): whole rows of `row`
+ * bytes, `stride` (>= row) apart, the last one inside (no product computed before it is
+ * known to fit); else one run each; at most `max_rows` rows in all; their bytes adding
+ * up to exactly `len`; overflow-safe (pure). The one check of a piece list on the wire:
+ * tcp's DATAV and READV, UCX's PULL_REQV and PUSHV. */
+int kv_pieces_ok(const void *list, uint64_t n, uint64_t rlen, uint64_t len, uint64_t row, uint64_t stride,
+                 uint64_t max_rows);
 /* Submit a ucx job (as kv_core_submit_leased, never inline) and drive it on the
  * calling thread: its messages posted and the worker progressed here, at most
  * `bound_ns`, until its completion, which is taken as kv_core_wait_take takes one

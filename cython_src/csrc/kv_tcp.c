@@ -1468,24 +1468,11 @@ static int list_next(kv_net *n, kv_conn *k, int *sig) {
 }
 
 /* Are the `np` pieces of k's list whole rows of `row_len` bytes, `stride` apart (0:
- * each piece one row), in `r`: none empty, the last row of each inside it (no product
- * computed before it is known to fit), at most KV_MAX_PIECES rows in all, their bytes
- * adding up to exactly `length` (overflow-safe)? */
+ * each piece one row), in `r`, at most KV_MAX_PIECES rows in all, adding up to
+ * `length` (kv_pieces_ok)? */
 static int rows_fit(const kv_conn *k, uint32_t np, const kv_region *r, uint64_t length, uint64_t row_len,
                     uint64_t stride) {
-    uint64_t sum = 0, nrows = 0;
-    for (uint32_t i = 0; i < np; i++) {
-        const kv_piece *p = &k->in_list[i];
-        if (p->len == 0)
-            return 0;
-        uint64_t rl = row_len ? row_len : p->len, st = row_len ? stride : p->len, m = p->len / rl;
-        if (p->len % rl || m > KV_MAX_PIECES - nrows || p->len > length - sum || p->offset > r->len ||
-            rl > r->len - p->offset || m - 1 > (r->len - p->offset - rl) / st)
-            return 0;
-        sum += p->len;
-        nrows += m;
-    }
-    return sum == length;
+    return kv_pieces_ok(k->in_list, np, r->len, length, row_len, stride, KV_MAX_PIECES);
 }
 
 /* A DATAV header: its piece list is read next, then checked whole (on_datav_list). */

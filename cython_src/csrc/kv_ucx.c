@@ -49,21 +49,6 @@ typedef struct kv_ucx kv_ucx;
 #include <stdlib.h>
 #include <string.h>
 
-int kv_ucx_pieces_ok(const void *list, uint64_t n, uint64_t rlen, uint64_t len, uint64_t row, uint64_t stride) {
-    uint64_t sum = 0;
-    for (uint64_t i = 0; i < n; i++) {
-        kv_ucx_piece p;
-        memcpy(&p, (const uint8_t *)list + i * sizeof p, sizeof p); /* UCX's buffer need not be aligned */
-        if (p.len == 0 || p.offset > rlen || p.len > len - sum)
-            return 0;
-        uint64_t rl = row ? row : p.len, st = row ? stride : p.len; /* 1-D: one row */
-        if (p.len % rl || rl > rlen - p.offset || p.len / rl - 1 > (rlen - p.offset - rl) / st)
-            return 0;
-        sum += p.len;
-    }
-    return sum == len;
-}
-
 /* The header check, without UCX: a pure function of the header, the payload
  * length and this core's region table (caller holds c->lock). */
 uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, const void *data, uint64_t data_len,
@@ -145,8 +130,8 @@ uint32_t kv_ucx_check(kv_core *c, const void *hdr, size_t hdr_len, const void *d
         int push = h.type == KV_UCX_PUSHV;
         kv_ucx_piece p0;
         memcpy(&p0, data, sizeof p0);
-        if (!kv_ucx_pieces_ok(data, push ? h.tag : data_len / sizeof(kv_ucx_piece), rg->len, h.len,
-                              two ? g.row_len : 0, g.dst_stride) ||
+        if (!kv_pieces_ok(data, push ? h.tag : data_len / sizeof(kv_ucx_piece), rg->len, h.len,
+                          two ? g.row_len : 0, g.dst_stride, UINT64_MAX) ||
             (push && p0.offset != h.offset))
             return KV_LLM_PARAM_INVALID;
     }
@@ -1510,7 +1495,7 @@ static void copy_iov_into(pid_t pid, int *self_copy, const struct iovec *iov, si
  * bytes into it; advanced): the runs its bytes land in (the `n` pieces of `list`,
  * offsets from `base`; of rows of `row` bytes `stride` apart, row 0: one run each),
  * at most UCX_LAND_PIECE bytes and UCX_LAND_IOV runs, into `iov` (*k). Returns the
- * piece's bytes. The list was checked (kv_ucx_pieces_ok). */
+ * piece's bytes. The list was checked (kv_pieces_ok). */
 static uint64_t pieces_iov(struct iovec *iov, size_t *k, const uint8_t *list, uint64_t n, uint64_t base,
                            uint64_t row, uint64_t stride, uint64_t *pi, uint64_t *po) {
     uint64_t got = 0;
@@ -1842,7 +1827,8 @@ static int vlist_ok(const ucx_op *op) {
     kv_ucx_piece p0;
     const uint8_t *list = stage_at(op->stage);
     memcpy(&p0, list, sizeof p0);
-    return kv_ucx_pieces_ok(list, op->vlist / sizeof p0, op->rlen, op->len - op->vlist, op->row, op->stride) &&
+    return kv_pieces_ok(list, op->vlist / sizeof p0, op->rlen, op->len - op->vlist, op->row, op->stride,
+                        UINT64_MAX) &&
            op->base + p0.offset == op->dst + op->vlist;
 }
 

@@ -256,7 +256,7 @@ static void test_check(void) {
     }
     /* pushes of pieces (PUSHV): h.tag pieces (2..1024) listed before the data, each inside
      * the exported region, adding up to len, the first at offset; a rendezvous one (no data
-     * at hand) has its header checked, its list once received (kv_ucx_pieces_ok) */
+     * at hand) has its header checked, its list once received (kv_pieces_ok) */
     {
         static uint8_t buf[(KV_UCX_MAX_PIECES + 1) * sizeof(kv_ucx_piece) + 64];
         struct {
@@ -301,7 +301,7 @@ static void test_check(void) {
             if (pv[i].ok)
                 CHECK_EQ(addr, base + pv[i].hoff);
             if (pv[i].ok && !pv[i].nodata) /* what the receive of a rendezvous one checks */
-                CHECK(kv_ucx_pieces_ok(buf, pv[i].np, N, len, 0, 0));
+                CHECK(kv_pieces_ok(buf, pv[i].np, N, len, 0, 0, UINT64_MAX));
         }
         /* of rows: each piece whole rows of row_len, dst_stride apart, the last inside */
         kv_ucx_hdr2d g2 = mk2d(rd, 128, 1, 16, 16);
@@ -315,8 +315,9 @@ static void test_check(void) {
         two[1].offset++; /* the second piece's last row one byte past */
         memcpy(buf, two, sizeof two);
         CHECK(checkv(c, &g2, sizeof g2, buf, sizeof two + 128, &addr) != KV_LLM_SUCCESS);
-        CHECK(!kv_ucx_pieces_ok(buf, 2, N, 128, 16, 64));
+        CHECK(!kv_pieces_ok(buf, 2, N, 128, 16, 64, UINT64_MAX));
         two[1].offset--;
+        CHECK(kv_pieces_ok(two, 2, N, 128, 16, 64, 8) && !kv_pieces_ok(two, 2, N, 128, 16, 64, 7)); /* 8 rows */
         g2.dst_stride = 8; /* rows overlapping */
         memcpy(buf, two, sizeof two);
         CHECK(checkv(c, &g2, sizeof g2, buf, sizeof two + 128, &addr) != KV_LLM_SUCCESS);
