@@ -3198,9 +3198,10 @@ int kv_ucx_submit_driven(kv_core *c, uint64_t job_id, const uint64_t *segs, size
     kv_job *kj = kv__job_find(c, job_id); /* live (completed if its link failed meanwhile) */
     ucx_job *j = kj && kj->transport == &u->transport ? (ucx_job *)kj : NULL;
     ucx_link *jl = j ? link_find(u, j->link_id) : NULL;
-    /* the worker busy, or the I/O thread's commands (a link's close) must go first: it
-     * carries the job (in flight, it watches the worker again) */
-    if (!got || u->cmds_head || (jl && jl->refused)) {
+    /* the worker busy, or the I/O thread's commands (a link's close) must go first, or its
+     * link closed already: the I/O thread carries the job (in flight, it watches the worker
+     * again; on a closed link it fails it), and nothing was driven */
+    if (!got || u->cmds_head || !jl || jl->refused || jl->dead) {
         if (j)
             j->driven = 0;
         c->stats.ucx_drive_handed++;
